@@ -1,0 +1,145 @@
+"""The shared decoder-LM builder every family is assembled with."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from eqxzoo.nn import MLP, CausalSelfAttention, Embedding, LayerNorm, Linear, MoE, RMSNorm, Stack
+from models.config import DecoderConfig
+
+
+def make_norm(config: DecoderConfig) -> RMSNorm | LayerNorm:
+    if config.norm == "rms":
+        return RMSNorm(config.d_model, eps=config.norm_eps)
+    return LayerNorm(config.d_model, eps=config.norm_eps)
+
+
+class DecoderBlock(eqx.Module):
+    """Pre-norm residual block: ``h + attention(norm(h))``, then ``h + mlp(norm(h))``.
+
+    ``mlp`` is a dense `MLP` or a `MoE`; the block returns ``(h, aux)`` with the MoE's
+    per-layer auxiliary values (empty for dense blocks).
+    """
+
+    attention_norm: RMSNorm | LayerNorm
+    attention: CausalSelfAttention
+    mlp_norm: RMSNorm | LayerNorm
+    mlp: MLP | MoE
+
+    def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray):
+        attention_key, mlp_key = jax.random.split(key)
+        self.attention_norm = make_norm(config)
+        self.attention = CausalSelfAttention(
+            config.d_model,
+            config.n_heads,
+            config.kv_heads,
+            config.attention_head_dim,
+            rope_theta=config.rope_theta,
+            qkv_bias=config.qkv_bias,
+            qk_norm=config.qk_norm,
+            norm_eps=config.norm_eps,
+            init_std=config.init_std,
+            key=attention_key,
+        )
+        self.mlp_norm = make_norm(config)
+        moe = config.moe
+        if moe is None:
+            self.mlp = MLP(
+                config.d_model,
+                config.mlp_dim,
+                activation=config.activation,
+                init_std=config.init_std,
+                key=mlp_key,
+            )
+        else:
+            self.mlp = MoE(
+                config.d_model,
+                moe.expert_mlp_dim,
+                moe.n_experts,
+                moe.top_k,
+                normalize_topk=moe.normalize_topk,
+                shared_mlp_dim=moe.shared_mlp_dim,
+                shared_gate=moe.shared_gate,
+                routing_mode=moe.routing,
+                capacity_factor=moe.capacity_factor,
+                init_std=config.init_std,
+                key=mlp_key,
+            )
+
+    def __call__(
+        self, h: Float[Array, "seq embed"], *, key: PRNGKeyArray | None = None
+    ) -> tuple[Float[Array, "seq embed"], dict[str, Array]]:
+        h = h + self.attention(self.attention_norm(h))
+        if isinstance(self.mlp, MoE):
+            mlp_out, aux = self.mlp(self.mlp_norm(h))
+        else:
+            mlp_out, aux = self.mlp(self.mlp_norm(h)), {}
+        return h + mlp_out, aux
+
+
+class DecoderLM(eqx.Module):
+    """A decoder-only language model: ``embed``, stacked ``blocks``, ``head``.
+
+    The three parts can be driven separately (the pipeline runs ``blocks`` stage by stage
+    between ``embed`` and ``head``); ``__call__`` composes them for one sequence. Batch with
+    `jax.vmap`. ``config`` is kept (static) so the model can be saved and rebuilt.
+    """
+
+    embedding: Embedding
+    blocks: Stack
+    final_norm: RMSNorm | LayerNorm
+    unembedding: Linear | None
+    config: DecoderConfig = eqx.field(static=True)
+
+    def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray):
+        embed_key, blocks_key, head_key = jax.random.split(key, 3)
+        self.embedding = Embedding(config.vocab_size, config.d_model, init_std=config.init_std, key=embed_key)
+        self.blocks = Stack(
+            lambda layer_key: DecoderBlock(config, key=layer_key),
+            config.n_layers,
+            scan=config.scan_layers,
+            remat_policy=config.remat,
+            key=blocks_key,
+        )
+        self.final_norm = make_norm(config)
+        self.unembedding = (
+            None
+            if config.tie_embeddings
+            else Linear(
+                config.d_model,
+                config.vocab_size,
+                in_axis="embed",
+                out_axis="vocab",
+                init_std=config.init_std,
+                key=head_key,
+            )
+        )
+        self.config = config
+
+    def embed(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq embed"]:
+        return self.embedding(tokens)
+
+    def head(self, h: Float[Array, "seq embed"]) -> Float[Array, "seq vocab"]:
+        h = self.final_norm(h)
+        if self.unembedding is None:
+            return self.embedding.attend(h)
+        return self.unembedding(h)
+
+    def __call__(
+        self, tokens: Int[Array, " seq"], *, key: PRNGKeyArray | None = None
+    ) -> tuple[Float[Array, "seq vocab"], dict[str, Array]]:
+        h, layer_aux = self.blocks(self.embed(tokens), key=key)
+        return self.head(h), summarize_layer_aux(layer_aux)
+
+
+def summarize_layer_aux(layer_aux: dict[str, Array]) -> dict[str, Array]:
+    """Reduce per-layer aux values (leading ``layers`` axis) to the model's ``aux``.
+
+    Losses and the dropped fraction are averaged over layers; ``expert_fraction`` keeps its
+    ``(layers, experts)`` shape as the per-layer expert load.
+    """
+    return {
+        name: values if name == "expert_fraction" else jnp.mean(values, axis=0)
+        for name, values in layer_aux.items()
+    }

@@ -1,0 +1,1 @@
+"""Entry points: run (train), prepare (data), generate, convert, bench."""

@@ -1,0 +1,37 @@
+"""Pure Equinox building blocks: norms, rotary embeddings, attention, MLPs, MoE, layer stacks."""
+
+from eqxzoo.nn.attention import CausalSelfAttention
+from eqxzoo.nn.axes import AbstractAxesOwner, Axes, LogicalName, logical_axes
+from eqxzoo.nn.linear import Embedding, Linear, normal_init
+from eqxzoo.nn.mlp import MLP, Activation
+from eqxzoo.nn.moe import MoE, Experts, Router, Routing, RoutingMode, router_losses
+from eqxzoo.nn.norm import LayerNorm, RMSNorm
+from eqxzoo.nn.rope import apply_rope, rope_frequencies
+from eqxzoo.nn.stack import RematPolicy, Stack, apply_layers, remat
+
+__all__ = [
+    "AbstractAxesOwner",
+    "Activation",
+    "Axes",
+    "CausalSelfAttention",
+    "Embedding",
+    "Experts",
+    "LayerNorm",
+    "Linear",
+    "LogicalName",
+    "MLP",
+    "MoE",
+    "RMSNorm",
+    "RematPolicy",
+    "Router",
+    "Routing",
+    "RoutingMode",
+    "Stack",
+    "apply_layers",
+    "apply_rope",
+    "logical_axes",
+    "normal_init",
+    "remat",
+    "rope_frequencies",
+    "router_losses",
+]

@@ -1,0 +1,249 @@
+"""Mixture-of-Experts feed-forward: a softmax top-k router and SwiGLU experts.
+
+Three ways to run the same experts on the same routing decisions:
+
+- ``"dropless"``: sort the (token, choice) assignments by expert, one grouped matmul per
+  weight with `jax.lax.ragged_dot`, unsort. Every assignment is computed; no padding.
+- ``"capacity"``: each expert takes at most ``capacity`` assignments (first choices of all
+  tokens before second choices, tokens in order); overflow is dropped and reported. Fixed
+  shapes ``(experts, capacity, embed)``, for hardware where ragged matmuls are slow.
+- ``"dense"``: every expert on every token, weighted by the (mostly zero) routing weights.
+  ``experts`` times the FLOPs: the reference the other two are tested against.
+"""
+
+import math
+from collections.abc import Mapping
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
+from eqxzoo.nn.linear import Linear, normal_init
+from eqxzoo.nn.mlp import MLP
+
+RoutingMode = Literal["dropless", "capacity", "dense"]
+
+
+class Routing(eqx.Module):
+    """A router's decision for ``tokens`` tokens choosing ``k`` of ``experts`` experts each."""
+
+    logits: Float[Array, "tokens experts"]
+    probs: Float[Array, "tokens experts"]
+    weights: Float[Array, "tokens k"]
+    experts: Int[Array, "tokens k"]
+
+
+class Router(AbstractAxesOwner):
+    """Softmax over expert logits, then the top ``k``; optionally renormalised to sum to one.
+
+    Logits and probabilities are float32 whatever the input dtype (router precision matters
+    more than its cost).
+    """
+
+    weight: Float[Array, "embed experts"]
+    top_k: int = eqx.field(static=True)
+    normalize_topk: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        d_model: int,
+        n_experts: int,
+        top_k: int,
+        *,
+        normalize_topk: bool,
+        init_std: float = 0.02,
+        key: PRNGKeyArray,
+    ):
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k must be in [1, n_experts={n_experts}], got {top_k}")
+        self.weight = normal_init(key, (d_model, n_experts), init_std)
+        self.top_k = top_k
+        self.normalize_topk = normalize_topk
+
+    def param_axes(self) -> Mapping[str, tuple[LogicalName, ...]]:
+        return {"weight": ("embed", None)}
+
+    def __call__(self, x: Float[Array, "tokens embed"]) -> Routing:
+        logits = x.astype(jnp.float32) @ self.weight.astype(jnp.float32)
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, experts = jax.lax.top_k(probs, self.top_k)
+        if self.normalize_topk:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return Routing(logits=logits, probs=probs, weights=weights, experts=experts)
+
+
+class Experts(AbstractAxesOwner):
+    """``n_experts`` SwiGLU MLPs stored as stacked ``(experts, ...)`` weights."""
+
+    gate: Float[Array, "experts embed mlp"]
+    up: Float[Array, "experts embed mlp"]
+    down: Float[Array, "experts mlp embed"]
+
+    def __init__(
+        self, d_model: int, hidden_dim: int, n_experts: int, *, init_std: float = 0.02, key: PRNGKeyArray
+    ):
+        kg, ku, kd = jax.random.split(key, 3)
+        self.gate = normal_init(kg, (n_experts, d_model, hidden_dim), init_std)
+        self.up = normal_init(ku, (n_experts, d_model, hidden_dim), init_std)
+        self.down = normal_init(kd, (n_experts, hidden_dim, d_model), init_std)
+
+    def param_axes(self) -> Mapping[str, tuple[LogicalName, ...]]:
+        return {
+            "gate": ("experts", "embed", "mlp"),
+            "up": ("experts", "embed", "mlp"),
+            "down": ("experts", "mlp", "embed"),
+        }
+
+    @property
+    def n_experts(self) -> int:
+        return self.gate.shape[0]
+
+    def dropless(
+        self, x: Float[Array, "tokens embed"], routing: Routing
+    ) -> Float[Array, "tokens embed"]:
+        """Sort assignments by expert, grouped matmuls (`ragged_dot`), unsort, combine."""
+        n_tokens, top_k = routing.experts.shape
+        flat_experts = routing.experts.reshape(-1)
+        order = jnp.argsort(flat_experts, stable=True)
+        inverse_order = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
+        sorted_inputs = jnp.take(x, order // top_k, axis=0)
+        group_sizes = jnp.bincount(flat_experts, length=self.n_experts).astype(jnp.int32)
+        gate = jax.lax.ragged_dot(sorted_inputs, self.gate, group_sizes)
+        up = jax.lax.ragged_dot(sorted_inputs, self.up, group_sizes)
+        sorted_outputs = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down, group_sizes)
+        outputs = jnp.take(sorted_outputs, inverse_order, axis=0).reshape(n_tokens, top_k, -1)
+        return jnp.einsum("tkd,tk->td", outputs, routing.weights.astype(x.dtype))
+
+    def capacity(
+        self, x: Float[Array, "tokens embed"], routing: Routing, capacity_factor: float
+    ) -> tuple[Float[Array, "tokens embed"], Float[Array, ""]]:
+        """Fixed-capacity dispatch; returns the output and the fraction of dropped assignments.
+
+        ``capacity = ceil(capacity_factor * tokens * k / experts)`` slots per expert. Slots
+        are filled first by every token's first choice, then second choices, and so on, each
+        in token order (GShard/Switch priority).
+        """
+        n_tokens, top_k = routing.experts.shape
+        expert_capacity = max(1, math.ceil(capacity_factor * n_tokens * top_k / self.n_experts))
+        choice_major_experts = routing.experts.T.reshape(-1)
+        one_hot = jax.nn.one_hot(choice_major_experts, self.n_experts, dtype=jnp.int32)
+        slot = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)
+        kept = slot < expert_capacity
+        token_index = jnp.tile(jnp.arange(n_tokens), top_k)
+        dispatched = jnp.zeros((self.n_experts, expert_capacity, x.shape[-1]), x.dtype)
+        dispatched = dispatched.at[choice_major_experts, slot].set(x[token_index], mode="drop")
+        gate = jnp.einsum("ecd,edf->ecf", dispatched, self.gate)
+        up = jnp.einsum("ecd,edf->ecf", dispatched, self.up)
+        expert_outputs = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, self.down)
+        gathered = expert_outputs[choice_major_experts, jnp.minimum(slot, expert_capacity - 1)]
+        gathered = jnp.where(kept[:, None], gathered, 0.0).reshape(top_k, n_tokens, -1)
+        output = jnp.einsum("ktd,tk->td", gathered, routing.weights.astype(x.dtype))
+        return output, 1.0 - jnp.mean(kept.astype(jnp.float32))
+
+    def dense(self, x: Float[Array, "tokens embed"], routing: Routing) -> Float[Array, "tokens embed"]:
+        """Every expert on every token, combined with the routing weights (zero if unchosen)."""
+        n_tokens = x.shape[0]
+        combine = jnp.zeros((n_tokens, self.n_experts), x.dtype)
+        combine = combine.at[jnp.arange(n_tokens)[:, None], routing.experts].add(
+            routing.weights.astype(x.dtype)
+        )
+        gate = jnp.einsum("td,edf->etf", x, self.gate)
+        up = jnp.einsum("td,edf->etf", x, self.up)
+        expert_outputs = jnp.einsum("etf,efd->etd", jax.nn.silu(gate) * up, self.down)
+        return jnp.einsum("etd,te->td", expert_outputs, combine)
+
+
+class MoE(eqx.Module):
+    """Routed SwiGLU experts plus optional always-on shared experts.
+
+    Shared experts (Qwen-MoE / DeepSeek-MoE) are one SwiGLU MLP of width ``shared_mlp_dim``
+    applied to every token, optionally scaled by ``sigmoid(x @ shared_gate)`` (Qwen2-MoE).
+
+    Returns ``(output, aux)``, ``aux`` holding this layer's:
+    - ``load_balance_loss``: ``experts * sum_e f_e * p_e`` (Switch Transformer), ``f_e`` the
+      fraction of assignments routed to ``e``, ``p_e`` its mean router probability; 1.0 when
+      perfectly balanced;
+    - ``router_z_loss``: mean over tokens of ``logsumexp(logits)^2`` (ST-MoE);
+    - ``expert_fraction``: ``f``, shape ``(experts,)``;
+    - ``dropped_fraction``: assignments dropped by the capacity path (0 otherwise).
+    """
+
+    router: Router
+    experts: Experts
+    shared: MLP | None
+    shared_gate: Linear | None
+    routing_mode: RoutingMode = eqx.field(static=True)
+    capacity_factor: float = eqx.field(static=True)
+
+    def __init__(
+        self,
+        d_model: int,
+        expert_mlp_dim: int,
+        n_experts: int,
+        top_k: int,
+        *,
+        normalize_topk: bool = True,
+        shared_mlp_dim: int = 0,
+        shared_gate: bool = False,
+        routing_mode: RoutingMode = "dropless",
+        capacity_factor: float = 1.25,
+        init_std: float = 0.02,
+        key: PRNGKeyArray,
+    ):
+        if routing_mode not in ("dropless", "capacity", "dense"):
+            raise ValueError(
+                f"routing_mode must be 'dropless', 'capacity' or 'dense', got {routing_mode!r}"
+            )
+        if shared_gate and shared_mlp_dim == 0:
+            raise ValueError("shared_gate needs shared experts: set shared_mlp_dim > 0")
+        kr, ke, ks, kg = jax.random.split(key, 4)
+        self.router = Router(
+            d_model, n_experts, top_k, normalize_topk=normalize_topk, init_std=init_std, key=kr
+        )
+        self.experts = Experts(d_model, expert_mlp_dim, n_experts, init_std=init_std, key=ke)
+        self.shared = (
+            MLP(d_model, shared_mlp_dim, activation="swiglu", init_std=init_std, key=ks)
+            if shared_mlp_dim > 0
+            else None
+        )
+        self.shared_gate = (
+            Linear(d_model, 1, in_axis="embed", out_axis=None, init_std=init_std, key=kg)
+            if shared_gate
+            else None
+        )
+        self.routing_mode = routing_mode
+        self.capacity_factor = capacity_factor
+
+    def __call__(
+        self, x: Float[Array, "tokens embed"]
+    ) -> tuple[Float[Array, "tokens embed"], dict[str, Array]]:
+        routing = self.router(x)
+        dropped_fraction = jnp.zeros((), jnp.float32)
+        if self.routing_mode == "dropless":
+            output = self.experts.dropless(x, routing)
+        elif self.routing_mode == "capacity":
+            output, dropped_fraction = self.experts.capacity(x, routing, self.capacity_factor)
+        else:
+            output = self.experts.dense(x, routing)
+        if self.shared is not None:
+            shared_output = self.shared(x)
+            if self.shared_gate is not None:
+                shared_output = jax.nn.sigmoid(self.shared_gate(x)) * shared_output
+            output = output + shared_output
+        return output, {**router_losses(routing), "dropped_fraction": dropped_fraction}
+
+
+def router_losses(routing: Routing) -> dict[str, Array]:
+    """Switch load-balance loss, router z-loss and per-expert assignment fractions."""
+    n_experts = routing.probs.shape[-1]
+    assignments = jax.nn.one_hot(routing.experts, n_experts, dtype=jnp.float32)
+    expert_fraction = jnp.mean(jnp.sum(assignments, axis=1), axis=0) / routing.experts.shape[1]
+    mean_probs = jnp.mean(routing.probs, axis=0)
+    return {
+        "load_balance_loss": n_experts * jnp.sum(expert_fraction * mean_probs),
+        "router_z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(routing.logits, axis=-1))),
+        "expert_fraction": expert_fraction,
+    }
