@@ -2,6 +2,7 @@
 
 from eqxzoo.nn.attention import CausalSelfAttention
 from eqxzoo.nn.axes import AbstractAxesOwner, Axes, LogicalName, logical_axes
+from eqxzoo.nn.grouped import grouped_matmul
 from eqxzoo.nn.linear import Embedding, Linear, normal_init
 from eqxzoo.nn.mlp import MLP, Activation
 from eqxzoo.nn.moe import MoE, Experts, Router, Routing, RoutingMode, router_losses
@@ -29,6 +30,7 @@ __all__ = [
     "Stack",
     "apply_layers",
     "apply_rope",
+    "grouped_matmul",
     "logical_axes",
     "normal_init",
     "remat",

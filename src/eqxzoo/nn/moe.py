@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
+from eqxzoo.nn.grouped import grouped_matmul
 from eqxzoo.nn.linear import Linear, normal_init
 from eqxzoo.nn.mlp import MLP
 
@@ -104,16 +105,16 @@ class Experts(AbstractAxesOwner):
     def dropless(
         self, x: Float[Array, "tokens embed"], routing: Routing
     ) -> Float[Array, "tokens embed"]:
-        """Sort assignments by expert, grouped matmuls (`ragged_dot`), unsort, combine."""
+        """Sort assignments by expert, grouped matmuls (`jax.lax.ragged_dot`), unsort, combine."""
         n_tokens, top_k = routing.experts.shape
         flat_experts = routing.experts.reshape(-1)
         order = jnp.argsort(flat_experts, stable=True)
         inverse_order = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
         sorted_inputs = jnp.take(x, order // top_k, axis=0)
         group_sizes = jnp.bincount(flat_experts, length=self.n_experts).astype(jnp.int32)
-        gate = jax.lax.ragged_dot(sorted_inputs, self.gate, group_sizes)
-        up = jax.lax.ragged_dot(sorted_inputs, self.up, group_sizes)
-        sorted_outputs = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down, group_sizes)
+        gate = grouped_matmul(sorted_inputs, self.gate, group_sizes)
+        up = grouped_matmul(sorted_inputs, self.up, group_sizes)
+        sorted_outputs = grouped_matmul(jax.nn.silu(gate) * up, self.down, group_sizes)
         outputs = jnp.take(sorted_outputs, inverse_order, axis=0).reshape(n_tokens, top_k, -1)
         return jnp.einsum("tkd,tk->td", outputs, routing.weights.astype(x.dtype))
 

@@ -1,0 +1,535 @@
+"""Hugging Face interop: logits equal to transformers', exact round trips, one-line errors.
+
+Every Hugging Face model here is a tiny random one built in memory (no downloads), run in
+float32 with eager attention. Its parameters are re-drawn after construction: transformers
+initialises Qwen2-MoE routers to zeros and every norm to ones, which would leave routing
+uniform and the mapping of norms untested.
+"""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import safetensors.numpy  # noqa: E402
+import safetensors.torch  # noqa: E402
+
+from models.config import (  # noqa: E402
+    ConfigError,
+    DecoderConfig,
+    LlamaConfig,
+    MixtralConfig,
+    MoEConfig,
+    QwenMoeConfig,
+)
+from models.decoder import DecoderLM  # noqa: E402
+from models.hf import HFCheckpointError, config_from_hf, load_hf, save_hf  # noqa: E402
+
+VOCAB = 97
+
+# name -> (architecture, config fields, sequence length); two layers each.
+HF_CASES = {
+    "llama_mha": (
+        "LlamaForCausalLM",
+        dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4),
+        9,
+    ),
+    "llama_gqa": (
+        "LlamaForCausalLM",
+        dict(
+            hidden_size=48,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        ),
+        13,
+    ),
+    "llama_tied": (
+        "LlamaForCausalLM",
+        dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+        ),
+        7,
+    ),
+    "llama_attention_bias": (
+        "LlamaForCausalLM",
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attention_bias=True,
+        ),
+        11,
+    ),
+    "mixtral_top2_of_4": (
+        "MixtralForCausalLM",
+        dict(
+            hidden_size=32,
+            intermediate_size=24,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+        12,
+    ),
+    "mixtral_top1_of_4": (
+        "MixtralForCausalLM",
+        dict(
+            hidden_size=32,
+            intermediate_size=16,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            tie_word_embeddings=True,
+        ),
+        10,
+    ),
+    "qwen_moe_norm_topk": (
+        "Qwen2MoeForCausalLM",
+        dict(
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=40,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            qkv_bias=False,
+            tie_word_embeddings=True,
+        ),
+        8,
+    ),
+    "qwen_moe_gqa": (
+        "Qwen2MoeForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=48,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=6,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+        ),
+        14,
+    ),
+}
+
+ZOO_FAMILY = {
+    "LlamaForCausalLM": LlamaConfig,
+    "MixtralForCausalLM": MixtralConfig,
+    "Qwen2MoeForCausalLM": QwenMoeConfig,
+}
+
+
+def hf_config(architecture, **fields):
+    """A transformers config for ``architecture`` (e.g. ``LlamaForCausalLM -> LlamaConfig``)."""
+    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    fields = dict(vocab_size=VOCAB, num_hidden_layers=2, **fields)
+    return config_class(**fields, attn_implementation="eager")
+
+
+def randomize(hf_model, seed=0):
+    """Re-draw every parameter: weights N(0, 0.1^2), norms 1 + N(0, 0.1^2).
+
+    A std of 0.1 (not HF's 0.02) keeps attention scores and router logits far from uniform,
+    so head order, rotary layout and routing mistakes change the logits. Llama's o_proj
+    bias stays zero: the zoo's attention has no output bias.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in hf_model.named_parameters():
+            noise = 0.1 * torch.randn(parameter.shape, generator=generator)
+            if "norm" in name:
+                parameter.copy_(1.0 + noise)
+            elif name.endswith("o_proj.bias"):
+                parameter.zero_()
+            else:
+                parameter.copy_(noise)
+    return hf_model.eval()
+
+
+def make_hf_model(case):
+    architecture, fields, _ = HF_CASES[case]
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(hf_config(architecture, **fields))
+    return randomize(model)
+
+
+def tokens_for(case):
+    seq = HF_CASES[case][2]
+    return np.random.default_rng(seq).integers(0, VOCAB, seq)
+
+
+def hf_logits(hf_model, tokens):
+    with torch.no_grad():
+        return hf_model(torch.tensor(tokens)[None]).logits[0].numpy()
+
+
+@eqx.filter_jit
+def _zoo_forward(model, tokens):
+    return model(tokens)[0]
+
+
+def zoo_logits(model, tokens):
+    # Jitted: compiled once per config and length, shared by the tests of one case.
+    return np.asarray(_zoo_forward(model, jnp.asarray(tokens)))
+
+
+def read_tensors(directory):
+    return safetensors.numpy.load_file(str(directory / "model.safetensors"))
+
+
+def assert_models_equal(actual, expected):
+    """Same config, same structure, every array bitwise equal with the same dtype."""
+    assert actual.config == expected.config
+    actual_leaves, actual_tree = jax.tree.flatten(actual)
+    expected_leaves, expected_tree = jax.tree.flatten(expected)
+    assert actual_tree == expected_tree
+    for actual_leaf, expected_leaf in zip(actual_leaves, expected_leaves, strict=True):
+        assert actual_leaf.dtype == expected_leaf.dtype
+        np.testing.assert_array_equal(np.asarray(actual_leaf), np.asarray(expected_leaf))
+
+
+@pytest.fixture(params=list(HF_CASES))
+def hf_checkpoint(request, tmp_path):
+    """(case name, randomised transformers model, directory it was saved to)."""
+    hf_model = make_hf_model(request.param)
+    hf_model.save_pretrained(tmp_path / "hf")
+    return request.param, hf_model, tmp_path / "hf"
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A saved tiny Llama checkpoint that error tests copy and damage."""
+    directory = tmp_path_factory.mktemp("llama")
+    make_hf_model("llama_gqa").save_pretrained(directory)
+    return directory
+
+
+# ------------------------------------------------------------------------------------------
+# Parity and round trips
+# ------------------------------------------------------------------------------------------
+
+
+def test_logits_match_transformers(hf_checkpoint):
+    case, hf_model, directory = hf_checkpoint
+    model = load_hf(directory)
+    assert type(model.config) is ZOO_FAMILY[HF_CASES[case][0]]
+    tokens = tokens_for(case)
+    np.testing.assert_allclose(zoo_logits(model, tokens), hf_logits(hf_model, tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_save_hf_writes_what_save_pretrained_writes(hf_checkpoint, tmp_path):
+    """HF -> zoo -> HF gives back the same tensors, and transformers loads them cleanly."""
+    case, hf_model, directory = hf_checkpoint
+    model = load_hf(directory)
+    save_hf(model, tmp_path / "zoo")
+
+    original, saved = read_tensors(directory), read_tensors(tmp_path / "zoo")
+    assert sorted(saved) == sorted(original)
+    for name, tensor in original.items():
+        np.testing.assert_array_equal(saved[name], tensor, err_msg=name)
+
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "zoo", attn_implementation="eager", output_loading_info=True
+    )
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+    assert type(reloaded) is type(hf_model)
+    tokens = tokens_for(case)
+    np.testing.assert_allclose(
+        hf_logits(reloaded.eval(), tokens), zoo_logits(model, tokens), rtol=1e-4, atol=1e-4
+    )
+
+
+ZOO_CONFIGS = {
+    "llama": LlamaConfig(
+        vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=48, rope_theta=1000.0
+    ),
+    "llama_tied_bias_head_dim": LlamaConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        n_layers=3,
+        n_heads=4,
+        head_dim=12,
+        mlp_dim=40,
+        qkv_bias=True,
+        tie_embeddings=True,
+        norm_eps=1e-5,
+    ),
+    "mixtral": MixtralConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=1,
+        mlp_dim=24,
+        moe=MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=24),
+    ),
+    "qwen_moe": QwenMoeConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        mlp_dim=64,
+        moe=MoEConfig(
+            n_experts=5, top_k=2, expert_mlp_dim=16, normalize_topk=False, shared_mlp_dim=24, shared_gate=True
+        ),
+    ),
+}
+
+
+def random_zoo_model(config, seed=0):
+    """A zoo model with every array random: weights N(0, 0.1^2), norms 1 + N(0, 0.1^2).
+
+    Drawn with numpy into the model's abstract skeleton: biases and norms are not left at
+    zeros and ones, and no per-shape JAX initialisation has to be compiled.
+    """
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf):
+        noise = 0.1 * rng.standard_normal(leaf.shape)
+        return jnp.asarray(1.0 + noise if "norm" in jax.tree_util.keystr(path) else noise, leaf.dtype)
+
+    skeleton = eqx.filter_eval_shape(DecoderLM, config, key=jax.random.key(0))
+    return jax.tree_util.tree_map_with_path(draw, skeleton)
+
+
+@pytest.mark.parametrize("name", list(ZOO_CONFIGS))
+def test_zoo_round_trip_is_exact_and_loads_in_transformers(name, tmp_path):
+    model = random_zoo_model(ZOO_CONFIGS[name])
+    save_hf(model, tmp_path)
+    assert_models_equal(load_hf(tmp_path), model)
+
+    hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", output_loading_info=True
+    )
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+    tokens = np.random.default_rng(1).integers(0, VOCAB, 10)
+    np.testing.assert_allclose(
+        hf_logits(hf_model.eval(), tokens), zoo_logits(model, tokens), rtol=1e-4, atol=1e-4
+    )
+
+
+@pytest.mark.parametrize("case", ["mixtral_top2_of_4", "qwen_moe_gqa"])
+def test_fused_expert_layout_loads(case, tmp_path):
+    """transformers 5's in-memory layout (``experts.gate_up_proj``) reads like the Hub's."""
+    hf_model = make_hf_model(case)
+    hf_model.save_pretrained(tmp_path / "hub")
+    state = {name: tensor.contiguous() for name, tensor in hf_model.state_dict().items()}
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in state)
+    (tmp_path / "fused").mkdir()
+    shutil.copy(tmp_path / "hub" / "config.json", tmp_path / "fused" / "config.json")
+    safetensors.torch.save_file(state, tmp_path / "fused" / "model.safetensors", metadata={"format": "pt"})
+    assert_models_equal(load_hf(tmp_path / "fused"), load_hf(tmp_path / "hub"))
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    hf_model = make_hf_model("qwen_moe_gqa")
+    hf_model.save_pretrained(tmp_path / "single")
+    hf_model.save_pretrained(tmp_path / "sharded", max_shard_size="50KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 1
+    assert_models_equal(load_hf(tmp_path / "sharded"), load_hf(tmp_path / "single"))
+
+
+def test_bfloat16_checkpoint_keeps_its_dtype(tmp_path):
+    hf_model = make_hf_model("mixtral_top2_of_4").to(torch.bfloat16)
+    hf_model.save_pretrained(tmp_path / "hf")
+    model = load_hf(tmp_path / "hf")
+    assert {leaf.dtype for leaf in jax.tree.leaves(model)} == {jnp.dtype(jnp.bfloat16)}
+    np.testing.assert_array_equal(
+        np.asarray(model.embedding.weight).view(np.uint16),
+        hf_model.model.embed_tokens.weight.detach().view(torch.int16).numpy().view(np.uint16),
+    )
+    save_hf(model, tmp_path / "zoo")
+    assert json.loads((tmp_path / "zoo" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert_models_equal(load_hf(tmp_path / "zoo"), model)
+
+
+def test_config_reads_old_and_new_rope_theta():
+    base = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+    )
+    assert config_from_hf({**base, "rope_theta": 500000.0}).rope_theta == 500000.0
+    new_style = {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1234.0}}
+    assert config_from_hf(new_style).rope_theta == 1234.0
+    assert config_from_hf({**base, "rope_scaling": None}).rope_theta == 10000.0  # Llama's default
+
+
+# ------------------------------------------------------------------------------------------
+# Errors a user can cause
+# ------------------------------------------------------------------------------------------
+
+
+def copy_checkpoint(source, destination):
+    shutil.copytree(source, destination)
+    return destination
+
+
+def write_config(directory, hf_config_dict):
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(hf_config_dict))
+    return directory
+
+
+def hf_config_dict(case, **changes):
+    architecture, fields, _ = HF_CASES[case]
+    config = json.loads(hf_config(architecture, **fields).to_json_string())
+    return {**config, "architectures": [architecture], **changes}
+
+
+def test_unknown_architecture(tmp_path):
+    write_config(tmp_path, {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    with pytest.raises(
+        ConfigError,
+        match=r"architectures: \['GPT2LMHeadModel'\] is not supported; "
+        r"supported: LlamaForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM",
+    ):
+        load_hf(tmp_path)
+
+
+def test_missing_config_json(tmp_path):
+    with pytest.raises(HFCheckpointError, match=r"no config\.json \(expected a Hugging Face checkpoint"):
+        load_hf(tmp_path)
+
+
+def test_missing_safetensors(tmp_path, llama_dir):
+    shutil.copy(llama_dir / "config.json", tmp_path / "config.json")
+    with pytest.raises(HFCheckpointError, match=r"no model\.safetensors or model\.safetensors\.index\.json"):
+        load_hf(tmp_path)
+
+
+def test_missing_shard(tmp_path):
+    make_hf_model("llama_mha").save_pretrained(tmp_path, max_shard_size="20KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(HFCheckpointError, match=f"lists shard {shard.name}, which does not exist"):
+        load_hf(tmp_path)
+
+
+def test_missing_tensor(tmp_path, llama_dir):
+    directory = copy_checkpoint(llama_dir, tmp_path / "ckpt")
+    tensors = read_tensors(directory)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    safetensors.numpy.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(HFCheckpointError, match=r"tensor model\.layers\.1\.mlp\.up_proj\.weight is missing"):
+        load_hf(directory)
+
+
+def test_misshaped_tensor(tmp_path, llama_dir):
+    directory = copy_checkpoint(llama_dir, tmp_path / "ckpt")
+    tensors = read_tensors(directory)
+    tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((48, 48), np.float32)
+    safetensors.numpy.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(
+        HFCheckpointError,
+        match=r"tensor model\.layers\.0\.self_attn\.k_proj\.weight has shape \(48, 48\); expected \(32, 48\)",
+    ):
+        load_hf(directory)
+
+
+def test_unexpected_tensor(tmp_path, llama_dir):
+    directory = copy_checkpoint(llama_dir, tmp_path / "ckpt")
+    tensors = read_tensors(directory)
+    tensors["model.layers.0.mlp.gate_proj.bias"] = np.zeros((64,), np.float32)
+    safetensors.numpy.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(
+        HFCheckpointError, match=r"unexpected tensor\(s\) model\.layers\.0\.mlp\.gate_proj\.bias for LlamaConfig"
+    ):
+        load_hf(directory)
+
+
+def test_llama_output_bias_must_be_zero(tmp_path):
+    hf_model = make_hf_model("llama_attention_bias")
+    with torch.no_grad():
+        hf_model.model.layers[1].self_attn.o_proj.bias.fill_(0.5)
+    hf_model.save_pretrained(tmp_path)
+    with pytest.raises(
+        HFCheckpointError,
+        match=r"tensor model\.layers\.1\.self_attn\.o_proj\.bias is non-zero: the zoo's attention has no output bias",
+    ):
+        load_hf(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("case", "changes", "message"),
+    [
+        (
+            "llama_mha",
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+            r"rope_parameters\.rope_type: 'linear': only unscaled \('default'\) rotary embeddings",
+        ),
+        (
+            "llama_mha",
+            {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}, "rope_theta": 1e4},
+            r"rope_scaling\.rope_type: 'dynamic': only unscaled \('default'\) rotary embeddings",
+        ),
+        ("llama_mha", {"hidden_act": "gelu"}, r"hidden_act: 'gelu' is not supported"),
+        ("llama_mha", {"mlp_bias": True}, r"mlp_bias: MLP biases are not supported"),
+        ("mixtral_top2_of_4", {"sliding_window": 4096}, r"sliding_window: 4096: sliding-window attention"),
+        ("qwen_moe_gqa", {"mlp_only_layers": [1]}, r"mlp_only_layers: \[1\]: dense layers"),
+        ("qwen_moe_gqa", {"decoder_sparse_step": 2}, r"decoder_sparse_step: 2: only 1"),
+        ("qwen_moe_gqa", {"use_sliding_window": True}, r"use_sliding_window: sliding-window attention"),
+        ("llama_mha", {"num_key_value_heads": 3}, r"n_kv_heads: must divide n_heads=4, got 3"),
+    ],
+)
+def test_unsupported_hf_config(case, changes, message, tmp_path):
+    write_config(tmp_path, hf_config_dict(case, **changes))
+    with pytest.raises(ConfigError, match=message) as error:
+        load_hf(tmp_path)
+    assert str(tmp_path / "config.json") in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+TINY = dict(vocab_size=VOCAB, d_model=16, n_layers=1, n_heads=2, mlp_dim=16)
+TINY_MOE = MoEConfig(n_experts=2, top_k=1, expert_mlp_dim=8)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (LlamaConfig(**TINY, norm="layer"), r"norm: 'layer' has no LlamaForCausalLM counterpart"),
+        (LlamaConfig(**TINY, activation="gelu"), r"activation: 'gelu' has no LlamaForCausalLM counterpart"),
+        (LlamaConfig(**TINY, qk_norm=True), r"qk_norm: LlamaForCausalLM has no QK-norm"),
+        (DecoderConfig(**TINY), r"family: 'decoder' has no Hugging Face architecture"),
+        (MixtralConfig(**TINY, qkv_bias=True, moe=TINY_MOE), r"qkv_bias: MixtralForCausalLM has no attention"),
+        (
+            MixtralConfig(**TINY, moe=MoEConfig(n_experts=2, top_k=2, expert_mlp_dim=8, normalize_topk=False)),
+            r"moe\.normalize_topk: MixtralForCausalLM always renormalises",
+        ),
+        (QwenMoeConfig(**TINY, moe=TINY_MOE), r"moe\.shared_mlp_dim: Qwen2MoeForCausalLM always has a gated"),
+    ],
+)
+def test_save_rejects_configs_hf_cannot_represent(config, message, tmp_path):
+    model = random_zoo_model(config)
+    with pytest.raises(ConfigError, match=message):
+        save_hf(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,150 @@
+"""The zoo models: contract, causality, scan vs unrolled, transformations, configs."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from eqxzoo.nn import Axes, logical_axes
+
+SMALL = dict(vocab_size=97, d_model=32, n_layers=3, n_heads=4, mlp_dim=48)
+MOE = models.MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=24)
+
+CONFIGS = {
+    "llama": models.LlamaConfig(**SMALL, n_kv_heads=2),
+    "llama_tied_qknorm": models.LlamaConfig(**SMALL, tie_embeddings=True, qk_norm=True),
+    "llama_gelu_layernorm": models.LlamaConfig(**SMALL, activation="gelu", norm="layer"),
+    "mixtral": models.MixtralConfig(**SMALL, n_kv_heads=1, moe=MOE),
+    "qwen_moe": models.QwenMoeConfig(
+        **SMALL,
+        n_kv_heads=2,
+        moe=dataclasses.replace(MOE, normalize_topk=False, shared_mlp_dim=40, shared_gate=True),
+    ),
+    "mixtral_capacity": models.MixtralConfig(
+        **SMALL, moe=dataclasses.replace(MOE, routing="capacity", capacity_factor=1.0)
+    ),
+}
+
+
+def build(config):
+    return models.DecoderLM(config, key=jax.random.key(0))
+
+
+def tokens(n=12, seed=1):
+    return jax.random.randint(jax.random.key(seed), (n,), 0, SMALL["vocab_size"])
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_shapes_dtypes_and_aux(name):
+    model = build(CONFIGS[name])
+    logits, aux = model(tokens())
+    assert logits.shape == (12, 97) and logits.dtype == jnp.float32
+    assert np.isfinite(np.asarray(logits)).all()
+    if model.config.moe is None:
+        assert aux == {}
+    else:
+        assert set(aux) == {"load_balance_loss", "router_z_loss", "expert_fraction", "dropped_fraction"}
+        assert aux["expert_fraction"].shape == (3, 4)
+        np.testing.assert_allclose(jnp.sum(aux["expert_fraction"], -1), np.ones(3), rtol=1e-6)
+        assert aux["load_balance_loss"].shape == ()
+    assert (model.unembedding is None) == model.config.tie_embeddings
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen_moe"])
+def test_causality(name):
+    """Changing token t never changes the logits before t (dropless routing is per token)."""
+    model = build(CONFIGS[name])
+    sequence = tokens(16)
+    logits, _ = model(sequence)
+    changed, _ = model(sequence.at[9].set((sequence[9] + 5) % 97))
+    np.testing.assert_array_equal(logits[:9], changed[:9])
+    assert not np.allclose(logits[9:], changed[9:])
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen_moe"])
+def test_scan_equals_unrolled(name):
+    scanned = build(CONFIGS[name])
+    unrolled = build(dataclasses.replace(CONFIGS[name], scan_layers=False, remat="full"))
+    for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(unrolled), strict=True):
+        np.testing.assert_array_equal(a, b)
+    (ls, aux_s), (lu, aux_u) = scanned(tokens()), unrolled(tokens())
+    np.testing.assert_allclose(ls, lu, rtol=1e-6, atol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), aux_s, aux_u)
+
+
+def _loss(model, batch):
+    logits, aux = jax.vmap(model)(batch)
+    targets = jnp.roll(batch, -1, axis=-1)
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)
+    return jnp.mean(nll) + 0.01 * sum(jnp.mean(v) for k, v in aux.items() if k.endswith("loss"))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_grad_vmap_and_jit(name):
+    model = build(CONFIGS[name])
+    batch = jnp.stack([tokens(10, seed=s) for s in range(3)])
+    logits, aux = jax.vmap(model)(batch)
+    assert logits.shape == (3, 10, 97)
+    np.testing.assert_allclose(logits[1], model(batch[1])[0], rtol=1e-5, atol=1e-6)
+    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(_loss))(model, batch)
+    assert np.isfinite(float(loss))
+    grad_leaves = jax.tree.leaves(grads)
+    assert len(grad_leaves) == len(jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+    assert all(np.isfinite(np.asarray(g)).all() for g in grad_leaves)
+    assert float(jnp.abs(grads.blocks.layers.attention.wq).sum()) > 0
+    np.testing.assert_allclose(eqx.filter_jit(_loss)(model, batch), loss, rtol=1e-6)
+    raw_grads = jax.grad(lambda params: _loss(eqx.combine(params, eqx.filter(model, eqx.is_array, inverse=True)), batch))(
+        eqx.filter(model, eqx.is_array)
+    )
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), raw_grads, grads)
+
+
+def test_every_parameter_has_logical_axes():
+    model = build(CONFIGS["qwen_moe"])
+    axes = logical_axes(eqx.filter(model, eqx.is_array))
+    leaves = jax.tree.leaves(axes, is_leaf=lambda a: isinstance(a, Axes))
+    assert len(leaves) == len(jax.tree.leaves(model))
+    assert axes.embedding.weight == Axes(("vocab", "embed"))
+    assert axes.blocks.layers.attention.wq == Axes(("layers", "embed", "heads", "head_dim"))
+    assert axes.blocks.layers.mlp.experts.down == Axes(("layers", "experts", "mlp", "embed"))
+    assert axes.unembedding.weight == Axes(("embed", "vocab"))
+
+
+def test_config_from_table_builds_each_family():
+    table = {
+        "family": "qwen_moe",
+        **SMALL,
+        "moe": {"n_experts": 4, "top_k": 2, "expert_mlp_dim": 24, "shared_mlp_dim": 16, "shared_gate": True},
+    }
+    config = models.config_from_table(table)
+    assert isinstance(config, models.QwenMoeConfig) and config.moe.shared_gate
+    assert config.qkv_bias
+    assert isinstance(models.config_from_table({"family": "llama", **SMALL}), models.LlamaConfig)
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"family": "gpt5"}, r"model\.family: unknown family 'gpt5'; choose one of"),
+        ({"family": "llama", "d_modle": 8}, r"model\.d_modle: unknown key; valid keys are"),
+        ({"family": "llama", "d_model": "big"}, r"model\.d_model: expected int, got 'big'"),
+        ({"family": "llama", "n_layers": 2.5}, r"model\.n_layers: expected int, got 2\.5"),
+        ({"family": "llama", "norm": "batch"}, r"model\.norm: expected 'rms' or 'layer', got 'batch'"),
+        ({"family": "llama", "n_heads": 8, "n_kv_heads": 3}, r"model\.n_kv_heads: must divide n_heads=8, got 3"),
+        ({"family": "llama", "d_model": 30, "n_heads": 4}, r"model\.head_dim: d_model=30 is not divisible by n_heads=4"),
+        ({"family": "llama", "moe": {}}, r"model\.moe: llama is dense"),
+        ({"family": "mixtral", "moe": {"top_k": 9}}, r"model\.moe\.top_k: must be between 1 and n_experts=8, got 9"),
+        ({"family": "mixtral", "moe": {"routing": "lossy"}}, r"model\.moe\.routing: expected 'dropless' or 'capacity' or 'dense'"),
+        ({"family": "mixtral", "moe": {"shared_mlp_dim": 64}}, r"model\.moe\.shared_mlp_dim: mixtral has no shared experts"),
+        ({"family": "qwen_moe", "moe": {"shared_gate": True}}, r"model\.moe\.shared_gate: needs shared experts"),
+        ({"family": "mixtral", "moe": 3}, r"model\.moe: must be a table, got int"),
+        ({"family": "llama", "remat": "most"}, r"model\.remat: expected 'none' or 'full' or 'dots', got 'most'"),
+    ],
+)
+def test_config_errors_name_the_field(table, message):
+    with pytest.raises(models.ConfigError, match=message):
+        models.config_from_table(table)

@@ -1,0 +1,281 @@
+"""Building blocks: shapes, causality, GQA, the MoE paths and their auxiliary losses."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqxzoo.nn import (
+    MLP,
+    Axes,
+    CausalSelfAttention,
+    Experts,
+    LayerNorm,
+    MoE,
+    RMSNorm,
+    Router,
+    Routing,
+    Stack,
+    apply_rope,
+    logical_axes,
+    router_losses,
+)
+
+
+def test_rms_norm_matches_formula():
+    x = jax.random.normal(jax.random.key(0), (5, 16))
+    norm = eqx.tree_at(lambda n: n.weight, RMSNorm(16, eps=1e-6), jnp.linspace(0.5, 1.5, 16))
+    expected = x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + 1e-6) * norm.weight
+    np.testing.assert_allclose(norm(x), expected, rtol=1e-6)
+
+
+def test_layer_norm_matches_formula():
+    x = jax.random.normal(jax.random.key(1), (5, 16)) * 3 + 1
+    norm = LayerNorm(16, eps=1e-5)
+    mean, var = np.mean(x, -1, keepdims=True), np.var(x, -1, keepdims=True)
+    np.testing.assert_allclose(norm(x), (x - mean) / np.sqrt(var + 1e-5), rtol=1e-5, atol=1e-6)
+
+
+def test_rope_preserves_norm_and_is_relative():
+    q = jax.random.normal(jax.random.key(2), (1, 2, 8))
+    k = jax.random.normal(jax.random.key(3), (1, 2, 8))
+    np.testing.assert_allclose(
+        jnp.linalg.norm(apply_rope(q, jnp.array([7]), 10000.0)), jnp.linalg.norm(q), rtol=1e-6
+    )
+
+    def score(pq, pk):
+        rq = apply_rope(q, jnp.array([pq]), 100.0)
+        rk = apply_rope(k, jnp.array([pk]), 100.0)
+        return jnp.sum(rq * rk, axis=-1)
+
+    np.testing.assert_allclose(score(3, 1), score(12, 10), rtol=1e-5)
+    assert not np.allclose(score(3, 1), score(3, 2))
+
+
+def _attention(n_kv_heads, key=jax.random.key(4), **kwargs):
+    return CausalSelfAttention(32, 4, n_kv_heads, 8, key=key, **kwargs)
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_attention_shapes_and_causality(n_kv_heads):
+    attention = _attention(n_kv_heads, qk_norm=True, qkv_bias=True)
+    x = jax.random.normal(jax.random.key(5), (10, 32))
+    y = attention(x)
+    assert y.shape == (10, 32) and y.dtype == jnp.float32
+    x_changed = x.at[6].set(100.0)
+    y_changed = attention(x_changed)
+    np.testing.assert_array_equal(y[:6], y_changed[:6])
+    assert not np.allclose(y[6:], y_changed[6:])
+
+
+def test_gqa_with_all_kv_heads_equals_mha():
+    """GQA with n_kv_heads == n_heads is MHA; GQA equals MHA with kv heads repeated."""
+    gqa = _attention(2)
+    x = jax.random.normal(jax.random.key(6), (9, 32))
+    repeated = eqx.tree_at(
+        lambda a: (a.wq, a.wk, a.wv, a.wo),
+        _attention(4),
+        (gqa.wq, jnp.repeat(gqa.wk, 2, axis=1), jnp.repeat(gqa.wv, 2, axis=1), gqa.wo),
+    )
+    np.testing.assert_allclose(gqa(x), repeated(x), rtol=1e-5, atol=1e-6)
+
+    q, k, v = gqa.project_qkv(x, jnp.arange(9))
+    k, v = jnp.repeat(k, 2, axis=1), jnp.repeat(v, 2, axis=1)
+    scores = jnp.einsum("qnh,knh->nqk", q, k) / np.sqrt(8)
+    scores = jnp.where(jnp.tril(jnp.ones((9, 9), bool)), scores, -jnp.inf)
+    manual = gqa.project_out(jnp.einsum("nqk,knh->qnh", jax.nn.softmax(scores, -1), v))
+    np.testing.assert_allclose(gqa(x), manual, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_rejects_bad_kv_heads():
+    with pytest.raises(ValueError, match=r"n_heads \(4\) must be a multiple of n_kv_heads \(3\)"):
+        _attention(3)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_mlp_matches_formula(activation):
+    mlp = MLP(16, 24, activation=activation, key=jax.random.key(7))
+    x = jax.random.normal(jax.random.key(8), (3, 16))
+    if activation == "swiglu":
+        hidden = jax.nn.silu(x @ mlp.gate.weight) * (x @ mlp.up.weight)
+    else:
+        hidden = jax.nn.gelu(x @ mlp.up.weight)
+    np.testing.assert_allclose(mlp(x), hidden @ mlp.down.weight, rtol=1e-6)
+    with pytest.raises((ValueError, TypeError), match="relu"):
+        MLP(16, 24, activation="relu", key=jax.random.key(0))
+
+
+def _moe(routing_mode="dropless", **kwargs):
+    kwargs = {"normalize_topk": True, **kwargs}
+    return MoE(16, 24, 6, 2, routing_mode=routing_mode, key=jax.random.key(9), **kwargs)
+
+
+def _with_mode(moe, routing_mode, capacity_factor=1.25):
+    """The same parameters under another routing mode (modes are static fields)."""
+    other = MoE(
+        16,
+        24,
+        6,
+        2,
+        normalize_topk=moe.router.normalize_topk,
+        shared_mlp_dim=0 if moe.shared is None else moe.shared.up.weight.shape[1],
+        shared_gate=moe.shared_gate is not None,
+        routing_mode=routing_mode,
+        capacity_factor=capacity_factor,
+        key=jax.random.key(99),
+    )
+    return jax.tree.unflatten(jax.tree.structure(other), jax.tree.leaves(moe))
+
+
+@pytest.mark.parametrize("normalize_topk", [True, False])
+@pytest.mark.parametrize("shared", [0, 20])
+def test_moe_dropless_equals_dense_reference(normalize_topk, shared):
+    moe = _moe(normalize_topk=normalize_topk, shared_mlp_dim=shared, shared_gate=bool(shared))
+    x = jax.random.normal(jax.random.key(10), (37, 16))
+    dropless, aux = moe(x)
+    dense, dense_aux = _with_mode(moe, "dense")(x)
+    np.testing.assert_allclose(dropless, dense, rtol=1e-6, atol=1e-7)
+    assert float(aux["dropped_fraction"]) == 0.0
+    jax.tree.map(np.testing.assert_array_equal, aux, dense_aux)
+
+
+def test_moe_capacity_path_equals_dense_when_capacity_is_large():
+    moe = _moe()
+    x = jax.random.normal(jax.random.key(11), (40, 16))
+    dense, _ = _with_mode(moe, "dense")(x)
+    large, aux = _with_mode(moe, "capacity", capacity_factor=6.0)(x)
+    np.testing.assert_allclose(large, dense, rtol=1e-6, atol=1e-7)
+    assert float(aux["dropped_fraction"]) == 0.0
+
+
+def test_moe_capacity_path_drops_overflow_in_priority_order():
+    """Capacity 1 per expert: only the first assignment to each expert survives."""
+    experts = Experts(4, 8, 2, init_std=0.5, key=jax.random.key(12))
+    x = jax.random.normal(jax.random.key(13), (3, 4))
+    routing = Routing(
+        logits=jnp.zeros((3, 2)),
+        probs=jnp.full((3, 2), 0.5),
+        weights=jnp.ones((3, 1)),
+        experts=jnp.array([[0], [0], [1]]),
+    )
+    output, dropped = experts.capacity(x, routing, capacity_factor=2 / 3)
+    full = experts.dense(x, routing)
+    np.testing.assert_allclose(output[0], full[0], rtol=1e-6)
+    np.testing.assert_array_equal(output[1], np.zeros(4))
+    np.testing.assert_allclose(output[2], full[2], rtol=1e-6)
+    np.testing.assert_allclose(dropped, 1 / 3, rtol=1e-6)
+
+
+def test_router_topk_and_renormalisation():
+    router = Router(8, 5, 2, normalize_topk=False, key=jax.random.key(14))
+    x = jax.random.normal(jax.random.key(15), (6, 8))
+    routing = router(x)
+    probs = jax.nn.softmax(x @ router.weight, axis=-1)
+    np.testing.assert_allclose(routing.probs, probs, rtol=1e-6)
+    np.testing.assert_allclose(routing.weights, np.sort(probs, axis=-1)[:, ::-1][:, :2], rtol=1e-6)
+    normalized = eqx.tree_at(
+        lambda r: r.weight, Router(8, 5, 2, normalize_topk=True, key=jax.random.key(0)), router.weight
+    )(x)
+    np.testing.assert_allclose(jnp.sum(normalized.weights, -1), np.ones(6), rtol=1e-6)
+    np.testing.assert_array_equal(normalized.experts, routing.experts)
+
+
+def test_aux_losses_on_a_hand_checked_example():
+    """Two tokens, two experts, top-1.
+
+    logits [[ln 3, 0], [0, 0]] -> probs [[.75, .25], [.5, .5]]; choices: expert 0 (token 0),
+    expert 0 (token 1; ties break to the lower index). f = [1, 0], p = [.625, .375],
+    load balance = 2 * (1 * .625 + 0) = 1.25; z-loss = mean(ln(4)^2, ln(2)^2).
+    """
+    logits = jnp.array([[np.log(3.0), 0.0], [0.0, 0.0]], jnp.float32)
+    probs = jax.nn.softmax(logits, -1)
+    weights, choices = jax.lax.top_k(probs, 1)
+    routing = Routing(logits=logits, probs=probs, weights=weights, experts=choices)
+    losses = router_losses(routing)
+    np.testing.assert_allclose(losses["expert_fraction"], [1.0, 0.0])
+    np.testing.assert_allclose(losses["load_balance_loss"], 1.25, rtol=1e-6)
+    np.testing.assert_allclose(
+        losses["router_z_loss"], (np.log(4.0) ** 2 + np.log(2.0) ** 2) / 2, rtol=1e-6
+    )
+
+
+def test_balanced_routing_has_unit_load_balance_loss():
+    logits = jnp.zeros((4, 4))
+    routing = Routing(
+        logits=logits,
+        probs=jnp.full((4, 4), 0.25),
+        weights=jnp.full((4, 2), 0.5),
+        experts=jnp.array([[0, 1], [2, 3], [1, 0], [3, 2]]),
+    )
+    losses = router_losses(routing)
+    np.testing.assert_allclose(losses["load_balance_loss"], 1.0, rtol=1e-6)
+    np.testing.assert_allclose(losses["expert_fraction"], np.full(4, 0.25))
+
+
+def test_moe_gradients_flow_through_all_paths():
+    x = jax.random.normal(jax.random.key(16), (12, 16))
+    moe = _moe(shared_mlp_dim=8, shared_gate=True)
+
+    def loss(moe, mode):
+        out, aux = _with_mode(moe, mode, 8.0)(x)
+        return jnp.sum(out**2) + aux["load_balance_loss"] + aux["router_z_loss"]
+
+    grads = {mode: eqx.filter_grad(loss)(moe, mode) for mode in ("dropless", "capacity", "dense")}
+    for mode in ("dropless", "capacity"):
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+            grads[mode],
+            grads["dense"],
+        )
+    assert float(jnp.abs(grads["dropless"].router.weight).sum()) > 0
+
+
+class _Affine(eqx.Module):
+    scale: jax.Array
+
+    def __init__(self, key):
+        self.scale = jax.random.normal(key, (4,))
+
+    def __call__(self, h, *, key=None):
+        return jnp.tanh(h * self.scale), {"mean": jnp.mean(h)}
+
+
+@pytest.mark.parametrize("remat_policy", ["none", "full", "dots"])
+def test_stack_scan_equals_unrolled(remat_policy):
+    key = jax.random.key(17)
+    scanned = Stack(_Affine, 5, scan=True, remat_policy=remat_policy, key=key)
+    unrolled = Stack(_Affine, 5, scan=False, remat_policy=remat_policy, key=key)
+    h = jax.random.normal(jax.random.key(18), (3, 4))
+    (hs, aux_s), (hu, aux_u) = scanned(h), unrolled(h)
+    np.testing.assert_allclose(hs, hu, rtol=1e-6)
+    assert aux_s["mean"].shape == (5,)
+    np.testing.assert_allclose(aux_s["mean"], aux_u["mean"], rtol=1e-6)
+    expected = h
+    for index in range(5):
+        expected, _ = scanned.layer(index)(expected)
+    np.testing.assert_allclose(hs, expected, rtol=1e-6)
+    grad_s = jax.grad(lambda s: jnp.sum(s(h)[0]))(scanned)
+    grad_u = jax.grad(lambda s: jnp.sum(s(h)[0]))(unrolled)
+    np.testing.assert_allclose(grad_s.layers.scale, grad_u.layers.scale, rtol=1e-5)
+
+
+def test_stack_rejects_unknown_remat_policy():
+    with pytest.raises((ValueError, TypeError), match="some"):
+        Stack(_Affine, 2, remat_policy="some", key=jax.random.key(0))
+
+
+def test_logical_axes_cover_every_parameter():
+    moe = _moe(shared_mlp_dim=8, shared_gate=True)
+    axes = logical_axes(moe)
+    flat = jax.tree.leaves(axes, is_leaf=lambda a: isinstance(a, Axes))
+    assert len(flat) == len(jax.tree.leaves(moe))
+    assert axes.experts.gate == Axes(("experts", "embed", "mlp"))
+    assert axes.router.weight == Axes(("embed", None))
+    stacked = logical_axes(Stack(lambda k: MLP(4, 8, key=k), 3, key=jax.random.key(0)))
+    assert stacked.layers.up.weight == Axes(("layers", "embed", "mlp"))
+
+
+def test_logical_axes_reject_unannotated_arrays():
+    with pytest.raises(ValueError, match=r"array at \.scale has no logical axes"):
+        logical_axes(_Affine(jax.random.key(0)))
