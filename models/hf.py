@@ -485,7 +485,7 @@ def _experts(where: Callable, prefix: str, expert_name: str, fused: str) -> _Ten
             return read(f"{prefix}experts.down_proj", (n_experts, columns, rows)).transpose(0, 2, 1)
         if fused in ("gate", "up") and read.has(f"{prefix}experts.gate_up_proj"):
             gate_up = read(f"{prefix}experts.gate_up_proj", (n_experts, 2 * columns, rows))
-            half = gate_up[:, :columns] if fused == "gate" else gate_up[:, columns:]
+            half = gate_up[:, :columns] if fused == "up" else gate_up[:, columns:]
             return half.transpose(0, 2, 1)
         return np.stack([read(name(expert)).T for expert in range(n_experts)])
 
@@ -498,8 +498,8 @@ def _tensors(config: DecoderConfig) -> list[_Tensor]:
     tensors = [
         _copied(lambda m: m.embedding.weight, "model.embed_tokens.weight", layered=False),
         _copied(lambda m: m.final_norm.weight, "model.norm.weight", layered=False),
-        _copied(lambda m: m.blocks.layers.attention_norm.weight, "post_attention_layernorm.weight"),
-        _copied(lambda m: m.blocks.layers.mlp_norm.weight, "input_layernorm.weight"),
+        _copied(lambda m: m.blocks.layers.attention_norm.weight, "input_layernorm.weight"),
+        _copied(lambda m: m.blocks.layers.mlp_norm.weight, "post_attention_layernorm.weight"),
         _heads_in(lambda m: m.blocks.layers.attention.wq, "self_attn.q_proj.weight"),
         _heads_in(lambda m: m.blocks.layers.attention.wk, "self_attn.k_proj.weight"),
         _heads_in(lambda m: m.blocks.layers.attention.wv, "self_attn.v_proj.weight"),
