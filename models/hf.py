@@ -227,12 +227,13 @@ def _model_type(hf_config: Mapping[str, Any], where: str) -> str:
                 where, "model_type", f"{hf_config['model_type']!r} does not match architecture {known[0]}"
             )
         return model_type
-    model_types = {model_type for model_type, _ in ARCHITECTURES.values()}
-    if hf_config.get("model_type") in model_types:
-        return hf_config["model_type"]
+    model_type = hf_config.get("model_type")
+    if model_type in {model_type for model_type, _ in ARCHITECTURES.values()}:
+        return model_type
     raise _config_error(
-        where, "architectures", f"missing and model_type {hf_config.get('model_type')!r} is not supported; "
-        f"supported: {supported}"
+        where,
+        "architectures",
+        f"missing, and model_type {model_type!r} is not supported; supported: {supported}",
     )
 
 
@@ -243,15 +244,19 @@ def _rope_theta(hf_config: Mapping[str, Any], default: float, where: str) -> flo
     """
     for field in ("rope_parameters", "rope_scaling"):
         table = hf_config.get(field) or {}
-        if not isinstance(table, Mapping) or any(isinstance(v, Mapping) for v in table.values()):
+        if not isinstance(table, Mapping) or any(isinstance(value, Mapping) for value in table.values()):
             raise _config_error(where, field, f"{table!r}: per-layer rotary settings are not supported")
         rope_type = table.get("rope_type", table.get("type", "default"))
         if rope_type != "default":
             raise _config_error(
-                where, f"{field}.rope_type", f"{rope_type!r}: only unscaled ('default') rotary embeddings are supported"
+                where,
+                f"{field}.rope_type",
+                f"{rope_type!r}: only unscaled ('default') rotary embeddings are supported",
             )
         if table.get("partial_rotary_factor", 1.0) != 1.0:
-            raise _config_error(where, f"{field}.partial_rotary_factor", "partial rotary embeddings are not supported")
+            raise _config_error(
+                where, f"{field}.partial_rotary_factor", "partial rotary embeddings are not supported"
+            )
     if hf_config.get("partial_rotary_factor", 1.0) != 1.0:
         raise _config_error(where, "partial_rotary_factor", "partial rotary embeddings are not supported")
     parameters = hf_config.get("rope_parameters") or {}
@@ -263,7 +268,9 @@ def _check_qwen_moe_layers(hf_config: Mapping[str, Any], n_layers: int, where: s
     """Every Qwen2-MoE layer must be a full-attention MoE layer, as every zoo layer is."""
     if hf_config.get("mlp_only_layers"):
         raise _config_error(
-            where, "mlp_only_layers", f"{hf_config['mlp_only_layers']}: dense layers between MoE layers are not supported"
+            where,
+            "mlp_only_layers",
+            f"{hf_config['mlp_only_layers']}: dense layers between MoE layers are not supported",
         )
     if hf_config.get("decoder_sparse_step", 1) != 1:
         raise _config_error(
@@ -272,19 +279,19 @@ def _check_qwen_moe_layers(hf_config: Mapping[str, Any], n_layers: int, where: s
             f"{hf_config['decoder_sparse_step']}: only 1 (every layer a MoE) is supported",
         )
     if hf_config.get("use_sliding_window"):
-        raise _config_error(where, "use_sliding_window", "sliding-window attention is not supported; set it to false")
+        raise _config_error(
+            where, "use_sliding_window", "sliding-window attention is not supported; set it to false"
+        )
     layer_types = hf_config.get("layer_types") or ["full_attention"] * n_layers
     if any(layer_type != "full_attention" for layer_type in layer_types):
-        raise _config_error(where, "layer_types", f"{layer_types}: only 'full_attention' layers are supported")
+        raise _config_error(
+            where, "layer_types", f"{layer_types}: only 'full_attention' layers are supported"
+        )
 
 
 def _check_representable(config: DecoderConfig) -> str:
     """The Hugging Face architecture for ``config``, or `ConfigError` naming what has none."""
-    architecture = {
-        LlamaConfig: "LlamaForCausalLM",
-        MixtralConfig: "MixtralForCausalLM",
-        QwenMoeConfig: "Qwen2MoeForCausalLM",
-    }.get(type(config))
+    architecture = {config_class: name for name, (_, config_class) in ARCHITECTURES.items()}.get(type(config))
     if architecture is None:
         raise ConfigError(
             f"family: {config.family!r} has no Hugging Face architecture; "
@@ -293,7 +300,9 @@ def _check_representable(config: DecoderConfig) -> str:
     if config.norm != "rms":
         raise ConfigError(f"norm: {config.norm!r} has no {architecture} counterpart; use 'rms'")
     if config.activation != "swiglu":
-        raise ConfigError(f"activation: {config.activation!r} has no {architecture} counterpart; use 'swiglu'")
+        raise ConfigError(
+            f"activation: {config.activation!r} has no {architecture} counterpart; use 'swiglu'"
+        )
     if config.qk_norm:
         raise ConfigError(f"qk_norm: {architecture} has no QK-norm; set qk_norm=False")
     moe = config.moe
@@ -462,7 +471,9 @@ def _heads_out(where: Callable, name: str) -> _Tensor:
 
 def _heads_bias(where: Callable, name: str) -> _Tensor:
     """``bq/bk/bv (heads, head_dim)`` <-> ``q/k/v_proj.bias (heads * head_dim,)``."""
-    return _Tensor(where, True, lambda a: {name: a.reshape(-1)}, lambda read, shape: read(name).reshape(shape))
+    return _Tensor(
+        where, True, lambda a: {name: a.reshape(-1)}, lambda read, shape: read(name).reshape(shape)
+    )
 
 
 def _experts(where: Callable, prefix: str, expert_name: str, fused: str) -> _Tensor:
@@ -485,7 +496,7 @@ def _experts(where: Callable, prefix: str, expert_name: str, fused: str) -> _Ten
             return read(f"{prefix}experts.down_proj", (n_experts, columns, rows)).transpose(0, 2, 1)
         if fused in ("gate", "up") and read.has(f"{prefix}experts.gate_up_proj"):
             gate_up = read(f"{prefix}experts.gate_up_proj", (n_experts, 2 * columns, rows))
-            half = gate_up[:, :columns] if fused == "up" else gate_up[:, columns:]
+            half = gate_up[:, :columns] if fused == "gate" else gate_up[:, columns:]
             return half.transpose(0, 2, 1)
         return np.stack([read(name(expert)).T for expert in range(n_experts)])
 
@@ -554,17 +565,16 @@ def _hf_tensors(model: DecoderLM, tensors: list[_Tensor]) -> dict[str, Any]:
         for layer in range(model.config.n_layers):
             prefix = _layer_prefix(layer)
             out.update({prefix + name: value for name, value in tensor.to_hf(array[layer]).items()})
-    if _is_llama_with_bias(model.config):
-        # Llama's attention_bias also gives o_proj a bias; the zoo has none, i.e. zeros.
-        for layer in range(model.config.n_layers):
-            out[_layer_prefix(layer) + "self_attn.o_proj.bias"] = np.zeros(
-                (model.config.d_model,), model.embedding.weight.dtype
-            )
+    for name in _zero_output_biases(model.config):
+        out[name] = np.zeros((model.config.d_model,), model.embedding.weight.dtype)
     return out
 
 
-def _is_llama_with_bias(config: DecoderConfig) -> bool:
-    return type(config) is LlamaConfig and config.qkv_bias
+def _zero_output_biases(config: DecoderConfig) -> list[str]:
+    """Llama's ``attention_bias`` gives ``o_proj`` a bias too; the zoo has none, i.e. zeros."""
+    if type(config) is not LlamaConfig or not config.qkv_bias:
+        return []
+    return [_layer_prefix(layer) + "self_attn.o_proj.bias" for layer in range(config.n_layers)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -589,7 +599,9 @@ def load_hf(path: str | os.PathLike) -> DecoderLM:
     directory = Path(path)
     config_path = directory / CONFIG_NAME
     if not config_path.is_file():
-        raise HFCheckpointError(f"{directory}: no {CONFIG_NAME} (expected a Hugging Face checkpoint directory)")
+        raise HFCheckpointError(
+            f"{directory}: no {CONFIG_NAME} (expected a Hugging Face checkpoint directory)"
+        )
     try:
         hf_config = json.loads(config_path.read_text())
     except json.JSONDecodeError as error:
@@ -615,13 +627,9 @@ def load_hf(path: str | os.PathLike) -> DecoderLM:
             arrays.append(jnp.asarray(np.stack(layers)))
         else:
             arrays.append(jnp.asarray(tensor.from_hf(_LayerReader(checkpoint, "", expected), shape)))
-    if _is_llama_with_bias(config):
-        for layer in range(config.n_layers):
-            name = _layer_prefix(layer) + "self_attn.o_proj.bias"
-            if np.any(checkpoint.read(name, (config.d_model,))):
-                raise HFCheckpointError(
-                    f"tensor {name} is non-zero: the zoo's attention has no output bias"
-                )
+    for name in _zero_output_biases(config):
+        if np.any(checkpoint.read(name, (config.d_model,))):
+            raise HFCheckpointError(f"tensor {name} is non-zero: the zoo's attention has no output bias")
 
     unused = [key for key in checkpoint.unused() if not _ignorable(key, config)]
     if unused:
@@ -656,7 +664,9 @@ def save_hf(model: DecoderLM, path: str | os.PathLike) -> None:
     dtype = np.dtype(model.embedding.weight.dtype).name
     hf_config = config_to_hf(config, dtype)
     host_model = jax.tree.map(np.asarray, model)
-    hf_tensors = {name: np.ascontiguousarray(value) for name, value in _hf_tensors(host_model, tensors).items()}
+    hf_tensors = {
+        name: np.ascontiguousarray(value) for name, value in _hf_tensors(host_model, tensors).items()
+    }
 
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ initialises Qwen2-MoE routers to zeros and every norm to ones, which would leave
 uniform and the mapping of norms untested.
 """
 
+import dataclasses
 import json
 import shutil
 
@@ -462,7 +463,8 @@ def test_unexpected_tensor(tmp_path, llama_dir):
     tensors["model.layers.0.mlp.gate_proj.bias"] = np.zeros((64,), np.float32)
     safetensors.numpy.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(
-        HFCheckpointError, match=r"unexpected tensor\(s\) model\.layers\.0\.mlp\.gate_proj\.bias for LlamaConfig"
+        HFCheckpointError,
+        match=r"unexpected tensor\(s\) model\.layers\.0\.mlp\.gate_proj\.bias for LlamaConfig",
     ):
         load_hf(directory)
 
@@ -474,7 +476,8 @@ def test_llama_output_bias_must_be_zero(tmp_path):
     hf_model.save_pretrained(tmp_path)
     with pytest.raises(
         HFCheckpointError,
-        match=r"tensor model\.layers\.1\.self_attn\.o_proj\.bias is non-zero: the zoo's attention has no output bias",
+        match=r"tensor model\.layers\.1\.self_attn\.o_proj\.bias is non-zero: "
+        r"the zoo's attention has no output bias",
     ):
         load_hf(tmp_path)
 
@@ -520,9 +523,12 @@ TINY_MOE = MoEConfig(n_experts=2, top_k=1, expert_mlp_dim=8)
         (LlamaConfig(**TINY, activation="gelu"), r"activation: 'gelu' has no LlamaForCausalLM counterpart"),
         (LlamaConfig(**TINY, qk_norm=True), r"qk_norm: LlamaForCausalLM has no QK-norm"),
         (DecoderConfig(**TINY), r"family: 'decoder' has no Hugging Face architecture"),
-        (MixtralConfig(**TINY, qkv_bias=True, moe=TINY_MOE), r"qkv_bias: MixtralForCausalLM has no attention"),
         (
-            MixtralConfig(**TINY, moe=MoEConfig(n_experts=2, top_k=2, expert_mlp_dim=8, normalize_topk=False)),
+            MixtralConfig(**TINY, qkv_bias=True, moe=TINY_MOE),
+            r"qkv_bias: MixtralForCausalLM has no attention biases",
+        ),
+        (
+            MixtralConfig(**TINY, moe=dataclasses.replace(TINY_MOE, normalize_topk=False)),
             r"moe\.normalize_topk: MixtralForCausalLM always renormalises",
         ),
         (QwenMoeConfig(**TINY, moe=TINY_MOE), r"moe\.shared_mlp_dim: Qwen2MoeForCausalLM always has a gated"),
