@@ -1,0 +1,25 @@
+"""Meshes, logical-axis sharding rules and pipeline schedules."""
+
+from eqxzoo.parallel.mesh import MESH_AXES, MeshConfig, MeshError, check_model_fits, make_mesh
+from eqxzoo.parallel.pipeline import run_pipeline, stage_layers, staged_axes, unstage_layers
+from eqxzoo.parallel.rules import DEFAULT_RULES, MeshAxes, partition_spec, tree_shardings
+from eqxzoo.parallel.schedule import Schedule, ScheduleError, ScheduleName
+
+__all__ = [
+    "DEFAULT_RULES",
+    "MESH_AXES",
+    "MeshAxes",
+    "MeshConfig",
+    "MeshError",
+    "Schedule",
+    "ScheduleError",
+    "ScheduleName",
+    "check_model_fits",
+    "make_mesh",
+    "partition_spec",
+    "run_pipeline",
+    "stage_layers",
+    "staged_axes",
+    "tree_shardings",
+    "unstage_layers",
+]

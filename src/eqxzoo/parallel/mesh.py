@@ -1,0 +1,65 @@
+"""Device meshes with the axes ``dp`` (data/FSDP), ``pp`` (pipeline), ``tp`` (tensor), ``ep`` (experts)."""
+
+import dataclasses
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+MESH_AXES = ("dp", "pp", "tp", "ep")
+
+
+class MeshError(ValueError):
+    """A mesh that does not fit the devices or the model; the message names the numbers."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self):
+        for axis in MESH_AXES:
+            if getattr(self, axis) < 1:
+                raise MeshError(f"mesh.{axis} must be >= 1, got {getattr(self, axis)}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, axis) for axis in MESH_AXES)
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.pp * self.tp * self.ep
+
+    def describe(self) -> str:
+        return " x ".join(f"{axis}={getattr(self, axis)}" for axis in MESH_AXES)
+
+
+def make_mesh(config: MeshConfig, devices: list | None = None) -> Mesh:
+    """An Auto-axis (GSPMD) mesh of exactly ``config.size`` devices (all devices by default)."""
+    devices = jax.devices() if devices is None else list(devices)
+    if config.size != len(devices):
+        raise MeshError(
+            f"mesh {config.describe()} needs {config.size} devices, but {len(devices)} are available"
+        )
+    return jax.make_mesh(
+        config.shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+    )
+
+
+def check_model_fits(
+    mesh: MeshConfig, *, n_layers: int, n_heads: int, n_experts: int | None, repeats: int = 1
+) -> None:
+    """Raise `MeshError` naming the numbers when the model cannot be split over ``mesh``."""
+    if n_layers % (mesh.pp * repeats) != 0:
+        raise MeshError(
+            f"n_layers={n_layers} is not divisible by pp * repeats = {mesh.pp} * {repeats}"
+        )
+    if n_heads % mesh.tp != 0:
+        raise MeshError(f"n_heads={n_heads} is not divisible by tp={mesh.tp}")
+    if n_experts is None:
+        if mesh.ep != 1:
+            raise MeshError(f"ep={mesh.ep} needs a MoE model, but the model has no experts")
+    elif n_experts % mesh.ep != 0:
+        raise MeshError(f"n_experts={n_experts} is not divisible by ep={mesh.ep}")

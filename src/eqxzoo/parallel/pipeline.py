@@ -1,0 +1,171 @@
+"""The pipeline executor: runs a `Schedule` table over stacked layers under `jax.shard_map`.
+
+The stacked layers are kept in the ``[R, P, k]`` layout (``stage_layers``), sharded over
+``pp`` on the ``P`` axis. Inside one `jax.shard_map` that is manual over ``pp`` only (the
+other mesh axes stay with the compiler), a `jax.lax.scan` runs the schedule's ticks; at each
+tick every stage looks up its entry in the table, runs its ``k`` layers of the scheduled
+repeat on its input (bubble entries are skipped with `jax.lax.cond` and contribute nothing),
+and `jax.lax.ppermute` shifts the outputs one stage on. Stage 0 takes fresh microbatches on
+the first repeat and the last stage's returning outputs (kept in a per-microbatch buffer) on
+later ones; the last stage collects outputs on the last repeat. The stage body is
+rematerialised around the `cond`, so only each tick's input is saved for the backward pass.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+from jaxtyping import Array, Float, PyTree
+
+from eqxzoo.nn import Axes, apply_layers
+from eqxzoo.nn.stack import RematPolicy
+from eqxzoo.parallel.schedule import Schedule
+
+
+def stage_layers(layers: PyTree, stages: int, repeats: int) -> PyTree:
+    """View stacked layers ``(L, ...)`` as ``(repeats, stages, L / (stages repeats), ...)``."""
+
+    def view(array):
+        per_stage = array.shape[0] // (stages * repeats)
+        return array.reshape(repeats, stages, per_stage, *array.shape[1:])
+
+    return jax.tree.map(view, layers)
+
+
+def unstage_layers(layers: PyTree) -> PyTree:
+    """Inverse of `stage_layers`: ``(R, P, k, ...)`` back to ``(L, ...)``."""
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), layers)
+
+
+def staged_axes(axes: PyTree[Axes]) -> PyTree[Axes]:
+    """Logical axes of staged layers: the leading ``layers`` becomes ``repeats, stages, layers``."""
+
+    def restage(a: Axes) -> Axes:
+        assert a.names[0] == "layers", a
+        return Axes(("repeats", "stages", "layers", *a.names[1:]))
+
+    return jax.tree.map(restage, axes, is_leaf=lambda x: isinstance(x, Axes))
+
+
+def run_pipeline(
+    layers: PyTree,
+    microbatches: Float[Array, "microbatches batch seq embed"],
+    *,
+    schedule: Schedule,
+    mesh: Mesh,
+    remat_policy: RematPolicy = "none",
+    bubble_fill: float = 0.0,
+) -> tuple[Float[Array, "microbatches batch seq embed"], dict[str, Array]]:
+    """Apply staged ``layers`` to every microbatch, stage by stage on the ``pp`` mesh axis.
+
+    ``layers`` are stacked layers in the `stage_layers` layout; each layer is called as
+    ``layer(h, key=None) -> (h, aux)`` on one sequence ``(seq, embed)``.
+
+    Returns the outputs (same shape as ``microbatches``) and every layer's aux values summed
+    over all sequences, shape ``(L, ...)`` in layer order. ``bubble_fill`` is what a skipped
+    tick emits (tests fill bubbles with NaN to show that nothing leaks from them).
+    """
+    params, static = eqx.partition(layers, eqx.is_array)
+    table = {name: jnp.asarray(values) for name, values in schedule.table().items()}
+    n_stages, n_repeats, n_micro = schedule.stages, schedule.repeats, schedule.microbatches
+    last_stage = n_stages - 1
+    shift = [(stage, (stage + 1) % n_stages) for stage in range(n_stages)]
+
+    def stage_compute(stage_params, h):
+        def one_sequence(sequence):
+            return apply_layers(
+                eqx.combine(stage_params, static), sequence, remat_policy=remat_policy
+            )
+
+        h_out, aux = jax.vmap(one_sequence)(h)
+        return h_out, jax.tree.map(lambda v: jnp.sum(v, axis=0), aux)
+
+    def run_stage(stage_params, h):
+        return _varying_over_pp(stage_compute(stage_params, h))
+
+    stage_param_shapes = jax.tree.map(lambda p: p[0, 0], params)
+    _, aux_shapes = jax.eval_shape(stage_compute, stage_param_shapes, microbatches[0])
+
+    def skip_stage(stage_params, h):
+        del stage_params
+        aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes)
+        return _varying_over_pp((jnp.full_like(h, bubble_fill), aux))
+
+    def per_stage(stage_params, inputs):
+        stage = jax.lax.axis_index("pp")
+        stage_params = jax.tree.map(lambda p: p[:, 0], stage_params)
+
+        def tick(carry, t):
+            received, returning, outputs, aux_sums = carry
+            active = table["active"][t, stage]
+            microbatch = table["microbatch"][t, stage]
+            repeat = table["repeat"][t, stage]
+            first_input = inputs[microbatch]
+            if n_repeats > 1:
+                first_input = jnp.where(repeat == 0, first_input, returning[microbatch])
+            h_in = jnp.where(stage == 0, first_input, received)
+            repeat_params = jax.tree.map(lambda p: p[repeat], stage_params)
+            h_out, aux = jax.checkpoint(
+                lambda w, h: jax.lax.cond(active, run_stage, skip_stage, w, h), prevent_cse=False
+            )(repeat_params, h_in)
+            aux_sums = jax.tree.map(lambda acc, v: acc.at[repeat].add(v), aux_sums, aux)
+            is_output = active & (stage == last_stage) & (repeat == n_repeats - 1)
+            outputs = outputs.at[microbatch].set(jnp.where(is_output, h_out, outputs[microbatch]))
+            received = jax.lax.ppermute(h_out, "pp", shift)
+            if n_repeats > 1:
+                arriving = table["microbatch"][t, last_stage]
+                keep = (
+                    (stage == 0)
+                    & table["active"][t, last_stage]
+                    & (table["repeat"][t, last_stage] < n_repeats - 1)
+                )
+                returning = returning.at[arriving].set(
+                    jnp.where(keep, received, returning[arriving])
+                )
+            return (received, returning, outputs, aux_sums), None
+
+        zeros = jnp.zeros_like(inputs)
+        init = (
+            _varying_over_pp(jnp.zeros_like(inputs[0])),
+            _varying_over_pp(zeros if n_repeats > 1 else jnp.zeros((), inputs.dtype)),
+            _varying_over_pp(zeros),
+            jax.tree.map(
+                lambda s: _varying_over_pp(jnp.zeros((n_repeats, *s.shape), s.dtype)), aux_shapes
+            ),
+        )
+        (_, _, outputs, aux_sums), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
+        return outputs[None], jax.tree.map(lambda v: v[None], aux_sums)
+
+    stage_spec = jax.tree.map(lambda _: PartitionSpec(None, "pp"), params)
+    outputs, aux_sums = jax.shard_map(
+        per_stage,
+        mesh=mesh,
+        in_specs=(stage_spec, PartitionSpec()),
+        out_specs=(PartitionSpec("pp"), PartitionSpec("pp")),
+        axis_names={"pp"},
+        check_vma=True,
+    )(params, microbatches)
+    # aux_sums: (stages, repeats, layers_per_stage, ...) -> layer order (repeats, stages, k).
+    layer_aux = jax.tree.map(
+        lambda v: jnp.swapaxes(v, 0, 1).reshape(-1, *v.shape[3:]), aux_sums
+    )
+    return outputs[last_stage], layer_aux
+
+
+
+def _varying_over_pp(tree: PyTree) -> PyTree:
+    """Mark every array of ``tree`` as varying over ``pp`` (inside the pipeline's shard_map).
+
+    Values computed from the stage's own weights already vary; constants (a skipped tick's
+    zeros, a fresh carry) do not, and `check_vma` requires both branches of a `cond` and
+    both sides of a scan carry to agree.
+    """
+
+    def cast(x):
+        aval = jax.typeof(x)
+        varying = getattr(aval, "vma", None)
+        if varying is None:
+            varying = aval.manual_axis_type.varying
+        return x if "pp" in varying else jax.lax.pcast(x, ("pp",), to="varying")
+
+    return jax.tree.map(cast, tree)
