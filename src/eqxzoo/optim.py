@@ -1,0 +1,121 @@
+"""Filtered optax: trainable/frozen partition, decay mask, global-norm clip, warmup-cosine.
+
+The optimizer runs on global arrays outside any `shard_map`, so `clip_by_global_norm` sees
+the norm of the whole gradient, never one device's slice of it.
+"""
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import PyTree
+
+
+class OptimizerConfigError(ValueError):
+    """An invalid ``[optimizer]`` value; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW (or Adafactor) on a warmup-cosine schedule after a global-norm clip.
+
+    The learning rate rises linearly from 0 to ``learning_rate`` over ``warmup_steps``, then
+    follows a cosine down to ``learning_rate * final_lr_fraction`` at ``decay_steps``.
+    ``clip_norm = 0`` disables clipping. ``freeze`` lists regular expressions matched
+    against parameter paths (``.blocks.layers.attention.wq``); matches get no optimizer
+    state and never change.
+    """
+
+    name: Literal["adamw", "adafactor"] = "adamw"
+    learning_rate: float = 3e-4
+    warmup_steps: int = 100
+    decay_steps: int = 10_000
+    final_lr_fraction: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    freeze: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.name not in ("adamw", "adafactor"):
+            raise OptimizerConfigError(f"optimizer.name must be 'adamw' or 'adafactor', got {self.name!r}")
+        if self.learning_rate <= 0:
+            raise OptimizerConfigError(f"optimizer.learning_rate must be > 0, got {self.learning_rate}")
+        if not 0 <= self.warmup_steps < self.decay_steps:
+            raise OptimizerConfigError(
+                f"optimizer.warmup_steps must be in [0, decay_steps={self.decay_steps}), "
+                f"got {self.warmup_steps}"
+            )
+        if self.clip_norm < 0:
+            raise OptimizerConfigError(f"optimizer.clip_norm must be >= 0 (0: off), got {self.clip_norm}")
+        for pattern in self.freeze:
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise OptimizerConfigError(f"optimizer.freeze: bad pattern {pattern!r}: {error}") from None
+
+
+def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=config.learning_rate,
+        warmup_steps=config.warmup_steps,
+        decay_steps=config.decay_steps,
+        end_value=config.learning_rate * config.final_lr_fraction,
+    )
+
+
+_NO_DECAY = re.compile(r"(norm|bias|\.b[qkv]\b)")
+
+
+def decay_mask(params: PyTree) -> PyTree[bool]:
+    """True for parameters that get weight decay: everything but norms and biases."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: _NO_DECAY.search(jax.tree_util.keystr(path)) is None, params
+    )
+
+
+def trainable_mask(model: PyTree, freeze: Sequence[str] = ()) -> PyTree[bool]:
+    """True for floating arrays whose path matches none of the ``freeze`` patterns."""
+    patterns = [re.compile(p) for p in freeze]
+
+    def trainable(path, leaf):
+        name = jax.tree_util.keystr(path)
+        return _is_inexact(leaf) and not any(p.search(name) for p in patterns)
+
+    return jax.tree_util.tree_map_with_path(trainable, model)
+
+
+def _is_inexact(leaf) -> bool:
+    """A floating array, or the shape of one (so masks work on `jax.eval_shape` output too)."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jnp.issubdtype(leaf.dtype, jnp.inexact)
+    return eqx.is_inexact_array(leaf)
+
+
+def build_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+    """``clip_by_global_norm`` then AdamW with `decay_mask` (or Adafactor), on the schedule."""
+    schedule = learning_rate_schedule(config)
+    if config.name == "adamw":
+        update = optax.adamw(
+            schedule,
+            b1=config.b1,
+            b2=config.b2,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            mask=decay_mask,
+        )
+    else:
+        update = optax.adafactor(
+            schedule, weight_decay_rate=config.weight_decay or None, weight_decay_mask=decay_mask
+        )
+    if config.clip_norm == 0:
+        return update
+    return optax.chain(optax.clip_by_global_norm(config.clip_norm), update)

@@ -1,0 +1,1 @@
+"""Train state, step, checkpoints and the training loop."""

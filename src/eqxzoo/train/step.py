@@ -1,0 +1,253 @@
+"""The training step: pipelined loss, gradient accumulation, filtered optax update.
+
+A `TrainState` holds the model in the pipeline layout (the stacked blocks viewed as
+``[R, P, L / (P R)]`` and sharded over ``pp`` on ``P``), the optimizer state of its
+trainable part and the step count. `init_train_state` creates it directly sharded (one jit
+with ``out_shardings``: no parameter is ever whole on one device); `make_train_step` returns
+the jitted step ``(state, batch) -> (state, metrics)`` with the old state donated.
+"""
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
+
+from eqxzoo.nn import logical_axes
+from eqxzoo.optim import OptimizerConfig, build_optimizer, learning_rate_schedule, trainable_mask
+from eqxzoo.parallel import (
+    DEFAULT_RULES,
+    MeshAxes,
+    Schedule,
+    run_pipeline,
+    stage_layers,
+    staged_axes,
+    tree_shardings,
+    unstage_layers,
+)
+from models import DecoderLM, summarize_layer_aux
+
+Batch = dict[str, Int[Array, "grad_accum microbatches batch seq"]]
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """Parameters are stored in ``params`` (fp32 master weights), cast to ``compute`` for the
+    forward and backward pass, and the logits/loss are taken in ``output``."""
+
+    params: str = "float32"
+    compute: str = "float32"
+    output: str = "float32"
+
+    def __post_init__(self):
+        for field in ("params", "compute", "output"):
+            if getattr(self, field) not in DTYPES:
+                raise ValueError(f"precision.{field} must be one of {sorted(DTYPES)}, got {getattr(self, field)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Everything the step needs besides the model: schedule, optimizer, loss weights."""
+
+    schedule: Schedule
+    optimizer: OptimizerConfig = OptimizerConfig()
+    precision: Precision = Precision()
+    load_balance_weight: float = 0.01
+    router_z_weight: float = 0.001
+    bubble_fill: float = 0.0
+
+
+class TrainState(eqx.Module):
+    step: Int[Array, ""]
+    model: DecoderLM
+    opt_state: PyTree
+
+
+def to_pipeline_layout(model: DecoderLM, schedule: Schedule) -> DecoderLM:
+    return eqx.tree_at(
+        lambda m: m.blocks.layers,
+        model,
+        stage_layers(model.blocks.layers, schedule.stages, schedule.repeats),
+    )
+
+
+def from_pipeline_layout(model: DecoderLM) -> DecoderLM:
+    """The plain model (blocks with one leading layer axis) from the pipeline layout."""
+    return eqx.tree_at(lambda m: m.blocks.layers, model, unstage_layers(model.blocks.layers))
+
+
+def split_trainable(model: DecoderLM, config: OptimizerConfig) -> tuple[PyTree, PyTree]:
+    """``(trainable, frozen)``: `eqx.partition` by the optimizer's freeze patterns."""
+    return eqx.partition(model, trainable_mask(model, config.freeze))
+
+
+def state_shardings(
+    state_shape: TrainState,
+    model_config,
+    *,
+    config: StepConfig,
+    mesh: Mesh,
+    rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
+) -> PyTree[NamedSharding]:
+    """NamedShardings for every array of a `TrainState`, all from the logical-axis rules.
+
+    Optimizer-state subtrees shaped like the trainable parameters (Adam's moments) take the
+    parameters' shardings; everything else (step, counts, factored statistics) is replicated.
+    """
+    plain_shape = eqx.filter_eval_shape(DecoderLM, model_config, key=jax.random.key(0))
+    axes = logical_axes(plain_shape)
+    axes = eqx.tree_at(lambda m: m.blocks.layers, axes, staged_axes(axes.blocks.layers))
+    model_sharding = tree_shardings(state_shape.model, axes, mesh, rules)
+    trainable_sharding, _ = eqx.partition(
+        model_sharding, trainable_mask(state_shape.model, config.optimizer.freeze)
+    )
+    replicated = NamedSharding(mesh, PartitionSpec())
+    params_structure = jax.tree.structure(trainable_sharding)
+
+    def is_params_like(subtree) -> bool:
+        return jax.tree.structure(subtree) == params_structure
+
+    opt_sharding = jax.tree.map(
+        lambda x: trainable_sharding if is_params_like(x) else replicated,
+        state_shape.opt_state,
+        is_leaf=is_params_like,
+    )
+    return TrainState(step=replicated, model=model_sharding, opt_state=opt_sharding)
+
+
+def init_train_state(
+    model_config,
+    key: PRNGKeyArray,
+    *,
+    config: StepConfig,
+    mesh: Mesh,
+    rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
+) -> TrainState:
+    """A fresh `TrainState`, every array created directly with its final sharding."""
+
+    def build(key):
+        model = _cast(DecoderLM(model_config, key=key), DTYPES[config.precision.params])
+        model = to_pipeline_layout(model, config.schedule)
+        trainable, _ = split_trainable(model, config.optimizer)
+        opt_state = build_optimizer(config.optimizer).init(trainable)
+        return TrainState(step=jnp.zeros((), jnp.int32), model=model, opt_state=opt_state)
+
+    state_shape = eqx.filter_eval_shape(build, key)
+    shardings = state_shardings(state_shape, model_config, config=config, mesh=mesh, rules=rules)
+    return jax.jit(build, out_shardings=shardings)(key)
+
+
+def _cast(tree: PyTree, dtype) -> PyTree:
+    return jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, tree)
+
+
+def pipelined_loss(
+    model: DecoderLM,
+    tokens: Int[Array, "microbatches batch seq"],
+    targets: Int[Array, "microbatches batch seq"],
+    *,
+    config: StepConfig,
+    mesh: Mesh,
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """Token-mean cross-entropy plus weighted aux losses, with the blocks pipelined over ``pp``.
+
+    ``model`` is in the pipeline layout. Embedding and head run outside the pipeline.
+    """
+    model = _cast(model, DTYPES[config.precision.compute])
+    n_micro, batch = tokens.shape[:2]
+    h = jax.vmap(jax.vmap(model.embed))(tokens)
+    h, layer_aux_sums = run_pipeline(
+        model.blocks.layers,
+        h,
+        schedule=config.schedule,
+        mesh=mesh,
+        remat_policy=model.config.remat,
+        bubble_fill=config.bubble_fill,
+    )
+    logits = jax.vmap(jax.vmap(model.head))(h).astype(DTYPES[config.precision.output])
+    aux = summarize_layer_aux(jax.tree.map(lambda v: v / (n_micro * batch), layer_aux_sums))
+    return _total_loss(logits, targets, aux, config)
+
+
+def sequential_loss(
+    model: DecoderLM,
+    tokens: Int[Array, "microbatches batch seq"],
+    targets: Int[Array, "microbatches batch seq"],
+    *,
+    config: StepConfig,
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """The same loss computed the plain way: the (unstaged) model vmapped over every sequence."""
+    model = _cast(model, DTYPES[config.precision.compute])
+    logits, aux = jax.vmap(jax.vmap(model))(tokens)
+    aux = jax.tree.map(lambda v: jnp.mean(v, axis=(0, 1)), aux)
+    return _total_loss(logits.astype(DTYPES[config.precision.output]), targets, aux, config)
+
+
+def _total_loss(logits, targets, aux, config: StepConfig):
+    cross_entropy = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
+    loss = cross_entropy
+    if "load_balance_loss" in aux:
+        loss = loss + config.load_balance_weight * aux["load_balance_loss"]
+        loss = loss + config.router_z_weight * aux["router_z_loss"]
+    return loss.astype(jnp.float32), {"cross_entropy": cross_entropy, **aux}
+
+
+LossFn = Callable[[DecoderLM, Array, Array], tuple[Array, dict[str, Array]]]
+
+
+def train_step(
+    state: TrainState, batch: Batch, *, config: StepConfig, loss_fn: LossFn
+) -> tuple[TrainState, dict[str, Array]]:
+    """One optimizer step over ``G`` accumulated gradients of ``loss_fn`` (not jitted)."""
+    optimizer = build_optimizer(config.optimizer)
+    trainable, frozen = split_trainable(state.model, config.optimizer)
+
+    def microbatch_grads(carry, micro):
+        grad_sum, metric_sum = carry
+
+        def loss_of(trainable):
+            return loss_fn(eqx.combine(trainable, frozen), micro["tokens"], micro["targets"])
+
+        (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
+        metrics = {"loss": loss, **metrics}
+        return (jax.tree.map(jnp.add, grad_sum, grads), jax.tree.map(jnp.add, metric_sum, metrics)), None
+
+    grad_zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), trainable)
+    def first_metrics():
+        loss, metrics = loss_fn(state.model, batch["tokens"][0], batch["targets"][0])
+        return {"loss": loss, **metrics}
+
+    metric_shapes = jax.eval_shape(first_metrics)
+    zeros = (grad_zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes))
+    (grad_sum, metric_sum), _ = jax.lax.scan(microbatch_grads, zeros, batch)
+    n_accum = batch["tokens"].shape[0]
+    grads = jax.tree.map(lambda g, p: (g / n_accum).astype(p.dtype), grad_sum, trainable)
+    metrics = jax.tree.map(lambda m: m / n_accum, metric_sum)
+    updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+    trainable = optax.apply_updates(trainable, updates)
+    metrics.update(
+        grad_norm=optax.global_norm(grads),
+        learning_rate=learning_rate_schedule(config.optimizer)(state.step),
+        tokens=jnp.asarray(batch["tokens"].size, jnp.int32),
+    )
+    new_state = TrainState(step=state.step + 1, model=eqx.combine(trainable, frozen), opt_state=opt_state)
+    return new_state, metrics
+
+
+
+def make_train_step(config: StepConfig, mesh: Mesh) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Array]]]:
+    """The jitted pipelined train step; the incoming state is donated."""
+
+    def loss_fn(model, tokens, targets):
+        return pipelined_loss(model, tokens, targets, config=config, mesh=mesh)
+
+    return jax.jit(
+        lambda state, batch: train_step(state, batch, config=config, loss_fn=loss_fn),
+        donate_argnums=0,
+    )
