@@ -108,17 +108,27 @@ def state_shardings(
         model_sharding, trainable_mask(state_shape.model, config.optimizer.freeze)
     )
     replicated = NamedSharding(mesh, PartitionSpec())
-    params_structure = jax.tree.structure(trainable_sharding)
+    trainable_shape, _ = eqx.partition(
+        state_shape.model, trainable_mask(state_shape.model, config.optimizer.freeze)
+    )
+    params_structure = jax.tree.structure(trainable_shape)
+    params_shapes = [leaf.shape for leaf in jax.tree.leaves(trainable_shape)]
 
     def is_params_like(subtree) -> bool:
-        return jax.tree.structure(subtree) == params_structure
+        return jax.tree.structure(subtree) == params_structure and params_shapes == [
+            leaf.shape for leaf in jax.tree.leaves(subtree)
+        ]
 
     opt_sharding = jax.tree.map(
         lambda x: trainable_sharding if is_params_like(x) else replicated,
         state_shape.opt_state,
         is_leaf=is_params_like,
     )
-    return TrainState(step=replicated, model=model_sharding, opt_state=opt_sharding)
+    return eqx.tree_at(
+        lambda state: (state.step, state.model, state.opt_state),
+        state_shape,
+        (replicated, model_sharding, opt_sharding),
+    )
 
 
 def init_train_state(
@@ -232,7 +242,7 @@ def train_step(
     updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
     trainable = optax.apply_updates(trainable, updates)
     metrics.update(
-        grad_norm=optax.global_norm(grads),
+        grad_norm=optax.tree.norm(grads),
         learning_rate=learning_rate_schedule(config.optimizer)(state.step),
         tokens=jnp.asarray(batch["tokens"].size, jnp.int32),
     )

@@ -1,0 +1,224 @@
+"""The train step on meshes: optimizer steps, global clipping, replicas, frozen parameters."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import models
+from eqxzoo.optim import OptimizerConfig, OptimizerConfigError, build_optimizer, decay_mask
+from eqxzoo.parallel import MeshConfig, MeshError, Schedule, ScheduleError, check_model_fits, make_mesh
+from eqxzoo.train.step import (
+    StepConfig,
+    from_pipeline_layout,
+    init_train_state,
+    make_train_step,
+    sequential_loss,
+    split_trainable,
+)
+
+VOCAB = 53
+MOE = models.MixtralConfig(
+    vocab_size=VOCAB,
+    d_model=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    moe=models.MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=16),
+)
+DENSE = models.LlamaConfig(vocab_size=VOCAB, d_model=32, n_layers=4, n_heads=4, mlp_dim=48)
+SHAPE = (2, 4, 4, 8)  # (G, M, B, T)
+
+
+def make_batch(seed=0):
+    tokens_key, targets_key = jax.random.split(jax.random.key(seed))
+    return {
+        "tokens": jax.random.randint(tokens_key, SHAPE, 0, VOCAB),
+        "targets": jax.random.randint(targets_key, SHAPE, 0, VOCAB),
+    }
+
+
+def step_config(stages, optimizer, repeats=1):
+    schedule = Schedule("circular" if repeats > 1 else "gpipe", stages, SHAPE[1], repeats)
+    return StepConfig(schedule=schedule, optimizer=optimizer)
+
+
+def run_steps(model_config, mesh_config, stages, optimizer, n_steps, repeats=1):
+    mesh = make_mesh(mesh_config, jax.devices()[: mesh_config.size])
+    config = step_config(stages, optimizer, repeats)
+    state = init_train_state(model_config, jax.random.key(0), config=config, mesh=mesh)
+    step = make_train_step(config, mesh)
+    history = []
+    for index in range(n_steps):
+        state, metrics = step(state, make_batch(index))
+        history.append(jax.device_get(metrics))
+    return state, history
+
+
+def host(tree):
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(tree)]
+
+
+def assert_close(actual, expected, rtol=1e-5):
+    for a, e in zip(host(actual), host(expected), strict=True):
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * np.max(np.abs(e)))
+
+
+# Adam divides by sqrt(v) + eps: with a tiny eps, gradients that are zero up to fp32 rounding
+# (reduction order differs between meshes) would turn into full-size, sign-random updates.
+ADAM = OptimizerConfig(learning_rate=1e-2, warmup_steps=1, decay_steps=10, eps=1e-3, weight_decay=0.1)
+
+
+@pytest.mark.parametrize(
+    ("model_config", "mesh_config", "repeats"),
+    [(DENSE, MeshConfig(dp=2, pp=2, tp=2), 1), (MOE, MeshConfig(dp=2, pp=2, ep=2), 2)],
+    ids=["dense-gpipe", "moe-circular"],
+)
+def test_three_steps_on_a_mesh_equal_one_device(model_config, mesh_config, repeats):
+    one_state, one_history = run_steps(model_config, MeshConfig(), 1, ADAM, 3)
+    mesh_state, mesh_history = run_steps(model_config, mesh_config, 2, ADAM, 3, repeats)
+    for one, many in zip(one_history, mesh_history, strict=True):
+        np.testing.assert_allclose(many["loss"], one["loss"], rtol=1e-5)
+        np.testing.assert_allclose(many["grad_norm"], one["grad_norm"], rtol=1e-5)
+    assert_close(from_pipeline_layout(mesh_state.model), from_pipeline_layout(one_state.model))
+    assert one_history[2]["loss"] < one_history[0]["loss"] + 1.0
+
+
+def test_metrics_of_a_moe_step():
+    _, (metrics,) = run_steps(MOE, MeshConfig(pp=2, ep=2), 2, ADAM, 1)
+    for name in ("loss", "cross_entropy", "load_balance_loss", "router_z_loss", "dropped_fraction", "grad_norm", "learning_rate"):
+        assert np.shape(metrics[name]) == (), name
+    assert metrics["expert_fraction"].shape == (4, 4)
+    np.testing.assert_allclose(metrics["expert_fraction"].sum(-1), np.ones(4), rtol=1e-5)
+    assert int(metrics["tokens"]) == np.prod(SHAPE)
+    assert float(metrics["learning_rate"]) == 0.0  # warmup starts at zero
+
+
+def test_clipping_uses_the_global_norm():
+    """With eps = 1 Adam's first update is ~ linear in the gradient, so the clip scale shows.
+
+    The pipelined step on dp x pp x tp must equal optax applied on one device to the
+    sequentially computed gradient, clipped by its true global norm.
+    """
+    optimizer = dataclasses.replace(ADAM, eps=1.0, clip_norm=1e-3, weight_decay=0.0)
+    mesh_state, (metrics,) = run_steps(DENSE, MeshConfig(dp=2, pp=2, tp=2), 2, optimizer, 1)
+
+    model = models.DecoderLM(DENSE, key=jax.random.key(0))
+    config = step_config(1, optimizer)
+    batch = make_batch(0)
+
+    def loss(model):
+        losses = [
+            sequential_loss(model, batch["tokens"][g], batch["targets"][g], config=config)[0]
+            for g in range(SHAPE[0])
+        ]
+        return sum(losses) / len(losses)
+
+    grads = eqx.filter_grad(loss)(model)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    tx = build_optimizer(optimizer)
+    opt_state = tx.init(params)
+    tx.update(grads, opt_state, params)  # step 0 has learning rate 0: advance once
+    _, opt_state = tx.update(grads, opt_state, params)
+    np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(grads), rtol=1e-5)
+    assert float(optax.tree.norm(grads)) > 100 * optimizer.clip_norm
+
+    # Both sides take their first optimizer step at learning rate 0; compare the second.
+    mesh_state, _ = make_train_step(
+        step_config(2, optimizer), make_mesh(MeshConfig(dp=2, pp=2, tp=2))
+    )(mesh_state, batch), None
+    mesh_state = mesh_state[0]
+    updates, _ = tx.update(grads, opt_state, params)
+    expected = optax.apply_updates(params, updates)
+    actual = eqx.filter(from_pipeline_layout(mesh_state.model), eqx.is_inexact_array)
+    assert_close(actual, expected)
+
+
+def test_replicated_parameters_stay_bitwise_identical():
+    state, _ = run_steps(MOE, MeshConfig(dp=2, pp=2, ep=2), 2, ADAM, 2)
+    for leaf in jax.tree.leaves(state):
+        shards_by_index = {}
+        for shard in leaf.addressable_shards:
+            key = tuple((s.start, s.stop) for s in shard.index)
+            shards_by_index.setdefault(key, []).append(np.asarray(shard.data))
+        for copies in shards_by_index.values():
+            for copy in copies[1:]:
+                np.testing.assert_array_equal(copy, copies[0])
+
+
+def test_frozen_parameters_never_change_and_have_no_optimizer_state():
+    optimizer = dataclasses.replace(ADAM, freeze=(r"^\.embedding", r"attention\.wq"))
+    mesh_config = MeshConfig(dp=2, pp=2, tp=2)
+    mesh = make_mesh(mesh_config)
+    config = step_config(2, optimizer)
+    initial = init_train_state(DENSE, jax.random.key(0), config=config, mesh=mesh)
+    frozen_before = [np.asarray(initial.model.embedding.weight), np.asarray(initial.model.blocks.layers.attention.wq)]
+    trainable_before = np.asarray(initial.model.blocks.layers.attention.wk)
+    adam_state = initial.opt_state[1][0]
+    assert adam_state.mu.embedding.weight is None and adam_state.mu.blocks.layers.attention.wq is None
+    state, _ = make_train_step(config, mesh)(initial, make_batch(0))
+    state, _ = make_train_step(config, mesh)(state, make_batch(1))
+    np.testing.assert_array_equal(np.asarray(state.model.embedding.weight), frozen_before[0])
+    np.testing.assert_array_equal(np.asarray(state.model.blocks.layers.attention.wq), frozen_before[1])
+    assert not np.array_equal(np.asarray(state.model.blocks.layers.attention.wk), trainable_before)
+
+
+def test_adafactor_is_selectable_and_matches_one_device():
+    optimizer = dataclasses.replace(ADAM, name="adafactor")
+    _, one = run_steps(DENSE, MeshConfig(), 1, optimizer, 2)
+    _, many = run_steps(DENSE, MeshConfig(dp=2, pp=2, tp=2), 2, optimizer, 2)
+    np.testing.assert_allclose(many[1]["loss"], one[1]["loss"], rtol=1e-5)
+
+
+def test_decay_mask_excludes_norms_and_biases():
+    model = models.DecoderLM(dataclasses.replace(DENSE, qkv_bias=True), key=jax.random.key(0))
+    mask = decay_mask(eqx.filter(model, eqx.is_array))
+    assert mask.blocks.layers.attention.wq and mask.embedding.weight
+    assert not mask.blocks.layers.attention.bq and not mask.blocks.layers.attention_norm.weight
+    assert not mask.final_norm.weight
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(n_layers=6, pp=4), r"n_layers=6 is not divisible by pp \* repeats = 4 \* 1"),
+        (dict(n_layers=8, pp=2, repeats=3), r"n_layers=8 is not divisible by pp \* repeats = 2 \* 3"),
+        (dict(n_heads=6, tp=4), r"n_heads=6 is not divisible by tp=4"),
+        (dict(n_experts=6, ep=4), r"n_experts=6 is not divisible by ep=4"),
+        (dict(n_experts=None, ep=2), r"ep=2 needs a MoE model"),
+    ],
+)
+def test_mesh_that_does_not_fit_the_model(kwargs, message):
+    mesh = {k: kwargs.pop(k) for k in ("pp", "tp", "ep") if k in kwargs}
+    model = dict(n_layers=8, n_heads=8, n_experts=8) | kwargs
+    with pytest.raises(MeshError, match=message):
+        check_model_fits(MeshConfig(**mesh), **model)
+
+
+def test_mesh_that_does_not_fit_the_devices():
+    with pytest.raises(MeshError, match=r"mesh dp=2 x pp=2 x tp=4 x ep=1 needs 16 devices, but 8 are available"):
+        make_mesh(MeshConfig(dp=2, pp=2, tp=4))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("gpipe", 2, 4, 2), r"gpipe schedule has one repeat per stage, got repeats=2"),
+        (("circular", 4, 3, 2), r"circular schedule needs microbatches >= stages, got microbatches=3 < stages=4"),
+        (("zigzag", 2, 2, 1), r"zigzag"),
+    ],
+)
+def test_impossible_schedules(args, message):
+    with pytest.raises((ScheduleError, TypeError), match=message):
+        Schedule(*args)
+
+
+def test_optimizer_config_errors():
+    with pytest.raises(OptimizerConfigError, match=r"optimizer.warmup_steps must be in \[0, decay_steps=10\), got 20"):
+        OptimizerConfig(warmup_steps=20, decay_steps=10)
+    with pytest.raises(OptimizerConfigError, match=r"optimizer.freeze: bad pattern '\('"):
+        OptimizerConfig(freeze=("(",))
