@@ -1,0 +1,202 @@
+"""The project benchmark: everything measured side by side in one run, reported as ratios.
+
+    python -m pipelines.bench [--json FILE] [--quick]
+
+1. training tokens/s of the reference model on one device, as model FLOP/s over the FLOP/s
+   of a plain jitted 2048x2048 fp32 matmul timed in the same process;
+2. pipeline efficiency on 8 simulated devices: tokens/s of dp=2 x pp=4 (M=8) over dp=8 on
+   the same global batch, for GPipe and circular;
+3. compile time of the train step for 4, 16 and 64 layers;
+4. per-device memory of the compiled step for pp in {1, 2, 4};
+5. with torch installed, the same model in PyTorch eager: our FLOP/s over PyTorch's.
+
+Absolute times on a shared machine are noise; the ratios, measured in one run, are the result.
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+
+import models  # noqa: E402
+from eqxzoo.optim import OptimizerConfig  # noqa: E402
+from eqxzoo.parallel import MeshConfig, Schedule, make_mesh  # noqa: E402
+from eqxzoo.train.step import StepConfig, init_train_state, make_train_step  # noqa: E402
+
+REFERENCE = dict(vocab_size=1024, d_model=256, n_layers=4, n_heads=4, mlp_dim=1024)
+BATCH, SEQ = 8, 256
+
+
+def reference_config(n_layers: int = 4) -> models.LlamaConfig:
+    """4 layers, d_model 256, 4 heads, GELU MLP 1024, LayerNorm, untied head, vocab 1024."""
+    return models.LlamaConfig(
+        **{**REFERENCE, "n_layers": n_layers}, activation="gelu", norm="layer", norm_eps=1e-5
+    )
+
+
+def model_flops_per_token(config: models.DecoderConfig, seq_len: int) -> float:
+    """Training FLOPs per token: ``6 N`` for the matmul parameters plus ``12 L d T`` for attention."""
+    d, f, heads, kv = config.d_model, config.mlp_dim, config.n_heads, config.kv_heads
+    head_dim = config.attention_head_dim
+    attention = 2 * d * heads * head_dim + 2 * d * kv * head_dim
+    mlp = (3 if config.activation == "swiglu" else 2) * d * f
+    matmul_params = config.n_layers * (attention + mlp) + d * config.vocab_size
+    return 6 * matmul_params + 12 * config.n_layers * heads * head_dim * seq_len
+
+
+def median_seconds(fn: Callable[[], object], *, repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_peak_flops(repeats: int = 10) -> float:
+    a = jax.device_put(jax.random.normal(jax.random.key(0), (2048, 2048)), jax.devices()[0])
+    b = jax.device_put(jax.random.normal(jax.random.key(1), (2048, 2048)), jax.devices()[0])
+    matmul = jax.jit(jnp.matmul)
+    return 2 * 2048**3 / median_seconds(lambda: matmul(a, b), repeats=repeats)
+
+
+def make_batch(shape: tuple[int, ...], vocab: int) -> dict[str, jax.Array]:
+    tokens = jax.random.randint(jax.random.key(0), shape, 0, vocab)
+    return {"tokens": tokens, "targets": jnp.roll(tokens, -1, axis=-1)}
+
+
+class StepRunner:
+    """A sharded train state and its compiled step on ``mesh_config``, for timing."""
+
+    def __init__(self, model_config, mesh_config: MeshConfig, schedule: Schedule, batch_shape):
+        devices = jax.devices()[: mesh_config.size]
+        self.mesh = make_mesh(mesh_config, devices)
+        self.config = StepConfig(schedule=schedule, optimizer=OptimizerConfig(warmup_steps=10, decay_steps=1000))
+        self.state = init_train_state(model_config, jax.random.key(0), config=self.config, mesh=self.mesh)
+        self.batch = make_batch(batch_shape, model_config.vocab_size)
+        self.step_fn = make_train_step(self.config, self.mesh)
+        start = time.perf_counter()
+        self.compiled = self.step_fn.lower(self.state, self.batch).compile()
+        self.compile_seconds = time.perf_counter() - start
+        self.tokens = self.batch["tokens"].size
+
+    def step(self):
+        self.state, metrics = self.compiled(self.state, self.batch)
+        return metrics["loss"]
+
+    def tokens_per_second(self, repeats: int) -> float:
+        return self.tokens / median_seconds(self.step, repeats=repeats)
+
+    def memory_bytes(self) -> int:
+        """Per-device bytes: arguments + outputs + temporaries of the compiled step."""
+        analysis = self.compiled.memory_analysis()
+        return int(
+            analysis.argument_size_in_bytes
+            + analysis.output_size_in_bytes
+            + analysis.temp_size_in_bytes
+            - analysis.alias_size_in_bytes
+        )
+
+
+def single_device(repeats: int) -> dict:
+    config = reference_config()
+    runner = StepRunner(config, MeshConfig(), Schedule("gpipe", 1, 1, 1), (1, 1, BATCH, SEQ))
+    tokens_per_s = runner.tokens_per_second(repeats)
+    return {
+        "tokens_per_s": tokens_per_s,
+        "model_flops_per_token": model_flops_per_token(config, SEQ),
+        "model_flops_per_s": tokens_per_s * model_flops_per_token(config, SEQ),
+    }
+
+
+def pipeline_efficiency(repeats: int) -> dict:
+    """dp=2 x pp=4 (M=8 microbatches of B=8) against dp=8, global batch 64 x 256 tokens."""
+    config = reference_config(n_layers=8)
+    data_parallel = StepRunner(config, MeshConfig(dp=8), Schedule("gpipe", 1, 1, 1), (1, 1, 8 * BATCH, SEQ))
+    baseline = data_parallel.tokens_per_second(repeats)
+    result = {"dp8_tokens_per_s": baseline}
+    for name, schedule in (("gpipe", Schedule("gpipe", 4, 8, 1)), ("circular", Schedule("circular", 4, 8, 2))):
+        runner = StepRunner(config, MeshConfig(dp=2, pp=4), schedule, (1, 8, BATCH, SEQ))
+        result[f"pp_efficiency_{name}"] = runner.tokens_per_second(repeats) / baseline
+    return result
+
+
+def compile_times() -> dict[str, float]:
+    return {
+        str(layers): StepRunner(
+            reference_config(n_layers=layers), MeshConfig(), Schedule("gpipe", 1, 1, 1), (1, 1, BATCH, SEQ)
+        ).compile_seconds
+        for layers in (4, 16, 64)
+    }
+
+
+def memory_by_pp() -> dict[str, int]:
+    config = reference_config(n_layers=8)
+    return {
+        str(pp): StepRunner(config, MeshConfig(pp=pp), Schedule("gpipe", pp, 8, 1), (1, 8, BATCH, SEQ)).memory_bytes()
+        for pp in (1, 2, 4)
+    }
+
+
+def pytorch_reference() -> dict | None:
+    try:
+        from pipelines.torch_reference import torch_train_throughput
+    except ImportError:
+        return None
+    return torch_train_throughput(**REFERENCE, batch=BATCH, seq_len=SEQ)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m pipelines.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="FILE", help="also write the figures as one JSON object")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per measurement (median)")
+    parser.add_argument("--only", choices=["single", "pipeline", "compile", "memory", "torch"], action="append")
+    args = parser.parse_args(argv)
+    parts = set(args.only or ["single", "pipeline", "compile", "memory", "torch"])
+
+    figures: dict = {}
+    peak = matmul_peak_flops()
+    figures["matmul_peak_flops"] = peak
+    if "single" in parts or "torch" in parts:
+        figures.update(single_device(args.repeats))
+        figures["mfu_vs_matmul"] = figures["model_flops_per_s"] / peak
+        print(f"single device: {figures['tokens_per_s']:.0f} tokens/s, {figures['mfu_vs_matmul']:.2f} of matmul peak ({peak / 1e9:.1f} GFLOP/s)")
+    if "torch" in parts:
+        torch_figures = pytorch_reference()
+        if torch_figures is None:
+            figures["vs_pytorch"] = None
+            print("pytorch: not installed")
+        else:
+            figures["pytorch_tokens_per_s"] = torch_figures["tokens_per_s"]
+            figures["vs_pytorch"] = figures["tokens_per_s"] / torch_figures["tokens_per_s"]
+            print(f"pytorch eager: {torch_figures['tokens_per_s']:.0f} tokens/s; ours / pytorch = {figures['vs_pytorch']:.2f}")
+    if "pipeline" in parts:
+        figures.update(pipeline_efficiency(args.repeats))
+        print(f"pipeline efficiency (dp2 x pp4 / dp8): gpipe {figures['pp_efficiency_gpipe']:.2f}, circular {figures['pp_efficiency_circular']:.2f}")
+    if "compile" in parts:
+        figures["compile_s_by_layers"] = compile_times()
+        print("compile seconds by layers:", {k: round(v, 2) for k, v in figures["compile_s_by_layers"].items()})
+    if "memory" in parts:
+        figures["memory_bytes_by_pp"] = memory_by_pp()
+        print("per-device bytes by pp:", figures["memory_bytes_by_pp"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return figures
+
+
+if __name__ == "__main__":
+    main()
