@@ -68,8 +68,8 @@ class DecoderBlock(eqx.Module):
             )
 
     def __call__(
-        self, h: Float[Array, "seq embed"], *, key: PRNGKeyArray | None = None
-    ) -> tuple[Float[Array, "seq embed"], dict[str, Array]]:
+        self, h: Float[Array, "*batch seq embed"], *, key: PRNGKeyArray | None = None
+    ) -> tuple[Float[Array, "*batch seq embed"], dict[str, Array]]:
         h = h + self.attention(self.attention_norm(h))
         if isinstance(self.mlp, MoE):
             mlp_out, aux = self.mlp(self.mlp_norm(h))
@@ -83,7 +83,9 @@ class DecoderLM(eqx.Module):
 
     The three parts can be driven separately (the pipeline runs ``blocks`` stage by stage
     between ``embed`` and ``head``); ``__call__`` composes them for one sequence. Batch with
-    `jax.vmap`. ``config`` is kept (static) so the model can be saved and rebuilt.
+    `jax.vmap`. The parts also take leading batch axes directly, with the same results as
+    `jax.vmap` (the trainer uses this: token-flattened matmuls are faster than vmapped ones).
+    ``config`` is kept (static) so the model can be saved and rebuilt.
     """
 
     embedding: Embedding
@@ -117,10 +119,10 @@ class DecoderLM(eqx.Module):
         )
         self.config = config
 
-    def embed(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq embed"]:
+    def embed(self, tokens: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq embed"]:
         return self.embedding(tokens)
 
-    def head(self, h: Float[Array, "seq embed"]) -> Float[Array, "seq vocab"]:
+    def head(self, h: Float[Array, "*batch seq embed"]) -> Float[Array, "*batch seq vocab"]:
         h = self.final_norm(h)
         if self.unembedding is None:
             return self.embedding.attend(h)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
-from eqxzoo.nn.linear import normal_init
+from eqxzoo.nn.linear import dense, normal_init
 from eqxzoo.nn.norm import RMSNorm
 from eqxzoo.nn.rope import apply_rope
 
@@ -82,16 +82,14 @@ class CausalSelfAttention(AbstractAxesOwner):
         }
 
     def project_qkv(
-        self, x: Float[Array, "seq embed"], positions: Int[Array, " seq"]
+        self, x: Float[Array, "*batch seq embed"], positions: Int[Array, " seq"]
     ) -> tuple[
-        Float[Array, "seq heads head_dim"],
-        Float[Array, "seq kv_heads head_dim"],
-        Float[Array, "seq kv_heads head_dim"],
+        Float[Array, "*batch seq heads head_dim"],
+        Float[Array, "*batch seq kv_heads head_dim"],
+        Float[Array, "*batch seq kv_heads head_dim"],
     ]:
         """Queries, keys (both normed and rotated) and values for ``x`` at ``positions``."""
-        q = jnp.einsum("sd,dnh->snh", x, self.wq)
-        k = jnp.einsum("sd,dnh->snh", x, self.wk)
-        v = jnp.einsum("sd,dnh->snh", x, self.wv)
+        q, k, v = dense(x, self.wq), dense(x, self.wk), dense(x, self.wv)
         if self.bq is not None:
             q, k, v = q + self.bq, k + self.bk, v + self.bv
         if self.q_norm is not None:
@@ -100,14 +98,23 @@ class CausalSelfAttention(AbstractAxesOwner):
         k = apply_rope(k, positions, self.rope_theta)
         return q, k, v
 
-    def project_out(self, attended: Float[Array, "seq heads head_dim"]) -> Float[Array, "seq embed"]:
-        return jnp.einsum("snh,nhd->sd", attended, self.wo)
+    def project_out(
+        self, attended: Float[Array, "*batch seq heads head_dim"]
+    ) -> Float[Array, "*batch seq embed"]:
+        return dense(attended, self.wo, n_contract=2)
 
     def __call__(
-        self, x: Float[Array, "seq embed"], positions: Int[Array, " seq"] | None = None
-    ) -> Float[Array, "seq embed"]:
+        self, x: Float[Array, "*batch seq embed"], positions: Int[Array, " seq"] | None = None
+    ) -> Float[Array, "*batch seq embed"]:
+        """Attention over each sequence; any leading axes are independent sequences."""
         if positions is None:
-            positions = jnp.arange(x.shape[0])
+            positions = jnp.arange(x.shape[-2])
         q, k, v = self.project_qkv(x, positions)
-        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        return self.project_out(attended)
+        lead_shape, seq_shape = q.shape[:-3], q.shape[-3:]
+        attended = jax.nn.dot_product_attention(
+            q.reshape(-1, *seq_shape),
+            k.reshape(-1, *k.shape[-3:]),
+            v.reshape(-1, *v.shape[-3:]),
+            is_causal=True,
+        )
+        return self.project_out(attended.reshape(*lead_shape, *seq_shape))

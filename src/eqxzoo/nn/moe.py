@@ -219,26 +219,39 @@ class MoE(eqx.Module):
         self.capacity_factor = capacity_factor
 
     def __call__(
-        self, x: Float[Array, "tokens embed"]
-    ) -> tuple[Float[Array, "tokens embed"], dict[str, Array]]:
-        routing = self.router(x)
+        self, x: Float[Array, "*batch tokens embed"]
+    ) -> tuple[Float[Array, "*batch tokens embed"], dict[str, Array]]:
+        """Route every token; leading axes are independent sequences.
+
+        The result equals `jax.vmap` of the call over the leading axes (per-sequence
+        capacity and load-balance statistics, then averaged), while the dropless path sorts
+        the tokens of all sequences together into one grouped matmul per weight.
+        """
+        n_tokens, d_model = x.shape[-2:]
+        tokens = x.reshape(-1, d_model)
+        routing = self.router(tokens)
+        per_sequence = jax.tree.map(lambda a: a.reshape(-1, n_tokens, *a.shape[1:]), routing)
         dropped_fraction = jnp.zeros((), jnp.float32)
         if self.routing_mode == "dropless":
-            output = self.experts.dropless(x, routing)
+            output = self.experts.dropless(tokens, routing)
         elif self.routing_mode == "capacity":
-            output, dropped_fraction = self.experts.capacity(x, routing, self.capacity_factor)
+            output, dropped = jax.vmap(self.experts.capacity, in_axes=(0, 0, None))(
+                tokens.reshape(-1, n_tokens, d_model), per_sequence, self.capacity_factor
+            )
+            output, dropped_fraction = output.reshape(-1, d_model), jnp.mean(dropped)
         else:
-            output = self.experts.dense(x, routing)
+            output = self.experts.dense(tokens, routing)
         if self.shared is not None:
-            shared_output = self.shared(x)
+            shared_output = self.shared(tokens)
             if self.shared_gate is not None:
-                shared_output = jax.nn.sigmoid(self.shared_gate(x)) * shared_output
+                shared_output = jax.nn.sigmoid(self.shared_gate(tokens)) * shared_output
             output = output + shared_output
-        return output, {**router_losses(routing), "dropped_fraction": dropped_fraction}
+        losses = jax.tree.map(lambda v: jnp.mean(v, axis=0), jax.vmap(router_losses)(per_sequence))
+        return output.reshape(x.shape), {**losses, "dropped_fraction": dropped_fraction}
 
 
 def router_losses(routing: Routing) -> dict[str, Array]:
-    """Switch load-balance loss, router z-loss and per-expert assignment fractions."""
+    """Switch load-balance loss, router z-loss and per-expert assignment fractions of one sequence."""
     n_experts = routing.probs.shape[-1]
     assignments = jax.nn.one_hot(routing.experts, n_experts, dtype=jnp.float32)
     expert_fraction = jnp.mean(jnp.sum(assignments, axis=1), axis=0) / routing.experts.shape[1]

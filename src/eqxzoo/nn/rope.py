@@ -11,8 +11,8 @@ def rope_frequencies(head_dim: int, theta: float) -> Float[Array, " half"]:
 
 
 def apply_rope(
-    x: Float[Array, "seq heads head_dim"], positions: Int[Array, " seq"], theta: float
-) -> Float[Array, "seq heads head_dim"]:
+    x: Float[Array, "*batch seq heads head_dim"], positions: Int[Array, " seq"], theta: float
+) -> Float[Array, "*batch seq heads head_dim"]:
     """Rotate each (i, i + head_dim/2) pair of features by ``position * frequency_i``.
 
     The angles are computed in float32; the result has the input dtype.

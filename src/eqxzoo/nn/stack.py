@@ -18,7 +18,7 @@ _REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
 }
 
 # A layer maps hidden states to new hidden states and a dict of per-layer auxiliary values.
-LayerOutput = tuple[Float[Array, "seq embed"], dict[str, Array]]
+LayerOutput = tuple[Float[Array, "*batch seq embed"], dict[str, Array]]
 
 
 def remat(fn: Callable, policy: RematPolicy) -> Callable:
@@ -71,19 +71,19 @@ class Stack(AbstractAxesOwner):
         return eqx.combine(jax.tree.map(lambda p: p[index], params), static)
 
     def __call__(
-        self, h: Float[Array, "seq embed"], *, key: PRNGKeyArray | None = None
-    ) -> tuple[Float[Array, "seq embed"], dict[str, Array]]:
+        self, h: Float[Array, "*batch seq embed"], *, key: PRNGKeyArray | None = None
+    ) -> tuple[Float[Array, "*batch seq embed"], dict[str, Array]]:
         return apply_layers(self.layers, h, key=key, scan=self.scan, remat_policy=self.remat_policy)
 
 
 def apply_layers(
     layers: PyTree,
-    h: Float[Array, "seq embed"],
+    h: Float[Array, "*batch seq embed"],
     *,
     key: PRNGKeyArray | None = None,
     scan: bool = True,
     remat_policy: RematPolicy = "none",
-) -> tuple[Float[Array, "seq embed"], dict[str, Array]]:
+) -> tuple[Float[Array, "*batch seq embed"], dict[str, Array]]:
     """Apply stacked ``layers`` (leading axis = layer) in order to ``h``.
 
     Shared by `Stack` and the pipeline stages, which hold a slice of the same stacked layers.

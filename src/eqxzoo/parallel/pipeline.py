@@ -59,10 +59,11 @@ def run_pipeline(
     """Apply staged ``layers`` to every microbatch, stage by stage on the ``pp`` mesh axis.
 
     ``layers`` are stacked layers in the `stage_layers` layout; each layer is called as
-    ``layer(h, key=None) -> (h, aux)`` on one sequence ``(seq, embed)``.
+    ``layer(h, key=None) -> (h, aux)`` on a whole microbatch ``(batch, seq, embed)`` (the zoo's
+    layers treat leading axes as independent sequences and average their aux values).
 
     Returns the outputs (same shape as ``microbatches``) and every layer's aux values summed
-    over all sequences, shape ``(L, ...)`` in layer order. ``bubble_fill`` is what a skipped
+    over the microbatches, shape ``(L, ...)`` in layer order. ``bubble_fill`` is what a skipped
     tick emits (tests fill bubbles with NaN to show that nothing leaks from them).
     """
     params, static = eqx.partition(layers, eqx.is_array)
@@ -72,13 +73,7 @@ def run_pipeline(
     shift = [(stage, (stage + 1) % n_stages) for stage in range(n_stages)]
 
     def stage_compute(stage_params, h):
-        def one_sequence(sequence):
-            return apply_layers(
-                eqx.combine(stage_params, static), sequence, remat_policy=remat_policy
-            )
-
-        h_out, aux = jax.vmap(one_sequence)(h)
-        return h_out, jax.tree.map(lambda v: jnp.sum(v, axis=0), aux)
+        return apply_layers(eqx.combine(stage_params, static), h, remat_policy=remat_policy)
 
     def run_stage(stage_params, h):
         return _varying_over_pp(stage_compute(stage_params, h))

@@ -170,8 +170,8 @@ def pipelined_loss(
     ``model`` is in the pipeline layout. Embedding and head run outside the pipeline.
     """
     model = _cast(model, DTYPES[config.precision.compute])
-    n_micro, batch = tokens.shape[:2]
-    h = jax.vmap(jax.vmap(model.embed))(tokens)
+    n_micro = tokens.shape[0]
+    h = model.embed(tokens)
     h, layer_aux_sums = run_pipeline(
         model.blocks.layers,
         h,
@@ -180,8 +180,8 @@ def pipelined_loss(
         remat_policy=model.config.remat,
         bubble_fill=config.bubble_fill,
     )
-    logits = jax.vmap(jax.vmap(model.head))(h).astype(DTYPES[config.precision.output])
-    aux = summarize_layer_aux(jax.tree.map(lambda v: v / (n_micro * batch), layer_aux_sums))
+    logits = model.head(h).astype(DTYPES[config.precision.output])
+    aux = summarize_layer_aux(jax.tree.map(lambda v: v / n_micro, layer_aux_sums))
     return _total_loss(logits, targets, aux, config)
 
 
