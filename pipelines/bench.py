@@ -81,10 +81,14 @@ def make_batch(shape: tuple[int, ...], vocab: int) -> dict[str, jax.Array]:
 class StepRunner:
     """A sharded train state and its compiled step on ``mesh_config``, for timing."""
 
-    def __init__(self, model_config, mesh_config: MeshConfig, schedule: Schedule, batch_shape):
+    def __init__(self, model_config, mesh_config: MeshConfig, schedule: Schedule, batch_shape, *, remat_stages=True):
         devices = jax.devices()[: mesh_config.size]
         self.mesh = make_mesh(mesh_config, devices)
-        self.config = StepConfig(schedule=schedule, optimizer=OptimizerConfig(warmup_steps=10, decay_steps=1000))
+        self.config = StepConfig(
+            schedule=schedule,
+            optimizer=OptimizerConfig(warmup_steps=10, decay_steps=1000),
+            remat_stages=remat_stages,
+        )
         self.state = init_train_state(model_config, jax.random.key(0), config=self.config, mesh=self.mesh)
         self.batch = make_batch(batch_shape, model_config.vocab_size)
         self.step_fn = make_train_step(self.config, self.mesh)
@@ -113,7 +117,9 @@ class StepRunner:
 
 def single_device(repeats: int) -> dict:
     config = reference_config()
-    runner = StepRunner(config, MeshConfig(), Schedule("gpipe", 1, 1, 1), (1, 1, BATCH, SEQ))
+    runner = StepRunner(
+        config, MeshConfig(), Schedule("gpipe", 1, 1, 1), (1, 1, BATCH, SEQ), remat_stages=False
+    )
     tokens_per_s = runner.tokens_per_second(repeats)
     return {
         "tokens_per_s": tokens_per_s,

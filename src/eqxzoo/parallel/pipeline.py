@@ -54,6 +54,7 @@ def run_pipeline(
     schedule: Schedule,
     mesh: Mesh,
     remat_policy: RematPolicy = "none",
+    remat_stages: bool = True,
     bubble_fill: float = 0.0,
 ) -> tuple[Float[Array, "microbatches batch seq embed"], dict[str, Array]]:
     """Apply staged ``layers`` to every microbatch, stage by stage on the ``pp`` mesh axis.
@@ -63,9 +64,17 @@ def run_pipeline(
     layers treat leading axes as independent sequences and average their aux values).
 
     Returns the outputs (same shape as ``microbatches``) and every layer's aux values summed
-    over the microbatches, shape ``(L, ...)`` in layer order. ``bubble_fill`` is what a skipped
-    tick emits (tests fill bubbles with NaN to show that nothing leaks from them).
+    over the microbatches, shape ``(L, ...)`` in layer order. ``remat_stages=False`` keeps
+    every tick's activations instead of recomputing them (faster, more memory). ``bubble_fill``
+    is what a skipped tick emits (tests fill bubbles with NaN to show nothing leaks from them).
     """
+    if mesh.shape["pp"] != schedule.stages:
+        raise ValueError(
+            f"the schedule has {schedule.stages} stages but the mesh has pp={mesh.shape['pp']}"
+        )
+    # With one stage there is nothing to shift: run the same table without shard_map (XLA's
+    # partitioner rejects the autodiff all-reduce over a size-1 manual pp axis next to dp).
+    manual = schedule.stages > 1
     params, static = eqx.partition(layers, eqx.is_array)
     table = {name: jnp.asarray(values) for name, values in schedule.table().items()}
     n_stages, n_repeats, n_micro = schedule.stages, schedule.repeats, schedule.microbatches
@@ -76,7 +85,7 @@ def run_pipeline(
         return apply_layers(eqx.combine(stage_params, static), h, remat_policy=remat_policy)
 
     def run_stage(stage_params, h):
-        return _varying_over_pp(stage_compute(stage_params, h))
+        return _varying_over_pp(stage_compute(stage_params, h), manual)
 
     stage_param_shapes = jax.tree.map(lambda p: p[0, 0], params)
     _, aux_shapes = jax.eval_shape(stage_compute, stage_param_shapes, microbatches[0])
@@ -84,10 +93,10 @@ def run_pipeline(
     def skip_stage(stage_params, h):
         del stage_params
         aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes)
-        return _varying_over_pp((jnp.full_like(h, bubble_fill), aux))
+        return _varying_over_pp((jnp.full_like(h, bubble_fill), aux), manual)
 
     def per_stage(stage_params, inputs):
-        stage = jax.lax.axis_index("pp")
+        stage = jax.lax.axis_index("pp") if manual else 0
         stage_params = jax.tree.map(lambda p: p[:, 0], stage_params)
 
         def tick(carry, t):
@@ -100,13 +109,16 @@ def run_pipeline(
                 first_input = jnp.where(repeat == 0, first_input, returning[microbatch])
             h_in = jnp.where(stage == 0, first_input, received)
             repeat_params = jax.tree.map(lambda p: p[repeat], stage_params)
-            h_out, aux = jax.checkpoint(
-                lambda w, h: jax.lax.cond(active, run_stage, skip_stage, w, h), prevent_cse=False
-            )(repeat_params, h_in)
+            def stage_or_bubble(w, h):
+                return jax.lax.cond(active, run_stage, skip_stage, w, h)
+
+            if remat_stages:
+                stage_or_bubble = jax.checkpoint(stage_or_bubble, prevent_cse=False)
+            h_out, aux = stage_or_bubble(repeat_params, h_in)
             aux_sums = jax.tree.map(lambda acc, v: acc.at[repeat].add(v), aux_sums, aux)
             is_output = active & (stage == last_stage) & (repeat == n_repeats - 1)
             outputs = outputs.at[microbatch].set(jnp.where(is_output, h_out, outputs[microbatch]))
-            received = jax.lax.ppermute(h_out, "pp", shift)
+            received = jax.lax.ppermute(h_out, "pp", shift) if manual else h_out
             if n_repeats > 1:
                 arriving = table["microbatch"][t, last_stage]
                 keep = (
@@ -121,25 +133,32 @@ def run_pipeline(
 
         zeros = jnp.zeros_like(inputs)
         init = (
-            _varying_over_pp(jnp.zeros_like(inputs[0])),
-            _varying_over_pp(zeros if n_repeats > 1 else jnp.zeros((), inputs.dtype)),
-            _varying_over_pp(zeros),
+            _varying_over_pp(jnp.zeros_like(inputs[0]), manual),
+            _varying_over_pp(zeros if n_repeats > 1 else jnp.zeros((), inputs.dtype), manual),
+            _varying_over_pp(zeros, manual),
             jax.tree.map(
-                lambda s: _varying_over_pp(jnp.zeros((n_repeats, *s.shape), s.dtype)), aux_shapes
+                lambda s: _varying_over_pp(jnp.zeros((n_repeats, *s.shape), s.dtype), manual),
+                aux_shapes,
             ),
         )
-        (_, _, outputs, aux_sums), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
+        if schedule.ticks == 1:
+            (_, _, outputs, aux_sums), _ = tick(init, 0)
+        else:
+            (_, _, outputs, aux_sums), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
         return outputs[None], jax.tree.map(lambda v: v[None], aux_sums)
 
     stage_spec = jax.tree.map(lambda _: PartitionSpec(None, "pp"), params)
-    outputs, aux_sums = jax.shard_map(
-        per_stage,
-        mesh=mesh,
-        in_specs=(stage_spec, PartitionSpec()),
-        out_specs=(PartitionSpec("pp"), PartitionSpec("pp")),
-        axis_names={"pp"},
-        check_vma=True,
-    )(params, microbatches)
+    if not manual:
+        outputs, aux_sums = per_stage(params, microbatches)
+    else:
+        outputs, aux_sums = jax.shard_map(
+            per_stage,
+            mesh=mesh,
+            in_specs=(stage_spec, PartitionSpec()),
+            out_specs=(PartitionSpec("pp"), PartitionSpec("pp")),
+            axis_names={"pp"},
+            check_vma=True,
+        )(params, microbatches)
     # aux_sums: (stages, repeats, layers_per_stage, ...) -> layer order (repeats, stages, k).
     layer_aux = jax.tree.map(
         lambda v: jnp.swapaxes(v, 0, 1).reshape(-1, *v.shape[3:]), aux_sums
@@ -148,13 +167,16 @@ def run_pipeline(
 
 
 
-def _varying_over_pp(tree: PyTree) -> PyTree:
+def _varying_over_pp(tree: PyTree, manual: bool = True) -> PyTree:
     """Mark every array of ``tree`` as varying over ``pp`` (inside the pipeline's shard_map).
 
     Values computed from the stage's own weights already vary; constants (a skipped tick's
     zeros, a fresh carry) do not, and `check_vma` requires both branches of a `cond` and
     both sides of a scan carry to agree.
     """
+
+    if not manual:
+        return tree
 
     def cast(x):
         aval = jax.typeof(x)

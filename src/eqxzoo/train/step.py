@@ -60,6 +60,7 @@ class StepConfig:
     precision: Precision = Precision()
     load_balance_weight: float = 0.01
     router_z_weight: float = 0.001
+    remat_stages: bool = True
     bubble_fill: float = 0.0
 
 
@@ -178,6 +179,7 @@ def pipelined_loss(
         schedule=config.schedule,
         mesh=mesh,
         remat_policy=model.config.remat,
+        remat_stages=config.remat_stages,
         bubble_fill=config.bubble_fill,
     )
     logits = model.head(h).astype(DTYPES[config.precision.output])
@@ -235,7 +237,10 @@ def train_step(
 
     metric_shapes = jax.eval_shape(first_metrics)
     zeros = (grad_zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes))
-    (grad_sum, metric_sum), _ = jax.lax.scan(microbatch_grads, zeros, batch)
+    if batch["tokens"].shape[0] == 1:
+        (grad_sum, metric_sum), _ = microbatch_grads(zeros, jax.tree.map(lambda x: x[0], batch))
+    else:
+        (grad_sum, metric_sum), _ = jax.lax.scan(microbatch_grads, zeros, batch)
     n_accum = batch["tokens"].shape[0]
     grads = jax.tree.map(lambda g, p: (g / n_accum).astype(p.dtype), grad_sum, trainable)
     metrics = jax.tree.map(lambda m: m / n_accum, metric_sum)
