@@ -17,10 +17,12 @@ from models.config import (
     config_from_table,
 )
 from models.decoder import DecoderBlock, DecoderLM, summarize_layer_aux
+from models.hf import HFCheckpointError, load_hf, save_hf
 
 __all__ = [
     "FAMILIES",
     "ConfigError",
+    "HFCheckpointError",
     "DecoderBlock",
     "DecoderConfig",
     "DecoderLM",
@@ -29,5 +31,7 @@ __all__ = [
     "MoEConfig",
     "QwenMoeConfig",
     "config_from_table",
+    "load_hf",
+    "save_hf",
     "summarize_layer_aux",
 ]

@@ -1,6 +1,6 @@
 """The project benchmark: everything measured side by side in one run, reported as ratios.
 
-    python -m pipelines.bench [--json FILE] [--quick]
+    python -m pipelines.bench [--json FILE] [--repeats N] [--only PART ...] [--quick]
 
 1. training tokens/s of the reference model on one device, as model FLOP/s over the FLOP/s
    of a plain jitted 2048x2048 fp32 matmul timed in the same process;
@@ -32,16 +32,20 @@ import jax.numpy as jnp  # noqa: E402
 import models  # noqa: E402
 from eqxzoo.optim import OptimizerConfig  # noqa: E402
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh  # noqa: E402
-from eqxzoo.train.step import StepConfig, init_train_state, make_train_step  # noqa: E402
+from eqxzoo.train.step import StepConfig, batch_sharding, init_train_state, make_train_step  # noqa: E402
 
 REFERENCE = dict(vocab_size=1024, d_model=256, n_layers=4, n_heads=4, mlp_dim=1024)
 BATCH, SEQ = 8, 256
+# --quick: the same measurements on a toy model, to check the command and its JSON in tests.
+QUICK = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, mlp_dim=128)
+QUICK_BATCH, QUICK_SEQ = 2, 16
 
 
-def reference_config(n_layers: int = 4) -> models.LlamaConfig:
+def reference_config(n_layers: int = 4, *, quick: bool = False) -> models.LlamaConfig:
     """4 layers, d_model 256, 4 heads, GELU MLP 1024, LayerNorm, untied head, vocab 1024."""
+    sizes = QUICK if quick else REFERENCE
     return models.LlamaConfig(
-        **{**REFERENCE, "n_layers": n_layers}, activation="gelu", norm="layer", norm_eps=1e-5
+        **{**sizes, "n_layers": n_layers}, activation="gelu", norm="layer", norm_eps=1e-5
     )
 
 
@@ -52,7 +56,7 @@ def model_flops_per_token(config: models.DecoderConfig, seq_len: int) -> float:
     attention = 2 * d * heads * head_dim + 2 * d * kv * head_dim
     mlp = (3 if config.activation == "swiglu" else 2) * d * f
     matmul_params = config.n_layers * (attention + mlp) + d * config.vocab_size
-    return 6 * matmul_params + 12 * config.n_layers * heads * head_dim * seq_len
+    return float(6 * matmul_params + 12 * config.n_layers * heads * head_dim * seq_len)
 
 
 def median_seconds(fn: Callable[[], object], *, repeats: int, warmup: int = 1) -> float:
@@ -90,7 +94,7 @@ class StepRunner:
             remat_stages=remat_stages,
         )
         self.state = init_train_state(model_config, jax.random.key(0), config=self.config, mesh=self.mesh)
-        self.batch = make_batch(batch_shape, model_config.vocab_size)
+        self.batch = jax.device_put(make_batch(batch_shape, model_config.vocab_size), batch_sharding(self.mesh))
         self.step_fn = make_train_step(self.config, self.mesh)
         start = time.perf_counter()
         self.compiled = self.step_fn.lower(self.state, self.batch).compile()
@@ -115,54 +119,72 @@ class StepRunner:
         )
 
 
-def single_device(repeats: int) -> dict:
-    config = reference_config()
+def _sizes(quick: bool) -> tuple[int, int]:
+    return (QUICK_BATCH, QUICK_SEQ) if quick else (BATCH, SEQ)
+
+
+def single_device(repeats: int, quick: bool) -> dict:
+    """The reference model on one device; one tick, so no stage rematerialisation."""
+    batch, seq = _sizes(quick)
+    config = reference_config(quick=quick)
     runner = StepRunner(
-        config, MeshConfig(), Schedule("gpipe", 1, 1, 1), (1, 1, BATCH, SEQ), remat_stages=False
+        config, MeshConfig(), Schedule("gpipe", 1, 1, 1), (1, 1, batch, seq), remat_stages=False
     )
     tokens_per_s = runner.tokens_per_second(repeats)
     return {
         "tokens_per_s": tokens_per_s,
-        "model_flops_per_token": model_flops_per_token(config, SEQ),
-        "model_flops_per_s": tokens_per_s * model_flops_per_token(config, SEQ),
+        "model_flops_per_token": model_flops_per_token(config, seq),
+        "model_flops_per_s": tokens_per_s * model_flops_per_token(config, seq),
     }
 
 
-def pipeline_efficiency(repeats: int) -> dict:
-    """dp=2 x pp=4 (M=8 microbatches of B=8) against dp=8, global batch 64 x 256 tokens."""
-    config = reference_config(n_layers=8)
-    data_parallel = StepRunner(config, MeshConfig(dp=8), Schedule("gpipe", 1, 1, 1), (1, 1, 8 * BATCH, SEQ))
+def pipeline_efficiency(repeats: int, quick: bool) -> dict:
+    """dp=2 x pp=4 (M=8 microbatches of B) against dp=8 on the same 8B sequences.
+
+    Both sides run the same step configuration (stage rematerialisation on), 8 layers.
+    """
+    batch, seq = _sizes(quick)
+    config = reference_config(n_layers=8, quick=quick)
+    data_parallel = StepRunner(config, MeshConfig(dp=8), Schedule("gpipe", 1, 1, 1), (1, 1, 8 * batch, seq))
     baseline = data_parallel.tokens_per_second(repeats)
     result = {"dp8_tokens_per_s": baseline}
     for name, schedule in (("gpipe", Schedule("gpipe", 4, 8, 1)), ("circular", Schedule("circular", 4, 8, 2))):
-        runner = StepRunner(config, MeshConfig(dp=2, pp=4), schedule, (1, 8, BATCH, SEQ))
+        runner = StepRunner(config, MeshConfig(dp=2, pp=4), schedule, (1, 8, batch, seq))
         result[f"pp_efficiency_{name}"] = runner.tokens_per_second(repeats) / baseline
     return result
 
 
-def compile_times() -> dict[str, float]:
+def compile_times(quick: bool) -> dict[str, float]:
+    batch, seq = _sizes(quick)
     return {
         str(layers): StepRunner(
-            reference_config(n_layers=layers), MeshConfig(), Schedule("gpipe", 1, 1, 1), (1, 1, BATCH, SEQ)
+            reference_config(n_layers=layers, quick=quick),
+            MeshConfig(),
+            Schedule("gpipe", 1, 1, 1),
+            (1, 1, batch, seq),
         ).compile_seconds
         for layers in (4, 16, 64)
     }
 
 
-def memory_by_pp() -> dict[str, int]:
-    config = reference_config(n_layers=8)
+def memory_by_pp(quick: bool) -> dict[str, int]:
+    batch, seq = _sizes(quick)
+    config = reference_config(n_layers=8, quick=quick)
     return {
-        str(pp): StepRunner(config, MeshConfig(pp=pp), Schedule("gpipe", pp, 8, 1), (1, 8, BATCH, SEQ)).memory_bytes()
+        str(pp): StepRunner(
+            config, MeshConfig(pp=pp), Schedule("gpipe", pp, 8, 1), (1, 8, batch, seq)
+        ).memory_bytes()
         for pp in (1, 2, 4)
     }
 
 
-def pytorch_reference() -> dict | None:
+def pytorch_reference(quick: bool) -> dict | None:
     try:
         from pipelines.torch_reference import torch_train_throughput
     except ImportError:
         return None
-    return torch_train_throughput(**REFERENCE, batch=BATCH, seq_len=SEQ)
+    batch, seq = _sizes(quick)
+    return torch_train_throughput(**(QUICK if quick else REFERENCE), batch=batch, seq_len=seq)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -170,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", metavar="FILE", help="also write the figures as one JSON object")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per measurement (median)")
     parser.add_argument("--only", choices=["single", "pipeline", "compile", "memory", "torch"], action="append")
+    parser.add_argument("--quick", action="store_true", help="a toy model: checks the command, not speed")
     args = parser.parse_args(argv)
     parts = set(args.only or ["single", "pipeline", "compile", "memory", "torch"])
 
@@ -177,11 +200,11 @@ def main(argv: list[str] | None = None) -> dict:
     peak = matmul_peak_flops()
     figures["matmul_peak_flops"] = peak
     if "single" in parts or "torch" in parts:
-        figures.update(single_device(args.repeats))
+        figures.update(single_device(args.repeats, args.quick))
         figures["mfu_vs_matmul"] = figures["model_flops_per_s"] / peak
         print(f"single device: {figures['tokens_per_s']:.0f} tokens/s, {figures['mfu_vs_matmul']:.2f} of matmul peak ({peak / 1e9:.1f} GFLOP/s)")
     if "torch" in parts:
-        torch_figures = pytorch_reference()
+        torch_figures = pytorch_reference(args.quick)
         if torch_figures is None:
             figures["vs_pytorch"] = None
             print("pytorch: not installed")
@@ -190,13 +213,13 @@ def main(argv: list[str] | None = None) -> dict:
             figures["vs_pytorch"] = figures["tokens_per_s"] / torch_figures["tokens_per_s"]
             print(f"pytorch eager: {torch_figures['tokens_per_s']:.0f} tokens/s; ours / pytorch = {figures['vs_pytorch']:.2f}")
     if "pipeline" in parts:
-        figures.update(pipeline_efficiency(args.repeats))
+        figures.update(pipeline_efficiency(args.repeats, args.quick))
         print(f"pipeline efficiency (dp2 x pp4 / dp8): gpipe {figures['pp_efficiency_gpipe']:.2f}, circular {figures['pp_efficiency_circular']:.2f}")
     if "compile" in parts:
-        figures["compile_s_by_layers"] = compile_times()
+        figures["compile_s_by_layers"] = compile_times(args.quick)
         print("compile seconds by layers:", {k: round(v, 2) for k, v in figures["compile_s_by_layers"].items()})
     if "memory" in parts:
-        figures["memory_bytes_by_pp"] = memory_by_pp()
+        figures["memory_bytes_by_pp"] = memory_by_pp(args.quick)
         print("per-device bytes by pp:", figures["memory_bytes_by_pp"])
     if args.json:
         with open(args.json, "w") as f:

@@ -114,6 +114,38 @@ def test_every_parameter_has_logical_axes():
     assert axes.unembedding.weight == Axes(("embed", "vocab"))
 
 
+def test_config_from_a_toml_document():
+    import tomllib
+
+    document = tomllib.loads(
+        """
+        [model]
+        family = "mixtral"
+        vocab_size = 97
+        d_model = 32
+        n_layers = 2
+        n_heads = 4
+        rope_theta = 500000
+        [model.moe]
+        n_experts = 4
+        top_k = 1
+        expert_mlp_dim = 24
+        routing = "capacity"
+        """
+    )
+    config = models.config_from_table(document["model"])
+    assert config == models.MixtralConfig(
+        vocab_size=97,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        rope_theta=500000.0,
+        moe=models.MoEConfig(n_experts=4, top_k=1, expert_mlp_dim=24, routing="capacity"),
+    )
+    logits, _ = build(config)(tokens())
+    assert logits.shape == (12, 97)
+
+
 def test_config_from_table_builds_each_family():
     table = {
         "family": "qwen_moe",

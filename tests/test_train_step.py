@@ -199,6 +199,14 @@ def test_mesh_that_does_not_fit_the_model(kwargs, message):
         check_model_fits(MeshConfig(**mesh), **model)
 
 
+def test_init_checks_the_mesh_against_the_model():
+    config = step_config(2, ADAM)
+    with pytest.raises(MeshError, match=r"n_heads=4 is not divisible by tp=8"):
+        init_train_state(DENSE, jax.random.key(0), config=config, mesh=make_mesh(MeshConfig(tp=8)))
+    with pytest.raises(MeshError, match=r"the schedule has 2 stages but the mesh has pp=4"):
+        init_train_state(DENSE, jax.random.key(0), config=config, mesh=make_mesh(MeshConfig(pp=4, dp=2)))
+
+
 def test_mesh_that_does_not_fit_the_devices():
     with pytest.raises(MeshError, match=r"mesh dp=2 x pp=2 x tp=4 x ep=1 needs 16 devices, but 8 are available"):
         make_mesh(MeshConfig(dp=2, pp=2, tp=4))

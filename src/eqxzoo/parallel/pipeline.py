@@ -14,7 +14,7 @@ rematerialised around the `cond`, so only each tick's input is saved for the bac
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, PyTree
 
 from eqxzoo.nn import Axes, apply_layers
@@ -55,6 +55,7 @@ def run_pipeline(
     mesh: Mesh,
     remat_policy: RematPolicy = "none",
     remat_stages: bool = True,
+    batch_axis: str | None = "dp",
     bubble_fill: float = 0.0,
 ) -> tuple[Float[Array, "microbatches batch seq embed"], dict[str, Array]]:
     """Apply staged ``layers`` to every microbatch, stage by stage on the ``pp`` mesh axis.
@@ -64,7 +65,10 @@ def run_pipeline(
     layers treat leading axes as independent sequences and average their aux values).
 
     Returns the outputs (same shape as ``microbatches``) and every layer's aux values summed
-    over the microbatches, shape ``(L, ...)`` in layer order. ``remat_stages=False`` keeps
+    over the microbatches, shape ``(L, ...)`` in layer order. Each stage's input and output
+    are constrained to be split over ``batch_axis`` on the batch dimension, so that the
+    compiler keeps data parallelism inside stages instead of gathering the batch to match
+    FSDP-sharded weights. ``remat_stages=False`` keeps
     every tick's activations instead of recomputing them (faster, more memory). ``bubble_fill``
     is what a skipped tick emits (tests fill bubbles with NaN to show nothing leaks from them).
     """
@@ -81,8 +85,17 @@ def run_pipeline(
     last_stage = n_stages - 1
     shift = [(stage, (stage + 1) % n_stages) for stage in range(n_stages)]
 
+    def split_batch(h):
+        # Only outside shard_map: inside it, the microbatches' split (set below) propagates.
+        if manual or batch_axis is None or mesh.shape[batch_axis] == 1:
+            return h
+        return jax.lax.with_sharding_constraint(h, NamedSharding(mesh, PartitionSpec(batch_axis)))
+
     def stage_compute(stage_params, h):
-        return apply_layers(eqx.combine(stage_params, static), h, remat_policy=remat_policy)
+        h_out, aux = apply_layers(
+            eqx.combine(stage_params, static), split_batch(h), remat_policy=remat_policy
+        )
+        return split_batch(h_out), aux
 
     def run_stage(stage_params, h):
         return _varying_over_pp(stage_compute(stage_params, h), manual)
@@ -148,6 +161,10 @@ def run_pipeline(
         return outputs[None], jax.tree.map(lambda v: v[None], aux_sums)
 
     stage_spec = jax.tree.map(lambda _: PartitionSpec(None, "pp"), params)
+    if batch_axis is not None and mesh.shape[batch_axis] > 1:
+        microbatches = jax.lax.with_sharding_constraint(
+            microbatches, NamedSharding(mesh, PartitionSpec(None, batch_axis))
+        )
     if not manual:
         outputs, aux_sums = per_stage(params, microbatches)
     else:

@@ -21,6 +21,10 @@ from eqxzoo.nn import logical_axes
 from eqxzoo.optim import OptimizerConfig, build_optimizer, learning_rate_schedule, trainable_mask
 from eqxzoo.parallel import (
     DEFAULT_RULES,
+    MESH_AXES,
+    MeshConfig,
+    MeshError,
+    check_model_fits,
     MeshAxes,
     Schedule,
     run_pipeline,
@@ -140,7 +144,20 @@ def init_train_state(
     mesh: Mesh,
     rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
 ) -> TrainState:
-    """A fresh `TrainState`, every array created directly with its final sharding."""
+    """A fresh `TrainState`, every array created directly with its final sharding.
+
+    Raises `MeshError` (naming the numbers) if the model cannot be split over ``mesh``.
+    """
+    mesh_config = MeshConfig(**{axis: mesh.shape[axis] for axis in MESH_AXES})
+    check_model_fits(
+        mesh_config,
+        n_layers=model_config.n_layers,
+        n_heads=model_config.n_heads,
+        n_experts=None if model_config.moe is None else model_config.moe.n_experts,
+        repeats=config.schedule.repeats,
+    )
+    if config.schedule.stages != mesh_config.pp:
+        raise MeshError(f"the schedule has {config.schedule.stages} stages but the mesh has pp={mesh_config.pp}")
 
     def build(key):
         model = _cast(DecoderLM(model_config, key=key), DTYPES[config.precision.params])
@@ -172,7 +189,8 @@ def pipelined_loss(
     """
     model = _cast(model, DTYPES[config.precision.compute])
     n_micro = tokens.shape[0]
-    h = model.embed(tokens)
+    split = NamedSharding(mesh, PartitionSpec(None, "dp"))
+    h = jax.lax.with_sharding_constraint(model.embed(tokens), split)
     h, layer_aux_sums = run_pipeline(
         model.blocks.layers,
         h,
@@ -182,7 +200,8 @@ def pipelined_loss(
         remat_stages=config.remat_stages,
         bubble_fill=config.bubble_fill,
     )
-    logits = model.head(h).astype(DTYPES[config.precision.output])
+    logits = jax.lax.with_sharding_constraint(model.head(h), split)
+    logits = logits.astype(DTYPES[config.precision.output])
     aux = summarize_layer_aux(jax.tree.map(lambda v: v / n_micro, layer_aux_sums))
     return _total_loss(logits, targets, aux, config)
 
@@ -256,13 +275,25 @@ def train_step(
 
 
 
-def make_train_step(config: StepConfig, mesh: Mesh) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Array]]]:
-    """The jitted pipelined train step; the incoming state is donated."""
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """``(G, M, B, T)`` batches are split over ``dp`` on ``B``."""
+    return NamedSharding(mesh, PartitionSpec(None, None, "dp", None))
+
+
+def make_train_step(
+    config: StepConfig, mesh: Mesh
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Array]]]:
+    """The jitted pipelined train step; the incoming state is donated.
+
+    The batch is constrained to `batch_sharding` inside the step, so a batch that arrives
+    unsharded is still split over ``dp`` rather than computed in full on every replica.
+    """
 
     def loss_fn(model, tokens, targets):
         return pipelined_loss(model, tokens, targets, config=config, mesh=mesh)
 
-    return jax.jit(
-        lambda state, batch: train_step(state, batch, config=config, loss_fn=loss_fn),
-        donate_argnums=0,
-    )
+    def step(state, batch):
+        batch = jax.lax.with_sharding_constraint(batch, batch_sharding(mesh))
+        return train_step(state, batch, config=config, loss_fn=loss_fn)
+
+    return jax.jit(step, donate_argnums=0)

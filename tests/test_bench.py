@@ -1,0 +1,39 @@
+"""`python -m pipelines.bench --json FILE` writes every figure scripts depend on."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+KEYS = {
+    "tokens_per_s": float,
+    "model_flops_per_token": float,
+    "matmul_peak_flops": float,
+    "mfu_vs_matmul": float,
+    "pp_efficiency_gpipe": float,
+    "pp_efficiency_circular": float,
+    "compile_s_by_layers": dict,
+    "memory_bytes_by_pp": dict,
+}
+
+
+@pytest.mark.slow
+def test_bench_json_has_every_key(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "pipelines.bench", "--quick", "--repeats", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    for key, kind in KEYS.items():
+        assert isinstance(figures[key], kind), key
+    assert "vs_pytorch" in figures
+    assert set(figures["compile_s_by_layers"]) == {"4", "16", "64"}
+    assert set(figures["memory_bytes_by_pp"]) == {"1", "2", "4"}
+    memory = figures["memory_bytes_by_pp"]
+    assert memory["4"] < memory["1"]
+    assert "pipeline efficiency" in result.stdout

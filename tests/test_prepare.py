@@ -1,0 +1,326 @@
+"""Corpus preparation: shards round-trip, splits, sharding, re-runs, partial output, bad input."""
+
+import gzip
+import json
+import random
+import re
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+from array_record.python.array_record_module import ArrayRecordReader
+
+from eqxzoo.data import prepare as prep
+from eqxzoo.data.tokenizer import EOD_TOKEN, decode_document, encode_documents
+from pipelines.prepare import main
+
+VOCAB = 300
+WORDS = (
+    "the model reads tokens from shards and learns to predict the next one while "
+    "pipelines pass activations between stages écrire 日本語 def return lambda"
+).split()
+
+
+def make_documents(count: int, seed: int = 0) -> list[str]:
+    """Distinct small documents (each starts with its index), some with non-ASCII text."""
+    rng = random.Random(seed)
+    return [
+        f"doc {index}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 30))) + "\n"
+        for index in range(count)
+    ]
+
+
+def write_text_files(directory: Path, documents: list[str]) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for index, text in enumerate(documents):
+        path = directory / f"{index:03d}.txt"
+        path.write_text(text, encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+def read_split(out_dir: Path, manifest: prep.Manifest, split: str) -> list[list[int]]:
+    """Every record of a split's shards, in shard order, as token-id lists."""
+    documents = []
+    for shard in manifest.splits[split].shards:
+        reader = ArrayRecordReader(str(out_dir / shard.file))
+        documents.extend(prep.decode_record(record).tolist() for record in reader.read_all())
+        reader.close()
+    return documents
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def prepare(inputs: list[Path], out_dir: Path, **options: object) -> prep.PrepareResult:
+    return prep.prepare_corpus(inputs, out_dir, prep.PrepareOptions(**{"vocab_size": VOCAB, **options}))
+
+
+def test_round_trip_splits_and_counts(tmp_path: Path):
+    documents = make_documents(60)
+    files = write_text_files(tmp_path / "corpus", documents)
+    out_dir = tmp_path / "out"
+    result = prepare(files, out_dir, val_fraction=0.1)
+
+    manifest = prep.read_manifest(out_dir)
+    assert manifest == result.manifest
+    tokenizer = prep.load_tokenizer(out_dir / "tokenizer.json")
+    assert manifest.tokenizer.eod_token_id == tokenizer.token_to_id(EOD_TOKEN)
+    assert manifest.tokenizer.vocab_size == tokenizer.get_vocab_size() <= VOCAB
+    expected = {text: ids for text, ids in zip(documents, encode_documents(tokenizer, documents))}
+
+    seen: dict[str, str] = {}
+    for split in ("train", "val"):
+        split_documents = read_split(out_dir, manifest, split)
+        info = manifest.splits[split]
+        assert info.documents == len(split_documents)
+        assert info.tokens == sum(len(ids) for ids in split_documents)
+        for shard in info.shards:
+            reader = ArrayRecordReader(str(out_dir / shard.file))
+            records = [prep.decode_record(record) for record in reader.read_all()]
+            reader.close()
+            assert shard.records == len(records)
+            assert shard.tokens == sum(len(ids) for ids in records)
+            assert shard.bytes == (out_dir / shard.file).stat().st_size
+        for ids in split_documents:
+            assert manifest.tokenizer.eod_token_id not in ids  # the loader adds EOD
+            text = decode_document(tokenizer, ids)
+            assert text not in seen, "a document appears twice"
+            seen[text] = split
+            assert ids == expected[text]
+    assert set(seen) == set(documents)
+    assert 1 <= manifest.splits["val"].documents < len(documents) // 2
+    assert manifest.token_dtype == "<u4"
+    prep.verify_shards(out_dir)
+
+
+def test_jsonl_custom_field_gzip_and_literal_eod(tmp_path: Path):
+    documents = make_documents(12) + [f"quoting {EOD_TOKEN} inside a document"]
+    jsonl = tmp_path / "part.jsonl.gz"
+    with gzip.open(jsonl, "wt", encoding="utf-8") as file:
+        for text in documents:
+            file.write(json.dumps({"body": text, "id": 1}) + "\n\n")
+    text_gz = tmp_path / "extra.txt.gz"
+    with gzip.open(text_gz, "wt", encoding="utf-8") as file:
+        file.write("a gzipped text file\n")
+    out_dir = tmp_path / "out"
+    manifest = prepare([jsonl, text_gz], out_dir, text_field="body").manifest
+
+    tokenizer = prep.load_tokenizer(out_dir / "tokenizer.json")
+    decoded = [
+        decode_document(tokenizer, ids)
+        for split in ("train", "val")
+        for ids in read_split(out_dir, manifest, split)
+    ]
+    assert sorted(decoded) == sorted(documents + ["a gzipped text file\n"])
+    all_ids = [i for split in ("train", "val") for ids in read_split(out_dir, manifest, split) for i in ids]
+    assert manifest.tokenizer.eod_token_id not in all_ids  # the literal string stays text
+    assert manifest.options["text_field"] == "body"
+
+
+def test_directories_walked_in_order_skipping_binary_hidden_and_output(tmp_path: Path):
+    corpus = tmp_path / "corpus"
+    write_text_files(corpus / "b", make_documents(3, seed=1))
+    write_text_files(corpus / "a" / "deep", make_documents(4, seed=2))
+    (corpus / "notes.md").write_text("# notes\n", encoding="utf-8")
+    (corpus / "empty.txt").write_text("", encoding="utf-8")
+    (corpus / "blob.bin").write_bytes(bytes(range(256)))
+    (corpus / ".hidden").mkdir()
+    (corpus / ".hidden" / "secret.txt").write_text("never read", encoding="utf-8")
+    out_dir = corpus / "prepared"  # inside the input: must not feed itself
+    result = prepare([corpus], out_dir)
+
+    assert result.skipped_files == (corpus / "blob.bin",)
+    paths = [Path(info.path) for info in result.manifest.inputs]
+    assert paths == sorted(paths)  # walked in sorted order
+    assert all(".hidden" not in path.parts and "prepared" not in path.parts for path in paths)
+    documents = sum(split.documents for split in result.manifest.splits.values())
+    assert documents == 3 + 4 + 1  # the empty file is no document
+    assert prepare([corpus], out_dir).up_to_date  # its own output changed nothing
+
+
+def test_records_per_shard(tmp_path: Path):
+    files = write_text_files(tmp_path / "corpus", make_documents(23))
+    out_dir = tmp_path / "out"
+    manifest = prepare(files, out_dir, records_per_shard=4, val_fraction=0.2).manifest
+    train = manifest.splits["train"]
+    assert len(train.shards) >= 3
+    assert [shard.file for shard in train.shards] == [
+        f"train-{index:05d}.array_record" for index in range(len(train.shards))
+    ]
+    assert all(shard.records == 4 for shard in train.shards[:-1])
+    assert 1 <= train.shards[-1].records <= 4
+    assert manifest.splits["val"].shards[0].file == "val-00000.array_record"
+    assert sum(split.documents for split in manifest.splits.values()) == 23
+
+
+def test_rerun_is_a_no_op_until_inputs_or_options_change(tmp_path: Path, capsys):
+    files = write_text_files(tmp_path / "corpus", make_documents(8))
+    out_dir = tmp_path / "out"
+    argv = [*map(str, files), "--out", str(out_dir), "--vocab-size", str(VOCAB)]
+    assert run_cli(argv, capsys)[0] == 0
+    manifest_mtime = (out_dir / "manifest.json").stat().st_mtime_ns
+
+    code, stdout, _ = run_cli(argv, capsys)
+    assert code == 0 and "up to date" in stdout
+    assert (out_dir / "manifest.json").stat().st_mtime_ns == manifest_mtime
+
+    code, stdout, _ = run_cli([*argv, "--val-fraction", "0.5"], capsys)
+    assert code == 0 and "up to date" not in stdout
+    files[0].write_text("changed content\n", encoding="utf-8")
+    code, stdout, _ = run_cli([*argv, "--val-fraction", "0.5"], capsys)
+    assert code == 0 and "up to date" not in stdout
+    assert prep.read_manifest(out_dir).options["val_fraction"] == 0.5
+
+
+def test_partial_output_is_not_taken_as_finished(tmp_path: Path):
+    files = write_text_files(tmp_path / "corpus", make_documents(10))
+    finished = tmp_path / "finished"
+    prepare(files, finished)
+    out_dir = tmp_path / "out"
+    # A run killed before its rename: a full staging directory beside an absent output.
+    staging = tmp_path / ".out.partial-killed"
+    staging.mkdir()
+    for path in finished.iterdir():
+        (staging / path.name).write_bytes(path.read_bytes())
+    with pytest.raises(prep.DataError, match="no manifest.json"):
+        prep.read_manifest(out_dir)
+
+    result = prepare(files, out_dir)
+    assert not result.up_to_date
+    assert not staging.exists()  # the stale staging directory was cleaned up
+    prep.verify_shards(out_dir)
+    assert not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_same_inputs_give_identical_shards_and_loaded_tokenizer_reproduces(tmp_path: Path):
+    files = write_text_files(tmp_path / "corpus", make_documents(15))
+    first = prepare(files, tmp_path / "first").manifest
+    second = prepare(files, tmp_path / "second").manifest
+    assert first.splits == second.splits and first.tokenizer == second.tokenizer
+    reused = prep.prepare_corpus(
+        files,
+        tmp_path / "reused",
+        prep.PrepareOptions(tokenizer_file=tmp_path / "first" / "tokenizer.json"),
+    ).manifest
+    assert reused.splits == first.splits
+    assert reused.options["tokenizer"]["sha256"] == first.tokenizer.sha256
+
+
+def test_verify_shards_names_the_corrupt_shard(tmp_path: Path):
+    files = write_text_files(tmp_path / "corpus", make_documents(12))
+    out_dir = tmp_path / "out"
+    manifest = prepare(files, out_dir, records_per_shard=3).manifest
+    assert prep.verify_shards(out_dir) == manifest
+    shard = out_dir / manifest.splits["train"].shards[1].file
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(prep.DataError, match="train-00001.array_record is corrupt"):
+        prep.verify_shards(out_dir)
+    shard.unlink()
+    with pytest.raises(prep.DataError, match="train-00001.array_record is missing"):
+        prep.verify_shards(out_dir)
+
+
+def test_assign_validation_bounds():
+    scores = np.asarray([0.9, 0.5, 0.7], dtype=np.float64)
+    assert prep.assign_validation(scores, 0.01).tolist() == [False, True, False]
+    assert prep.assign_validation(scores, 0.0).tolist() == [False, False, False]
+    assert prep.assign_validation(scores, 0.99).tolist() == [False, True, True]
+    assert prep.assign_validation(np.asarray([0.001]), 0.5).tolist() == [False]
+
+
+def bad_jsonl(tmp_path: Path, lines: list[str]) -> Path:
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+BAD_INPUTS = {
+    "missing path": (lambda tmp: [str(tmp / "nope.txt")], "input .*nope.txt does not exist"),
+    "empty directory": (lambda tmp: [str(tmp / "empty_dir")], "no usable documents"),
+    "empty file": (lambda tmp: [str(tmp / "empty.txt")], "no usable documents"),
+    "invalid json": (
+        lambda tmp: [str(bad_jsonl(tmp, ['{"text": "ok"}', "{not json"]))],
+        r"bad.jsonl:2: not valid JSON",
+    ),
+    "missing field": (
+        lambda tmp: [str(bad_jsonl(tmp, ['{"body": "x"}'])), "--text-field", "text"],
+        r"bad.jsonl:1: no field 'text'",
+    ),
+    "field not a string": (
+        lambda tmp: [str(bad_jsonl(tmp, ['{"text": "ok"}', '{"text": 3}']))],
+        r"bad.jsonl:2: field 'text' is int, not a string",
+    ),
+    "binary file named": (lambda tmp: [str(tmp / "blob.bin")], "blob.bin: not UTF-8 text"),
+    "bad tokenizer": (
+        lambda tmp: [str(tmp / "good.txt"), "--tokenizer", str(tmp / "good.txt")],
+        "cannot load tokenizer .*good.txt",
+    ),
+    "missing tokenizer": (
+        lambda tmp: [str(tmp / "good.txt"), "--tokenizer", str(tmp / "none.json")],
+        "tokenizer .*none.json does not exist",
+    ),
+    "vocab too small": (
+        lambda tmp: [str(tmp / "good.txt"), "--vocab-size", "256"],
+        "--vocab-size must be >= 257",
+    ),
+    "tokenizer and vocab": (
+        lambda tmp: [str(tmp / "good.txt"), "--vocab-size", "300", "--tokenizer", "t.json"],
+        "either --tokenizer or --vocab-size",
+    ),
+    "no inputs": (lambda tmp: [], "no inputs"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys, case: str):
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "empty.txt").write_text("", encoding="utf-8")
+    (tmp_path / "good.txt").write_text("some good text\n", encoding="utf-8")
+    (tmp_path / "blob.bin").write_bytes(b"\xff\xfe\x00binary")
+    make_args, message = BAD_INPUTS[case]
+    out_dir = tmp_path / "out"
+    code, stdout, stderr = run_cli([*make_args(tmp_path), "--out", str(out_dir)], capsys)
+    assert code == 2
+    assert stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
+    assert "Traceback" not in stderr
+    assert re.search(message, stderr), stderr
+    assert not (out_dir / "manifest.json").exists()
+
+
+def test_refuses_to_replace_a_foreign_directory(tmp_path: Path, capsys):
+    (tmp_path / "good.txt").write_text("some good text\n", encoding="utf-8")
+    foreign = tmp_path / "home"
+    foreign.mkdir()
+    (foreign / "precious.txt").write_text("keep me", encoding="utf-8")
+    code, _, stderr = run_cli([str(tmp_path / "good.txt"), "--out", str(foreign)], capsys)
+    assert code == 2 and "not empty and holds no manifest.json" in stderr
+    assert (foreign / "precious.txt").read_text(encoding="utf-8") == "keep me"
+
+
+def test_stdlib_corpus_enumerator():
+    files = prep.stdlib_source_files()
+    root = Path(sysconfig.get_paths()["stdlib"])
+    assert len(files) > 300
+    assert files == sorted(files, key=lambda path: path.relative_to(root).parts)
+    assert all(path.suffix == ".py" for path in files)
+    for path in files:
+        parts = set(path.relative_to(root).parts[:-1])
+        assert not parts & {"site-packages", "test", "tests", "idlelib", "lib2to3"}, path
+        assert path.stat().st_size <= 1 << 20
+    relative = {path.relative_to(root).as_posix() for path in files}
+    assert {"os.py", "json/decoder.py", "asyncio/events.py"} <= relative
+
+
+def test_default_stdlib_cache_dir(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = prep.default_stdlib_cache_dir(4096)
+    assert path.parent == tmp_path / "eqxzoo"
+    assert path.name.startswith("stdlib-3.") and path.name.endswith("-v4096")
