@@ -181,10 +181,20 @@ def _build(cls: type, table: Any, where: str):
             _fail(f"{where}.{key}", f"unknown key; valid keys are {sorted(fields)}")
         if not _matches(value, hints[key]):
             _fail(f"{where}.{key}", f"expected {_describe(hints[key])}, got {value!r}")
+    table = {key: _as_declared(value, hints[key]) for key, value in table.items()}
     try:
         return cls(**table)
     except ConfigError as error:
         raise ConfigError(f"{where}.{error}") from None
+
+
+def _as_declared(value: Any, hint: Any) -> Any:
+    """TOML writes ``500000`` for a float field: give float fields a float."""
+    accepts_float = hint is float or float in typing.get_args(hint)
+    accepts_int = hint is int or int in typing.get_args(hint)
+    if accepts_float and not accepts_int and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
 
 
 def _matches(value: Any, hint: Any) -> bool:

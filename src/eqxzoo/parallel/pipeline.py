@@ -161,7 +161,7 @@ def run_pipeline(
         return outputs[None], jax.tree.map(lambda v: v[None], aux_sums)
 
     stage_spec = jax.tree.map(lambda _: PartitionSpec(None, "pp"), params)
-    if batch_axis is not None and mesh.shape[batch_axis] > 1:
+    if not manual and batch_axis is not None and mesh.shape[batch_axis] > 1:
         microbatches = jax.lax.with_sharding_constraint(
             microbatches, NamedSharding(mesh, PartitionSpec(None, batch_axis))
         )

@@ -190,7 +190,7 @@ def pipelined_loss(
     model = _cast(model, DTYPES[config.precision.compute])
     n_micro = tokens.shape[0]
     split = NamedSharding(mesh, PartitionSpec(None, "dp"))
-    h = jax.lax.with_sharding_constraint(model.embed(tokens), split)
+    h = model.embed(tokens)
     h, layer_aux_sums = run_pipeline(
         model.blocks.layers,
         h,
