@@ -42,7 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help=f"train a byte-level BPE of this many tokens (default {DEFAULT_VOCAB_SIZE})",
     )
-    parser.add_argument("--tokenizer", type=Path, help="use this tokenizer.json instead of training")
+    parser.add_argument(
+        "--tokenizer", type=Path, help="use this tokenizer.json instead of training one"
+    )
     parser.add_argument("--text-field", default="text", help="JSONL field holding the text")
     parser.add_argument("--val-fraction", type=float, default=0.01, help="validation share")
     parser.add_argument(

@@ -58,7 +58,8 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
 
 
 def prepare(inputs: list[Path], out_dir: Path, **options: object) -> prep.PrepareResult:
-    return prep.prepare_corpus(inputs, out_dir, prep.PrepareOptions(**{"vocab_size": VOCAB, **options}))
+    options = {"vocab_size": VOCAB, **options}
+    return prep.prepare_corpus(inputs, out_dir, prep.PrepareOptions(**options))
 
 
 def test_round_trip_splits_and_counts(tmp_path: Path):
@@ -118,8 +119,9 @@ def test_jsonl_custom_field_gzip_and_literal_eod(tmp_path: Path):
         for ids in read_split(out_dir, manifest, split)
     ]
     assert sorted(decoded) == sorted(documents + ["a gzipped text file\n"])
-    all_ids = [i for split in ("train", "val") for ids in read_split(out_dir, manifest, split) for i in ids]
-    assert manifest.tokenizer.eod_token_id not in all_ids  # the literal string stays text
+    for split in ("train", "val"):
+        for ids in read_split(out_dir, manifest, split):
+            assert manifest.tokenizer.eod_token_id not in ids  # the literal string stays text
     assert manifest.options["text_field"] == "body"
 
 
@@ -276,6 +278,15 @@ BAD_INPUTS = {
         "either --tokenizer or --vocab-size",
     ),
     "no inputs": (lambda tmp: [], "no inputs"),
+    "corrupt gzip": (lambda tmp: [str(tmp / "broken.txt.gz")], "broken.txt.gz: not a valid gzip"),
+    "val fraction": (
+        lambda tmp: [str(tmp / "good.txt"), "--val-fraction", "1.5"],
+        r"--val-fraction must be in \[0, 1\)",
+    ),
+    "records per shard": (
+        lambda tmp: [str(tmp / "good.txt"), "--records-per-shard", "0"],
+        "--records-per-shard must be >= 1",
+    ),
 }
 
 
@@ -285,6 +296,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys, case: str):
     (tmp_path / "empty.txt").write_text("", encoding="utf-8")
     (tmp_path / "good.txt").write_text("some good text\n", encoding="utf-8")
     (tmp_path / "blob.bin").write_bytes(b"\xff\xfe\x00binary")
+    (tmp_path / "broken.txt.gz").write_bytes(b"\x1f\x8b not really gzip")
     make_args, message = BAD_INPUTS[case]
     out_dir = tmp_path / "out"
     code, stdout, stderr = run_cli([*make_args(tmp_path), "--out", str(out_dir)], capsys)
@@ -324,3 +336,29 @@ def test_default_stdlib_cache_dir(monkeypatch, tmp_path: Path):
     path = prep.default_stdlib_cache_dir(4096)
     assert path.parent == tmp_path / "eqxzoo"
     assert path.name.startswith("stdlib-3.") and path.name.endswith("-v4096")
+
+
+def test_interrupted_run_leaves_earlier_output_intact(tmp_path: Path, monkeypatch):
+    files = write_text_files(tmp_path / "corpus", make_documents(10))
+    out_dir = tmp_path / "out"
+    earlier = prepare(files, out_dir).manifest
+
+    def interrupt(self: prep.ShardWriter, token_ids: object) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(prep.ShardWriter, "write", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            prepare(files, out_dir, val_fraction=0.5)
+    assert prep.verify_shards(out_dir) == earlier  # the old output is untouched
+    assert not list(tmp_path.glob(".out.partial-*"))
+    assert prepare(files, out_dir, val_fraction=0.5).manifest.options["val_fraction"] == 0.5
+
+
+def test_unwritable_out_is_one_line(tmp_path: Path, capsys):
+    good = tmp_path / "good.txt"
+    good.write_text("some good text\n", encoding="utf-8")
+    code, _, stderr = run_cli([str(good), "--out", str(good)], capsys)
+    assert code == 2 and "exists and is not a directory" in stderr
+    code, _, stderr = run_cli([str(good), "--out", str(good / "out")], capsys)
+    assert code == 2 and stderr.startswith("error: cannot write --out") and "Traceback" not in stderr

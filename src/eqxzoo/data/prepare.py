@@ -672,7 +672,8 @@ def prepare_corpus(
     """
     start = time.perf_counter()
     out_dir = Path(out_dir).resolve()
-    sources = [SourceFile(path, walked=True) for path in stdlib_source_files()] if include_stdlib else []
+    stdlib = stdlib_source_files() if include_stdlib else []
+    sources = [SourceFile(path, walked=True) for path in stdlib]
     sources += collect_source_files(inputs, exclude=out_dir)
     if not sources:
         raise DataError("no usable documents: the inputs hold no files")
@@ -680,62 +681,90 @@ def prepare_corpus(
     inputs_info = inputs_record(sources)
     inputs_fingerprint = fingerprint(inputs_info)
     options_info = options_record(options)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        with _exclusive_lock(out_dir):
+            if is_up_to_date(out_dir, inputs_fingerprint, options_info):
+                manifest = read_manifest(out_dir)
+                return PrepareResult(out_dir, manifest, True, (), 0.0, time.perf_counter() - start)
+            _check_replaceable(out_dir)
+            _remove_stale_staging(out_dir)
 
-    with _exclusive_lock(out_dir):
-        if is_up_to_date(out_dir, inputs_fingerprint, options_info):
-            return PrepareResult(out_dir, read_manifest(out_dir), True, (), 0.0, 0.0)
-        _check_replaceable(out_dir)
-        _remove_stale_staging(out_dir)
+            progress(f"reading {len(sources)} input files")
+            scan = scan_corpus(sources, options.text_field)
+            if len(scan.scores) == 0:
+                raise DataError("no usable documents: the inputs hold no non-empty UTF-8 text")
+            is_val = assign_validation(scan.scores, options.val_fraction)
 
-        progress(f"reading {len(sources)} input files")
-        scan = scan_corpus(sources, options.text_field)
-        if len(scan.scores) == 0:
-            raise DataError("no usable documents: the inputs hold no non-empty UTF-8 text")
-        is_val = assign_validation(scan.scores, options.val_fraction)
+            tokenizer_start = time.perf_counter()
+            if tokenizer is None:
+                progress(f"training a byte-level BPE of {options.vocab_size} tokens")
+                documents = iter_documents(scan.files, options.text_field)
+                tokenizer = train_byte_level_bpe(documents, options.vocab_size)
+            tokenizer_seconds = time.perf_counter() - tokenizer_start
 
-        tokenizer_start = time.perf_counter()
-        if tokenizer is None:
-            progress(f"training a byte-level BPE of {options.vocab_size} tokens")
-            documents = iter_documents(scan.files, options.text_field)
-            tokenizer = train_byte_level_bpe(documents, options.vocab_size)
-        eod_token_id = ensure_eod_token(tokenizer)
-        tokenizer_seconds = time.perf_counter() - tokenizer_start
-
-        staging = out_dir.parent / f"{_staging_prefix(out_dir)}{uuid.uuid4().hex[:12]}"
-        staging.mkdir()
-        try:
             progress(f"tokenising {len(scan.scores)} documents")
-            documents = iter_documents(scan.files, options.text_field)
-            splits = write_shards(staging, tokenizer, documents, is_val, options.records_per_shard)
-            tokenizer.save(str(staging / TOKENIZER_FILE))
-            _fsync_file(staging / TOKENIZER_FILE)
-            manifest = Manifest(
-                format_version=FORMAT_VERSION,
-                token_dtype=TOKEN_DTYPE,
-                tokenizer=TokenizerInfo(
-                    file=TOKENIZER_FILE,
-                    vocab_size=tokenizer.get_vocab_size(),
-                    eod_token=EOD_TOKEN,
-                    eod_token_id=eod_token_id,
-                    sha256=file_sha256(staging / TOKENIZER_FILE),
-                ),
-                splits=splits,
+            manifest = _write_output(
+                out_dir,
+                tokenizer,
+                iter_documents(scan.files, options.text_field),
+                is_val,
+                options.records_per_shard,
                 inputs_fingerprint=inputs_fingerprint,
                 inputs=inputs_info,
                 options=options_info,
             )
-            with open(staging / MANIFEST_FILE, "w", encoding="utf-8") as file:
-                file.write(manifest_to_json(manifest))
-                file.flush()
-                os.fsync(file.fileno())
-            _publish(staging, out_dir)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-
+    except OSError as error:
+        raise DataError(f"cannot write --out {out_dir}: {error.strerror or error}") from None
     return PrepareResult(
         out_dir, manifest, False, scan.skipped, tokenizer_seconds, time.perf_counter() - start
     )
+
+
+def _write_output(
+    out_dir: Path,
+    tokenizer: Tokenizer,
+    documents: Iterable[str],
+    is_val: Bool[np.ndarray, " documents"],
+    records_per_shard: int,
+    *,
+    inputs_fingerprint: str,
+    inputs: tuple[InputFileInfo, ...],
+    options: dict[str, object],
+) -> Manifest:
+    """Write shards, tokenizer.json and (last) manifest.json into a staging directory beside
+    ``out_dir``, then rename it into place; nothing is left behind if this fails."""
+    eod_token_id = ensure_eod_token(tokenizer)
+    staging = out_dir.parent / f"{_staging_prefix(out_dir)}{uuid.uuid4().hex[:12]}"
+    staging.mkdir()
+    try:
+        splits = write_shards(staging, tokenizer, documents, is_val, records_per_shard)
+        tokenizer.save(str(staging / TOKENIZER_FILE))
+        _fsync_file(staging / TOKENIZER_FILE)
+        tokenizer_info = TokenizerInfo(
+            file=TOKENIZER_FILE,
+            vocab_size=tokenizer.get_vocab_size(),
+            eod_token=EOD_TOKEN,
+            eod_token_id=eod_token_id,
+            sha256=file_sha256(staging / TOKENIZER_FILE),
+        )
+        manifest = Manifest(
+            format_version=FORMAT_VERSION,
+            token_dtype=TOKEN_DTYPE,
+            tokenizer=tokenizer_info,
+            splits=splits,
+            inputs_fingerprint=inputs_fingerprint,
+            inputs=inputs,
+            options=options,
+        )
+        with open(staging / MANIFEST_FILE, "w", encoding="utf-8") as file:
+            file.write(manifest_to_json(manifest))
+            file.flush()
+            os.fsync(file.fileno())
+        _publish(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return manifest
 
 
 def default_stdlib_cache_dir(vocab_size: int) -> Path:

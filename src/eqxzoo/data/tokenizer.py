@@ -54,11 +54,12 @@ def encode_documents(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[in
     encoded as the text they are, so the only end-of-document tokens in a training stream
     are the ones the loader puts between documents.
     """
+    was_encoding_special_tokens = tokenizer.encode_special_tokens
     tokenizer.encode_special_tokens = True
     try:
         encodings = tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)
     finally:
-        tokenizer.encode_special_tokens = False
+        tokenizer.encode_special_tokens = was_encoding_special_tokens
     return [encoding.ids for encoding in encodings]
 
 
