@@ -13,6 +13,7 @@ import models
 from eqxzoo.optim import OptimizerConfig, OptimizerConfigError, build_optimizer, decay_mask
 from eqxzoo.parallel import MeshConfig, MeshError, Schedule, ScheduleError, check_model_fits, make_mesh
 from eqxzoo.train.step import (
+    Precision,
     StepConfig,
     from_pipeline_layout,
     init_train_state,
@@ -165,6 +166,20 @@ def test_frozen_parameters_never_change_and_have_no_optimizer_state():
     np.testing.assert_array_equal(np.asarray(state.model.embedding.weight), frozen_before[0])
     np.testing.assert_array_equal(np.asarray(state.model.blocks.layers.attention.wq), frozen_before[1])
     assert not np.array_equal(np.asarray(state.model.blocks.layers.attention.wk), trainable_before)
+
+
+def test_bfloat16_compute_keeps_float32_master_weights():
+    """bf16 compute through a pp=2 pipeline (stage boundaries in fp32) tracks the fp32 step."""
+    mesh = make_mesh(MeshConfig(dp=2, pp=2), jax.devices()[:4])
+    losses = {}
+    for compute in ("float32", "bfloat16"):
+        config = dataclasses.replace(step_config(2, ADAM), precision=Precision(compute=compute))
+        state = init_train_state(MOE, jax.random.key(0), config=config, mesh=mesh)
+        state, metrics = make_train_step(config, mesh)(state, make_batch(0))
+        losses[compute] = float(metrics["loss"])
+        assert state.model.blocks.layers.mlp.experts.gate.dtype == jnp.float32
+        assert np.isfinite(float(metrics["grad_norm"]))
+    np.testing.assert_allclose(losses["bfloat16"], losses["float32"], rtol=1e-2)
 
 
 def test_adafactor_is_selectable_and_matches_one_device():

@@ -79,6 +79,12 @@ def run_pipeline(
     # With one stage there is nothing to shift: run the same table without shard_map (XLA's
     # partitioner rejects the autodiff all-reduce over a size-1 manual pp axis next to dp).
     manual = schedule.stages > 1
+    # Activations cross stages in float32: XLA:CPU fails to compile the pipeline's
+    # bfloat16 collectives ("Invalid binary instruction opcode copy"); layers still compute
+    # in the microbatches' dtype.
+    compute_dtype = microbatches.dtype
+    if manual and jnp.dtype(compute_dtype).itemsize < 4:
+        microbatches = microbatches.astype(jnp.float32)
     params, static = eqx.partition(layers, eqx.is_array)
     table = {name: jnp.asarray(values) for name, values in schedule.table().items()}
     n_stages, n_repeats, n_micro = schedule.stages, schedule.repeats, schedule.microbatches
@@ -93,9 +99,11 @@ def run_pipeline(
 
     def stage_compute(stage_params, h):
         h_out, aux = apply_layers(
-            eqx.combine(stage_params, static), split_batch(h), remat_policy=remat_policy
+            eqx.combine(stage_params, static),
+            split_batch(h).astype(compute_dtype),
+            remat_policy=remat_policy,
         )
-        return split_batch(h_out), aux
+        return split_batch(h_out).astype(h.dtype), aux
 
     def run_stage(stage_params, h):
         return _varying_over_pp(stage_compute(stage_params, h), manual)
@@ -180,7 +188,7 @@ def run_pipeline(
     layer_aux = jax.tree.map(
         lambda v: jnp.swapaxes(v, 0, 1).reshape(-1, *v.shape[3:]), aux_sums
     )
-    return outputs[last_stage], layer_aux
+    return outputs[last_stage].astype(compute_dtype), layer_aux
 
 
 

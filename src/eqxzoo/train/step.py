@@ -22,11 +22,11 @@ from eqxzoo.optim import OptimizerConfig, build_optimizer, learning_rate_schedul
 from eqxzoo.parallel import (
     DEFAULT_RULES,
     MESH_AXES,
+    MeshAxes,
     MeshConfig,
     MeshError,
-    check_model_fits,
-    MeshAxes,
     Schedule,
+    check_model_fits,
     run_pipeline,
     stage_layers,
     staged_axes,
