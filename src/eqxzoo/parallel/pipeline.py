@@ -65,12 +65,13 @@ def run_pipeline(
     layers treat leading axes as independent sequences and average their aux values).
 
     Returns the outputs (same shape as ``microbatches``) and every layer's aux values summed
-    over the microbatches, shape ``(L, ...)`` in layer order. Each stage's input and output
-    are constrained to be split over ``batch_axis`` on the batch dimension, so that the
-    compiler keeps data parallelism inside stages instead of gathering the batch to match
-    FSDP-sharded weights. ``remat_stages=False`` keeps
-    every tick's activations instead of recomputing them (faster, more memory). ``bubble_fill``
-    is what a skipped tick emits (tests fill bubbles with NaN to show nothing leaks from them).
+    over the microbatches, shape ``(L, ...)`` in layer order. With one stage (no shard_map)
+    the stage's input and output are constrained to be split over ``batch_axis``, so that the
+    compiler keeps data parallelism instead of gathering the batch to match FSDP-sharded
+    weights (inside shard_map the batch split propagates from the inputs; a constraint there
+    crashed XLA's partitioner with dp, pp and ep together). ``remat_stages=False`` keeps every
+    tick's activations instead of recomputing them (faster, more memory). ``bubble_fill`` is
+    what a skipped tick emits (tests fill bubbles with NaN to show nothing leaks from them).
     """
     if mesh.shape["pp"] != schedule.stages:
         raise ValueError(
@@ -92,7 +93,6 @@ def run_pipeline(
     shift = [(stage, (stage + 1) % n_stages) for stage in range(n_stages)]
 
     def split_batch(h):
-        # Only outside shard_map: inside it, the microbatches' split (set below) propagates.
         if manual or batch_axis is None or mesh.shape[batch_axis] == 1:
             return h
         return jax.lax.with_sharding_constraint(h, NamedSharding(mesh, PartitionSpec(batch_axis)))
