@@ -19,7 +19,6 @@ from eqxzoo.train.step import (
     init_train_state,
     make_train_step,
     sequential_loss,
-    split_trainable,
 )
 
 VOCAB = 53

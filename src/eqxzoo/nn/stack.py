@@ -17,9 +17,6 @@ _REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
-# A layer maps hidden states to new hidden states and a dict of per-layer auxiliary values.
-LayerOutput = tuple[Float[Array, "*batch seq embed"], dict[str, Array]]
-
 
 def remat(fn: Callable, policy: RematPolicy) -> Callable:
     """``fn`` rematerialised under ``policy`` (``"none"`` returns it unchanged)."""

@@ -88,7 +88,7 @@ def run_pipeline(
         microbatches = microbatches.astype(jnp.float32)
     params, static = eqx.partition(layers, eqx.is_array)
     table = {name: jnp.asarray(values) for name, values in schedule.table().items()}
-    n_stages, n_repeats, n_micro = schedule.stages, schedule.repeats, schedule.microbatches
+    n_stages, n_repeats = schedule.stages, schedule.repeats
     last_stage = n_stages - 1
     shift = [(stage, (stage + 1) % n_stages) for stage in range(n_stages)]
 
