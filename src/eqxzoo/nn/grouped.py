@@ -43,8 +43,7 @@ def _rows_times_groups_batched(axis_size, in_batched, x, w, group_sizes):
     x_batched, w_batched, sizes_batched = in_batched
     x = _broadcast_batch(x, x_batched, axis_size)
     n_rows, n_groups = x.shape[1], w.shape[-3]
-    if not sizes_batched:
-        group_sizes = jnp.broadcast_to(group_sizes, (axis_size, n_groups))
+    group_sizes = _broadcast_batch(group_sizes, sizes_batched, axis_size)
     flat_x = x.reshape(axis_size * n_rows, x.shape[-1])
     if w_batched:
         flat_w = w.reshape(axis_size * n_groups, *w.shape[-2:])
@@ -58,13 +57,12 @@ def _rows_times_groups_batched(axis_size, in_batched, x, w, group_sizes):
 
 
 @custom_batching.custom_vmap
-def _weight_gradient(x, dy, group_sizes, n_groups_like):
-    del n_groups_like
+def _weight_gradient(x, dy, group_sizes):
     return jax.lax.ragged_dot_general(x, dy, group_sizes, _WEIGHT_GRAD_DIMENSIONS)
 
 
 @_weight_gradient.def_vmap
-def _weight_gradient_batched(axis_size, in_batched, x, dy, group_sizes, n_groups_like):
+def _weight_gradient_batched(axis_size, in_batched, x, dy, group_sizes):
     x = _broadcast_batch(x, in_batched[0], axis_size)
     dy = _broadcast_batch(dy, in_batched[1], axis_size)
     group_sizes = _broadcast_batch(group_sizes, in_batched[2], axis_size)
@@ -73,7 +71,6 @@ def _weight_gradient_batched(axis_size, in_batched, x, dy, group_sizes, n_groups
         x.reshape(axis_size * n_rows, -1),
         dy.reshape(axis_size * n_rows, -1),
         group_sizes.reshape(-1),
-        n_groups_like,
     )
     return flat.reshape(axis_size, n_groups, *flat.shape[1:]), True
 
@@ -98,7 +95,7 @@ def _grouped_matmul_forward(x, w, group_sizes):
 def _grouped_matmul_backward(residuals, dy):
     x, w, group_sizes = residuals
     dx = _rows_times_groups(dy, jnp.swapaxes(w, -1, -2), group_sizes)
-    dw = _weight_gradient(x, dy, group_sizes, None).astype(w.dtype)
+    dw = _weight_gradient(x, dy, group_sizes).astype(w.dtype)
     group_sizes_cotangent = jnp.zeros(group_sizes.shape, jax.dtypes.float0)
     return dx.astype(x.dtype), dw, group_sizes_cotangent
 
