@@ -1,5 +1,17 @@
-"""Data: tokenizers and corpus preparation (raw text -> ArrayRecord shards + manifest)."""
+"""Data: tokenizers, corpus preparation (raw text -> ArrayRecord shards + manifest) and the
+grain loader (shards -> packed, sharded ``(G, M, B, T)`` batches)."""
 
+from eqxzoo.data.loader import (
+    Batches,
+    BatchShape,
+    SplitDocuments,
+    TokenStream,
+    check_vocab,
+    open_split,
+    process_rows,
+    train_batches,
+    validation_batches,
+)
 from eqxzoo.data.prepare import (
     DataError,
     InputFileInfo,
@@ -22,22 +34,31 @@ from eqxzoo.data.tokenizer import EOD_TOKEN, decode_document, encode_documents
 
 __all__ = [
     "EOD_TOKEN",
+    "BatchShape",
+    "Batches",
     "DataError",
     "InputFileInfo",
     "Manifest",
     "PrepareOptions",
     "PrepareResult",
     "ShardInfo",
+    "SplitDocuments",
     "SplitInfo",
+    "TokenStream",
     "TokenizerInfo",
+    "check_vocab",
     "decode_document",
     "decode_record",
     "default_stdlib_cache_dir",
     "encode_documents",
     "load_tokenizer",
+    "open_split",
     "prepare_corpus",
     "prepare_stdlib_corpus",
+    "process_rows",
     "read_manifest",
     "stdlib_source_files",
+    "train_batches",
+    "validation_batches",
     "verify_shards",
 ]

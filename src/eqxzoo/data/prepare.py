@@ -58,7 +58,15 @@ SHARD_WRITER_OPTIONS = "group_size:1"
 ENCODE_BATCH_DOCUMENTS = 256
 
 STDLIB_EXCLUDED_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+    {
+        "site-packages",
+        "dist-packages",
+        "test",
+        "tests",
+        "idlelib",
+        "lib2to3",
+        "__pycache__",
+    }
 )
 STDLIB_MAX_FILE_BYTES = 1 << 20
 
@@ -91,9 +99,13 @@ class PrepareOptions:
                 f"got {self.vocab_size}"
             )
         if not 0.0 <= self.val_fraction < 1.0:
-            raise DataError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+            raise DataError(
+                f"--val-fraction must be in [0, 1), got {self.val_fraction}"
+            )
         if self.records_per_shard < 1:
-            raise DataError(f"--records-per-shard must be >= 1, got {self.records_per_shard}")
+            raise DataError(
+                f"--records-per-shard must be >= 1, got {self.records_per_shard}"
+            )
         if not self.text_field:
             raise DataError("--text-field must not be empty")
 
@@ -185,7 +197,9 @@ def manifest_from_json(text: str, source: str) -> Manifest:
     except DataError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise DataError(f"{source}: not a valid manifest ({type(error).__name__}: {error})")
+        raise DataError(
+            f"{source}: not a valid manifest ({type(error).__name__}: {error})"
+        )
 
 
 def read_manifest(directory: Path | str) -> Manifest:
@@ -229,7 +243,9 @@ def verify_shards(directory: Path | str) -> Manifest:
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
-    _check_file(directory / manifest.tokenizer.file, manifest.tokenizer.sha256, "tokenizer")
+    _check_file(
+        directory / manifest.tokenizer.file, manifest.tokenizer.sha256, "tokenizer"
+    )
     for split in manifest.splits.values():
         for shard in split.shards:
             _check_file(directory / shard.file, shard.sha256, "shard")
@@ -271,7 +287,9 @@ def _walk_files(root: Path, skip_dir: Callable[[Path], bool]) -> list[Path]:
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         dirnames[:] = [
-            name for name in dirnames if not name.startswith(".") and not skip_dir(here / name)
+            name
+            for name in dirnames
+            if not name.startswith(".") and not skip_dir(here / name)
         ]
         files.extend(
             here / name
@@ -307,7 +325,9 @@ def inputs_record(sources: Sequence[SourceFile]) -> tuple[InputFileInfo, ...]:
     infos = []
     for source in sources:
         stat = source.path.stat()
-        infos.append(InputFileInfo(str(source.path.resolve()), stat.st_size, stat.st_mtime_ns))
+        infos.append(
+            InputFileInfo(str(source.path.resolve()), stat.st_size, stat.st_mtime_ns)
+        )
     return tuple(infos)
 
 
@@ -352,7 +372,9 @@ def _decode_utf8(data: bytes, where: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise _NotTextError(f"{where}: not UTF-8 text (bad byte at offset {error.start})") from None
+        raise _NotTextError(
+            f"{where}: not UTF-8 text (bad byte at offset {error.start})"
+        ) from None
 
 
 def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
@@ -368,7 +390,9 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
             raise DataError(f"{where}: no field {text_field!r} (set --text-field)")
         text = value[text_field]
         if not isinstance(text, str):
-            raise DataError(f"{where}: field {text_field!r} is {type(text).__name__}, not a string")
+            raise DataError(
+                f"{where}: field {text_field!r} is {type(text).__name__}, not a string"
+            )
         if text:
             yield text
 
@@ -428,7 +452,9 @@ def scan_corpus(sources: Sequence[SourceFile], text_field: str) -> CorpusScan:
     files, skipped, scores = [], [], []
     for source in sources:
         try:
-            file_scores = [document_score(text) for text in read_documents(source.path, text_field)]
+            file_scores = [
+                document_score(text) for text in read_documents(source.path, text_field)
+            ]
         except _NotTextError:
             if not source.walked:
                 raise
@@ -436,7 +462,9 @@ def scan_corpus(sources: Sequence[SourceFile], text_field: str) -> CorpusScan:
             continue
         files.append(source.path)
         scores.extend(file_scores)
-    return CorpusScan(tuple(files), tuple(skipped), np.asarray(scores, dtype=np.float64))
+    return CorpusScan(
+        tuple(files), tuple(skipped), np.asarray(scores, dtype=np.float64)
+    )
 
 
 # ----------------------------------------------------------------------------- shards
@@ -491,7 +519,13 @@ class ShardWriter:
         path = self.directory / name
         _fsync_file(path)
         self.shards.append(
-            ShardInfo(name, self._records, self._tokens, path.stat().st_size, file_sha256(path))
+            ShardInfo(
+                name,
+                self._records,
+                self._tokens,
+                path.stat().st_size,
+                file_sha256(path),
+            )
         )
         self._records = self._tokens = 0
 
@@ -524,7 +558,9 @@ def write_shards(
     records_per_shard: int,
 ) -> dict[str, SplitInfo]:
     """Tokenise ``documents`` and write each to its split's shards; the splits' summaries."""
-    writers = {split: ShardWriter(directory, split, records_per_shard) for split in SPLITS}
+    writers = {
+        split: ShardWriter(directory, split, records_per_shard) for split in SPLITS
+    }
     index = 0
     for batch in _batched(documents, ENCODE_BATCH_DOCUMENTS):
         for token_ids in encode_documents(tokenizer, batch):
@@ -547,7 +583,7 @@ def load_tokenizer(path: Path | str) -> Tokenizer:
         raise DataError(f"tokenizer {path} does not exist")
     try:
         return Tokenizer.from_file(str(path))
-    except Exception as error:  # tokenizers raises a bare Exception for any parse failure
+    except Exception as error:  # noqa: BLE001 (tokenizers raises bare Exceptions)
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise DataError(f"cannot load tokenizer {path}: {message}") from None
 
@@ -571,7 +607,9 @@ def options_record(options: PrepareOptions) -> dict[str, object]:
     return json.loads(json.dumps(record))
 
 
-def is_up_to_date(out_dir: Path, inputs_fingerprint: str, options: dict[str, object]) -> bool:
+def is_up_to_date(
+    out_dir: Path, inputs_fingerprint: str, options: dict[str, object]
+) -> bool:
     """True when ``out_dir`` was prepared from these inputs with these options and is whole.
 
     Files are checked by presence and size, not checksum: `verify_shards` is the full check.
@@ -585,7 +623,8 @@ def is_up_to_date(out_dir: Path, inputs_fingerprint: str, options: dict[str, obj
     shards = [shard for split in manifest.splits.values() for shard in split.shards]
     tokenizer_path = out_dir / manifest.tokenizer.file
     return tokenizer_path.is_file() and all(
-        (out_dir / shard.file).is_file() and (out_dir / shard.file).stat().st_size == shard.bytes
+        (out_dir / shard.file).is_file()
+        and (out_dir / shard.file).stat().st_size == shard.bytes
         for shard in shards
     )
 
@@ -677,7 +716,11 @@ def prepare_corpus(
     sources += collect_source_files(inputs, exclude=out_dir)
     if not sources:
         raise DataError("no usable documents: the inputs hold no files")
-    tokenizer = None if options.tokenizer_file is None else load_tokenizer(options.tokenizer_file)
+    tokenizer = (
+        None
+        if options.tokenizer_file is None
+        else load_tokenizer(options.tokenizer_file)
+    )
     inputs_info = inputs_record(sources)
     inputs_fingerprint = fingerprint(inputs_info)
     options_info = options_record(options)
@@ -686,14 +729,18 @@ def prepare_corpus(
         with _exclusive_lock(out_dir):
             if is_up_to_date(out_dir, inputs_fingerprint, options_info):
                 manifest = read_manifest(out_dir)
-                return PrepareResult(out_dir, manifest, True, (), 0.0, time.perf_counter() - start)
+                return PrepareResult(
+                    out_dir, manifest, True, (), 0.0, time.perf_counter() - start
+                )
             _check_replaceable(out_dir)
             _remove_stale_staging(out_dir)
 
             progress(f"reading {len(sources)} input files")
             scan = scan_corpus(sources, options.text_field)
             if len(scan.scores) == 0:
-                raise DataError("no usable documents: the inputs hold no non-empty UTF-8 text")
+                raise DataError(
+                    "no usable documents: the inputs hold no non-empty UTF-8 text"
+                )
             is_val = assign_validation(scan.scores, options.val_fraction)
 
             tokenizer_start = time.perf_counter()
@@ -715,9 +762,16 @@ def prepare_corpus(
                 options=options_info,
             )
     except OSError as error:
-        raise DataError(f"cannot write --out {out_dir}: {error.strerror or error}") from None
+        raise DataError(
+            f"cannot write --out {out_dir}: {error.strerror or error}"
+        ) from None
     return PrepareResult(
-        out_dir, manifest, False, scan.skipped, tokenizer_seconds, time.perf_counter() - start
+        out_dir,
+        manifest,
+        False,
+        scan.skipped,
+        tokenizer_seconds,
+        time.perf_counter() - start,
     )
 
 
@@ -781,6 +835,10 @@ def prepare_stdlib_corpus(
 
     Later calls find the manifest and return at once; a changed stdlib is re-prepared.
     """
-    out_dir = Path(cache_dir) if cache_dir is not None else default_stdlib_cache_dir(vocab_size)
+    out_dir = (
+        Path(cache_dir)
+        if cache_dir is not None
+        else default_stdlib_cache_dir(vocab_size)
+    )
     options = PrepareOptions(vocab_size=vocab_size)
     return prepare_corpus([], out_dir, options, include_stdlib=True).out_dir

@@ -1,0 +1,448 @@
+"""Loading: prepared shards -> packed token windows -> ``(G, M, B, T)`` global batches.
+
+The example order is a pure function of the data (the prepared split), the seed and the
+window length ``T + 1``:
+
+* epoch ``e`` visits every document once, in the order ``permutation(seed, e)``;
+* each document is followed by the end-of-document token; epochs follow one another, so the
+  training data is one endless token stream;
+* the stream is cut into consecutive windows of ``T + 1`` tokens (inputs are a window's first
+  ``T`` tokens, targets its last ``T``), so every token of every epoch lands in exactly one
+  window: nothing lost at epoch ends, nothing repeated;
+* optimizer step ``k`` takes the next ``G * M * B`` windows, laid out as ``(G, M, B)``.
+
+Because a window is addressed by its number alone, any process can read any window: a
+process reads only the rows of ``B`` that its devices hold, the mesh and the number of
+processes never change what a global batch contains, and the iterator state is one integer
+(the next window), saved with grain's orbax handler and identical on every process.
+"""
+
+import dataclasses
+import functools
+import queue
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+from jax.sharding import Sharding
+from jaxtyping import Array, Int, Int64, UInt32
+
+from eqxzoo.data.prepare import (
+    DataError,
+    Manifest,
+    decode_record,
+    read_manifest,
+    verify_shards,
+)
+
+BATCH_AXIS = 2  # B in (G, M, B, T)
+STATE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    """One optimizer step's batch: G accumulation steps x M microbatches x B sequences x T."""
+
+    grad_accum: int
+    microbatches: int
+    batch_size: int
+    seq_len: int
+
+    def __post_init__(self):
+        for name in ("grad_accum", "microbatches", "batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise DataError(
+                    f"batch shape: {name} must be >= 1, got {getattr(self, name)}"
+                )
+
+    @property
+    def windows(self) -> int:
+        """Windows (sequences) per global batch: ``G * M * B``."""
+        return self.grad_accum * self.microbatches * self.batch_size
+
+    @property
+    def window_tokens(self) -> int:
+        return self.seq_len + 1
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.grad_accum, self.microbatches, self.batch_size, self.seq_len)
+
+
+# ----------------------------------------------------------------------------- documents
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitDocuments:
+    """The documents of one split: a grain source over its shards and every document's length."""
+
+    name: str
+    source: grain.sources.ArrayRecordDataSource
+    lengths: Int64[np.ndarray, " documents"]
+    eod_token_id: int
+    vocab_size: int
+
+    @property
+    def stream_tokens(self) -> int:
+        """Tokens in one epoch of the stream: every document plus its end-of-document token."""
+        return int(self.lengths.sum()) + len(self.lengths)
+
+
+def open_split(
+    directory: Path | str, split: str, *, verify: bool = True
+) -> SplitDocuments:
+    """Open a prepared split, checking the shards against the manifest.
+
+    ``verify`` compares every file's sha256 with the manifest (a truncated or corrupted shard);
+    record and token counts are always checked while reading the document lengths, so a
+    manifest that does not describe the shards is caught either way. Raises `DataError`.
+    """
+    directory = Path(directory)
+    manifest = verify_shards(directory) if verify else read_manifest(directory)
+    if split not in manifest.splits:
+        raise DataError(f"{directory}: the manifest has no {split!r} split")
+    info = manifest.splits[split]
+    if info.documents == 0:
+        raise DataError(f"{directory}: the {split!r} split holds no documents")
+    lengths = []
+    paths = []
+    for shard in info.shards:
+        path = directory / shard.file
+        if not path.is_file():
+            raise DataError(
+                f"shard {path} is missing; re-run python -m pipelines.prepare"
+            )
+        shard_lengths = _record_lengths(path, manifest)
+        if (
+            len(shard_lengths) != shard.records
+            or int(shard_lengths.sum()) != shard.tokens
+        ):
+            raise DataError(
+                f"shard {path} does not match the manifest: it holds {len(shard_lengths)} "
+                f"documents / {int(shard_lengths.sum())} tokens, the manifest says "
+                f"{shard.records} / {shard.tokens}; re-run python -m pipelines.prepare"
+            )
+        lengths.append(shard_lengths)
+        paths.append(str(path))
+    all_lengths = np.concatenate(lengths)
+    if len(all_lengths) != info.documents or int(all_lengths.sum()) != info.tokens:
+        raise DataError(
+            f"{directory}: the {split!r} shards hold {len(all_lengths)} documents / "
+            f"{int(all_lengths.sum())} tokens, the manifest says {info.documents} / {info.tokens}"
+        )
+    return SplitDocuments(
+        name=split,
+        source=grain.sources.ArrayRecordDataSource(paths),
+        lengths=all_lengths,
+        eod_token_id=manifest.tokenizer.eod_token_id,
+        vocab_size=manifest.tokenizer.vocab_size,
+    )
+
+
+def _record_lengths(path: Path, manifest: Manifest) -> Int64[np.ndarray, " documents"]:
+    itemsize = np.dtype(manifest.token_dtype).itemsize
+    try:
+        source = grain.sources.ArrayRecordDataSource([str(path)])
+        records = source.__getitems__(range(len(source)))
+    except Exception as error:  # noqa: BLE001 (array_record's errors vary)
+        raise DataError(
+            f"shard {path} cannot be read ({error}); re-run python -m pipelines.prepare"
+        )
+    return np.array([len(record) // itemsize for record in records], dtype=np.int64)
+
+
+def check_vocab(documents: SplitDocuments, model_vocab_size: int) -> None:
+    """A tokenizer larger than the model's embedding would index past it: refuse early."""
+    if documents.vocab_size > model_vocab_size:
+        raise DataError(
+            f"the corpus tokenizer has {documents.vocab_size} tokens but model.vocab_size is "
+            f"{model_vocab_size}; raise model.vocab_size or prepare with a smaller vocabulary"
+        )
+
+
+# ----------------------------------------------------------------------------- token stream
+
+
+class TokenStream:
+    """The endless stream of a split's documents, each followed by end-of-document, epoch after
+    epoch; epoch ``e``'s document order is ``permutation(seed, e)`` (or file order if not
+    ``shuffle``). Reads are thread-safe, so grain's reader threads can share one stream."""
+
+    def __init__(self, documents: SplitDocuments, *, seed: int, shuffle: bool):
+        self.documents = documents
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch_tokens = documents.stream_tokens
+        self._epoch = functools.lru_cache(maxsize=4)(self._order_and_ends)
+
+    def _order_and_ends(
+        self, epoch: int
+    ) -> tuple[Int64[np.ndarray, " documents"], Int64[np.ndarray, " documents"]]:
+        """Epoch ``epoch``'s document order and the stream offset at which each one ends
+        (exclusive, counting its end-of-document token)."""
+        n_documents = len(self.documents.lengths)
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(n_documents)
+        else:
+            order = np.arange(n_documents)
+        return order, np.cumsum(self.documents.lengths[order] + 1)
+
+    def read(self, start: int, stop: int) -> UInt32[np.ndarray, " tokens"]:
+        """Tokens ``[start, stop)`` of the stream."""
+        pieces = []
+        position = start
+        while position < stop:
+            epoch, offset = divmod(position, self.epoch_tokens)
+            end = min(stop, (epoch + 1) * self.epoch_tokens) - epoch * self.epoch_tokens
+            pieces.append(self._read_in_epoch(epoch, offset, end))
+            position = epoch * self.epoch_tokens + end
+        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+
+    def _read_in_epoch(
+        self, epoch: int, start: int, stop: int
+    ) -> UInt32[np.ndarray, " tokens"]:
+        order, ends = self._epoch(epoch)
+        first = int(np.searchsorted(ends, start, side="right"))
+        last = int(np.searchsorted(ends, stop - 1, side="right"))
+        records = self.documents.source.__getitems__(
+            [int(i) for i in order[first : last + 1]]
+        )
+        eod = np.array([self.documents.eod_token_id], dtype=np.uint32)
+        pieces = []
+        for record in records:
+            pieces.append(decode_record(record))
+            pieces.append(eod)
+        tokens = np.concatenate(pieces)
+        begin = int(ends[first - 1]) if first > 0 else 0
+        return tokens[start - begin : stop - begin]
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def process_rows(sharding: Sharding, shape: BatchShape) -> tuple[int, int]:
+    """The rows ``[lo, hi)`` of ``B`` that this process's devices hold under ``sharding``."""
+    indices = sharding.addressable_devices_indices_map(shape.shape).values()
+    rows = sorted(
+        {index[BATCH_AXIS].indices(shape.batch_size)[:2] for index in indices}
+    )
+    lo, hi = rows[0][0], rows[-1][1]
+    covered = sum(stop - start for start, stop in rows)
+    if covered != hi - lo:
+        raise ValueError(
+            f"this process's batch rows {rows} are not one contiguous range"
+        )
+    return lo, hi
+
+
+@dataclasses.dataclass(frozen=True)
+class HostBatch:
+    """One process's part of a global batch: rows ``[lo, hi)`` of B, as numpy arrays."""
+
+    inputs: Int[np.ndarray, "grad_accum microbatches rows seq"]
+    targets: Int[np.ndarray, "grad_accum microbatches rows seq"]
+
+
+class WindowReader:
+    """Reads step ``k``'s rows ``rows`` of windows, starting at window ``first_window``."""
+
+    def __init__(
+        self,
+        stream: TokenStream,
+        shape: BatchShape,
+        rows: tuple[int, int],
+        first_window: int,
+    ):
+        self.stream = stream
+        self.shape = shape
+        self.rows = rows
+        self.first_window = first_window
+
+    def __call__(self, step: int) -> HostBatch:
+        shape = self.shape
+        lo, hi = self.rows
+        width = shape.window_tokens
+        windows = np.empty(
+            (shape.grad_accum, shape.microbatches, hi - lo, width), np.int32
+        )
+        base = self.first_window + step * shape.windows
+        for g in range(shape.grad_accum):
+            for m in range(shape.microbatches):
+                start = base + (g * shape.microbatches + m) * shape.batch_size + lo
+                tokens = self.stream.read(start * width, (start + hi - lo) * width)
+                windows[g, m] = tokens.reshape(hi - lo, width)
+        return HostBatch(inputs=windows[..., :-1], targets=windows[..., 1:])
+
+
+class Batches(grain.DatasetIterator):
+    """Global ``(G, M, B, T)`` training batches as sharded `jax.Array`s, prefetched.
+
+    A grain dataset over step numbers reads this process's rows with ``num_threads`` reader
+    threads; a background thread turns them into global arrays
+    (`jax.make_array_from_process_local_data`) ``prefetch`` steps ahead of the consumer.
+    ``get_state()`` is the position of the next batch *handed out* (not of the prefetched
+    ones), the same on every process; `set_state` continues exactly there.
+    """
+
+    def __init__(
+        self,
+        stream: TokenStream,
+        shape: BatchShape,
+        sharding: Sharding,
+        *,
+        prefetch: int = 2,
+        num_threads: int = 2,
+    ):
+        super().__init__()
+        self.stream = stream
+        self.shape = shape
+        self.sharding = sharding
+        self.rows = process_rows(sharding, shape)
+        self.prefetch = max(prefetch, 1)
+        self.num_threads = num_threads
+        self._next_window = 0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._queue: queue.Queue = queue.Queue(maxsize=self.prefetch)
+
+    def _host_batches(self, first_window: int):
+        reader = WindowReader(self.stream, self.shape, self.rows, first_window)
+        dataset = grain.MapDataset.range(0, 1 << 62).map(reader)
+        options = grain.ReadOptions(
+            num_threads=self.num_threads, prefetch_buffer_size=self.prefetch
+        )
+        return iter(dataset.to_iter_dataset(options))
+
+    def _produce(
+        self, first_window: int, stop: threading.Event, out: queue.Queue
+    ) -> None:
+        try:
+            host = self._host_batches(first_window)
+            window = first_window
+            while not stop.is_set():
+                batch = next(host)
+                inputs = self._to_global(batch.inputs)
+                targets = self._to_global(batch.targets)
+                window += self.shape.windows
+                while not stop.is_set():
+                    try:
+                        out.put((window, inputs, targets), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except Exception as error:  # noqa: BLE001 (handed to the consumer, raised there)
+            out.put(error)
+
+    def _to_global(self, local: Int[np.ndarray, "g m rows t"]) -> Int[Array, "g m b t"]:
+        return jax.make_array_from_process_local_data(
+            self.sharding, local, self.shape.shape
+        )
+
+    def start_prefetch(self) -> None:
+        if self._thread is None:
+            self._stop = threading.Event()
+            self._queue = queue.Queue(maxsize=self.prefetch)
+            self._thread = threading.Thread(
+                target=self._produce,
+                args=(self._next_window, self._stop, self._queue),
+                name="eqxzoo-batches",
+                daemon=True,
+            )
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop the background thread; a later `next` or `start_prefetch` starts it again."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def __next__(self) -> dict[str, Int[Array, "grad_accum microbatches batch seq"]]:
+        self.start_prefetch()
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self._thread = None
+            raise item
+        self._next_window, inputs, targets = item
+        return {"tokens": inputs, "targets": targets}
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "next_window": self._next_window,
+            "window_tokens": self.shape.window_tokens,
+            "seed": self.stream.seed,
+            "epoch_tokens": self.stream.epoch_tokens,
+        }
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        """Continue at ``state``'s position; the stream must be the one that wrote it (same
+        split, seed and window length). The batch size may differ: windows are numbered
+        globally, so a run resumed with another batch size takes the next unseen windows."""
+        expected = {k: v for k, v in self.get_state().items() if k != "next_window"}
+        found = {k: state.get(k) for k in expected}
+        if found != expected:
+            raise DataError(
+                f"the checkpoint's data position belongs to another stream ({found}); this run "
+                f"reads {expected}: data.seed, data.seq_len and the corpus must match to resume"
+            )
+        self.close()
+        self._next_window = int(state["next_window"])
+
+    def __del__(self):
+        self._stop.set()
+
+
+def check_fits(
+    documents: SplitDocuments, shape: BatchShape, *, batches: int = 1
+) -> None:
+    """One epoch of the split must hold ``batches`` whole batches: otherwise a batch would
+    repeat tokens (and the validation set would not be a fixed set of distinct windows)."""
+    needed = batches * shape.windows * shape.window_tokens
+    if needed > documents.stream_tokens:
+        raise DataError(
+            f"data.seq_len {shape.seq_len}: {batches} batch(es) of {shape.windows} sequences need "
+            f"{needed} tokens but the {documents.name!r} split holds only "
+            f"{documents.stream_tokens} (with end-of-document tokens); lower data.seq_len or the "
+            "batch size, or prepare a larger corpus"
+        )
+
+
+def train_batches(
+    documents: SplitDocuments,
+    shape: BatchShape,
+    sharding: Sharding,
+    *,
+    seed: int,
+    prefetch: int = 2,
+    num_threads: int = 2,
+) -> Batches:
+    """Shuffled, endless training batches (see the module doc for the order)."""
+    check_fits(documents, shape)
+    stream = TokenStream(documents, seed=seed, shuffle=True)
+    return Batches(stream, shape, sharding, prefetch=prefetch, num_threads=num_threads)
+
+
+def validation_batches(
+    documents: SplitDocuments, shape: BatchShape, sharding: Sharding, *, batches: int
+) -> list[dict[str, Int[Array, "grad_accum microbatches batch seq"]]]:
+    """The first ``batches`` batches of the split in file order: the same fixed set each call."""
+    check_fits(documents, shape, batches=batches)
+    stream = TokenStream(documents, seed=0, shuffle=False)
+    reader = WindowReader(stream, shape, process_rows(sharding, shape), 0)
+    result = []
+    for step in range(batches):
+        host = reader(step)
+        result.append(
+            {
+                name: jax.make_array_from_process_local_data(
+                    sharding, part, shape.shape
+                )
+                for name, part in (("tokens", host.inputs), ("targets", host.targets))
+            }
+        )
+    return result

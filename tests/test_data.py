@@ -1,0 +1,270 @@
+"""The grain loader: exact packing, seeded order, mesh/process invariance, resume, bad input."""
+
+import json
+from pathlib import Path
+
+import grain
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+from test_prepare import make_documents, write_text_files
+
+from eqxzoo.data import loader
+from eqxzoo.data import prepare as prep
+from eqxzoo.data.prepare import DataError
+from eqxzoo.parallel import MeshConfig, make_mesh
+from eqxzoo.train.step import batch_sharding
+
+SHAPE = loader.BatchShape(grad_accum=2, microbatches=2, batch_size=4, seq_len=15)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    files = write_text_files(root / "text", make_documents(120))
+    options = prep.PrepareOptions(
+        vocab_size=300, val_fraction=0.2, records_per_shard=16
+    )
+    return prep.prepare_corpus(files, root / "prepared", options).out_dir
+
+
+@pytest.fixture(scope="module")
+def train_documents(corpus: Path) -> loader.SplitDocuments:
+    return loader.open_split(corpus, "train")
+
+
+def one_device_sharding() -> NamedSharding:
+    return batch_sharding(make_mesh(MeshConfig(), devices=jax.devices()[:1]))
+
+
+def records(documents: loader.SplitDocuments) -> list[np.ndarray]:
+    source = documents.source
+    return [
+        prep.decode_record(record) for record in source.__getitems__(range(len(source)))
+    ]
+
+
+def take(batches: loader.Batches, count: int) -> np.ndarray:
+    """``count`` batches as one ``(count, G, M, B, T + 1)`` array of windows."""
+    steps = []
+    for _ in range(count):
+        batch = next(batches)
+        tokens, targets = np.asarray(batch["tokens"]), np.asarray(batch["targets"])
+        np.testing.assert_array_equal(tokens[..., 1:], targets[..., :-1])
+        steps.append(np.concatenate([tokens, targets[..., -1:]], axis=-1))
+    return np.stack(steps)
+
+
+def train_batches(documents, sharding=None, seed=0, shape=SHAPE) -> loader.Batches:
+    sharding = one_device_sharding() if sharding is None else sharding
+    return loader.train_batches(
+        documents, shape, sharding, seed=seed, prefetch=2, num_threads=1
+    )
+
+
+def test_packing_loses_and_repeats_no_token(train_documents: loader.SplitDocuments):
+    docs = records(train_documents)
+    eod = train_documents.eod_token_id
+    epoch_tokens = train_documents.stream_tokens
+    steps = 2 * epoch_tokens // (SHAPE.windows * SHAPE.window_tokens) + 1
+    batches = train_batches(train_documents)
+    stream = take(batches, steps).reshape(-1)
+    batches.close()
+    assert len(stream) > 2 * epoch_tokens
+
+    for epoch in range(2):
+        tokens = stream[epoch * epoch_tokens : (epoch + 1) * epoch_tokens]
+        assert tokens[-1] == eod
+        pieces = np.split(tokens, np.flatnonzero(tokens == eod)[:-1] + 1)
+        seen = sorted(tuple(piece[:-1].tolist()) for piece in pieces)
+        assert seen == sorted(tuple(doc.tolist()) for doc in docs)
+        assert np.sum(tokens == eod) == len(docs)
+    epoch_orders = [stream[e * epoch_tokens : (e + 1) * epoch_tokens] for e in range(2)]
+    assert not np.array_equal(epoch_orders[0], epoch_orders[1]), "each epoch reshuffles"
+
+
+def test_same_seed_same_order_other_seed_other_order(
+    train_documents: loader.SplitDocuments,
+):
+    first, again, other = (train_batches(train_documents, seed=s) for s in (3, 3, 4))
+    a, b, c = take(first, 3), take(again, 3), take(other, 3)
+    for batches in (first, again, other):
+        batches.close()
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_order_is_the_same_for_any_number_of_processes(
+    train_documents: loader.SplitDocuments, processes: int
+):
+    """Each simulated process reads only its rows of B; together they are the 1-process batch."""
+    stream = loader.TokenStream(train_documents, seed=0, shuffle=True)
+    whole = loader.WindowReader(stream, SHAPE, (0, SHAPE.batch_size), first_window=0)
+    rows = SHAPE.batch_size // processes
+    parts = [
+        loader.WindowReader(stream, SHAPE, (p * rows, (p + 1) * rows), first_window=0)
+        for p in range(processes)
+    ]
+    for step in (0, 1, 7):
+        expected = whole(step)
+        pieces = [part(step) for part in parts]
+        for name in ("inputs", "targets"):
+            assembled = np.concatenate(
+                [getattr(piece, name) for piece in pieces], axis=2
+            )
+            np.testing.assert_array_equal(assembled, getattr(expected, name))
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [MeshConfig(dp=2, pp=2, tp=2), MeshConfig(dp=4, pp=2), MeshConfig(dp=4, ep=2)],
+)
+def test_order_is_the_same_on_every_mesh(train_documents: loader.SplitDocuments, mesh):
+    reference = train_batches(train_documents)
+    sharded = train_batches(train_documents, batch_sharding(make_mesh(mesh)))
+    expected = take(reference, 2)
+    batch = next(sharded)
+    assert batch["tokens"].sharding.spec == PartitionSpec(None, None, "dp", None)
+    shards = batch["tokens"].addressable_shards
+    assert {shard.data.shape[2] for shard in shards} == {SHAPE.batch_size // mesh.dp}
+    np.testing.assert_array_equal(np.asarray(batch["tokens"]), expected[0, ..., :-1])
+    np.testing.assert_array_equal(take(sharded, 1)[0], expected[1])
+    reference.close()
+    sharded.close()
+
+
+def test_process_rows_follow_the_sharding():
+    mesh = make_mesh(MeshConfig(dp=4, pp=2))
+    assert loader.process_rows(batch_sharding(mesh), SHAPE) == (0, SHAPE.batch_size)
+
+
+def test_restore_mid_epoch_continues_with_exactly_the_next_batch(
+    train_documents: loader.SplitDocuments, tmp_path: Path
+):
+    batches = train_batches(train_documents)
+    take(batches, 3)
+    handler = grain.checkpoint.CheckpointHandler()
+    handler.save(tmp_path, args=grain.checkpoint.CheckpointSave(batches))
+    expected = take(batches, 4)
+    batches.close()
+
+    resumed = train_batches(train_documents)
+    take(resumed, 1)  # a fresh iterator that has already moved on is put back in place
+    handler.restore(tmp_path, args=grain.checkpoint.CheckpointRestore(resumed))
+    np.testing.assert_array_equal(take(resumed, 4), expected)
+    assert json.loads(next(tmp_path.glob("process_*.json")).read_text())[
+        "next_window"
+    ] == (3 * SHAPE.windows)
+    resumed.close()
+
+
+def test_resume_with_another_batch_size_takes_the_next_unseen_windows(
+    train_documents: loader.SplitDocuments,
+):
+    batches = train_batches(train_documents)
+    first = take(batches, 2)
+    state = batches.get_state()
+    batches.close()
+    smaller = loader.BatchShape(grad_accum=1, microbatches=1, batch_size=2, seq_len=15)
+    resumed = train_batches(train_documents, shape=smaller)
+    resumed.set_state(state)
+    continued = take(resumed, 2).reshape(-1)
+    resumed.close()
+    reference = train_batches(train_documents)
+    stream = take(reference, 3).reshape(-1)
+    reference.close()
+    np.testing.assert_array_equal(stream[: first.size], first.reshape(-1))
+    np.testing.assert_array_equal(
+        stream[first.size : first.size + continued.size], continued
+    )
+
+
+def test_validation_batches_are_a_fixed_set(corpus: Path):
+    documents = loader.open_split(corpus, "val")
+    sharding = batch_sharding(make_mesh(MeshConfig(dp=2, pp=2, tp=2)))
+    shape = loader.BatchShape(grad_accum=1, microbatches=2, batch_size=2, seq_len=15)
+    first = loader.validation_batches(documents, shape, sharding, batches=2)
+    again = loader.validation_batches(
+        documents, shape, one_device_sharding(), batches=2
+    )
+    assert len(first) == 2
+    for a, b in zip(first, again):
+        for name in ("tokens", "targets"):
+            np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]))
+    docs = records(documents)
+    expected = np.concatenate([np.append(doc, documents.eod_token_id) for doc in docs])
+    np.testing.assert_array_equal(
+        np.asarray(first[0]["tokens"])[0, 0, 0], expected[:15]
+    )
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def copy_corpus(corpus: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "copy"
+    target.mkdir()
+    for path in corpus.iterdir():
+        (target / path.name).write_bytes(path.read_bytes())
+    return target
+
+
+def test_tokenizer_larger_than_the_model_vocabulary(
+    train_documents: loader.SplitDocuments,
+):
+    with pytest.raises(
+        DataError, match=r"tokenizer has \d+ tokens but model.vocab_size is 100"
+    ):
+        loader.check_vocab(train_documents, 100)
+    loader.check_vocab(train_documents, train_documents.vocab_size)
+
+
+def test_truncated_shard_is_reported_by_its_checksum(corpus: Path, tmp_path: Path):
+    copy = copy_corpus(corpus, tmp_path)
+    shard = copy / "train-00001.array_record"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(
+        DataError, match=r"shard .*train-00001.array_record is corrupt: sha256"
+    ):
+        loader.open_split(copy, "train")
+
+
+def test_manifest_that_does_not_match_the_shards(corpus: Path, tmp_path: Path):
+    copy = copy_corpus(corpus, tmp_path)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["splits"]["train"]["shards"][0]["records"] += 1
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(
+        DataError,
+        match=r"train-00000.array_record does not match the manifest: it holds 16 doc",
+    ):
+        loader.open_split(copy, "train")
+
+
+def test_missing_shard(corpus: Path, tmp_path: Path):
+    copy = copy_corpus(corpus, tmp_path)
+    (copy / "val-00000.array_record").unlink()
+    with pytest.raises(DataError, match=r"shard .*val-00000.array_record is missing"):
+        loader.open_split(copy, "val", verify=False)
+
+
+def test_sequence_longer_than_the_split_can_fill(
+    train_documents: loader.SplitDocuments,
+):
+    shape = loader.BatchShape(
+        grad_accum=1, microbatches=1, batch_size=1, seq_len=100_000
+    )
+    with pytest.raises(
+        DataError, match=r"data.seq_len 100000: 1 batch\(es\) of 1 sequences need"
+    ):
+        loader.train_batches(train_documents, shape, one_device_sharding(), seed=0)
+
+
+def test_restoring_a_position_from_another_stream(
+    train_documents: loader.SplitDocuments,
+):
+    state = train_batches(train_documents, seed=1).get_state()
+    with pytest.raises(DataError, match="belongs to another stream"):
+        train_batches(train_documents, seed=2).set_state(state)
