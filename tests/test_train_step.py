@@ -10,8 +10,20 @@ import optax
 import pytest
 
 import models
-from eqxzoo.optim import OptimizerConfig, OptimizerConfigError, build_optimizer, decay_mask
-from eqxzoo.parallel import MeshConfig, MeshError, Schedule, ScheduleError, check_model_fits, make_mesh
+from eqxzoo.optim import (
+    OptimizerConfig,
+    OptimizerConfigError,
+    build_optimizer,
+    decay_mask,
+)
+from eqxzoo.parallel import (
+    MeshConfig,
+    MeshError,
+    Schedule,
+    ScheduleError,
+    check_model_fits,
+    make_mesh,
+)
 from eqxzoo.train.step import (
     Precision,
     StepConfig,
@@ -19,6 +31,7 @@ from eqxzoo.train.step import (
     init_train_state,
     make_train_step,
     sequential_loss,
+    train_step,
 )
 
 VOCAB = 53
@@ -30,7 +43,9 @@ MOE = models.MixtralConfig(
     n_kv_heads=2,
     moe=models.MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=16),
 )
-DENSE = models.LlamaConfig(vocab_size=VOCAB, d_model=32, n_layers=4, n_heads=4, mlp_dim=48)
+DENSE = models.LlamaConfig(
+    vocab_size=VOCAB, d_model=32, n_layers=4, n_heads=4, mlp_dim=48
+)
 SHAPE = (2, 4, 4, 8)  # (G, M, B, T)
 
 
@@ -43,7 +58,9 @@ def make_batch(seed=0):
 
 
 def step_config(stages, optimizer, repeats=1):
-    schedule = Schedule("circular" if repeats > 1 else "gpipe", stages, SHAPE[1], repeats)
+    schedule = Schedule(
+        "circular" if repeats > 1 else "gpipe", stages, SHAPE[1], repeats
+    )
     return StepConfig(schedule=schedule, optimizer=optimizer)
 
 
@@ -70,7 +87,9 @@ def assert_close(actual, expected, rtol=1e-5):
 
 # Adam divides by sqrt(v) + eps: with a tiny eps, gradients that are zero up to fp32 rounding
 # (reduction order differs between meshes) would turn into full-size, sign-random updates.
-ADAM = OptimizerConfig(learning_rate=1e-2, warmup_steps=1, decay_steps=10, eps=1e-3, weight_decay=0.1)
+ADAM = OptimizerConfig(
+    learning_rate=1e-2, warmup_steps=1, decay_steps=10, eps=1e-3, weight_decay=0.1
+)
 
 
 @pytest.mark.parametrize(
@@ -84,16 +103,28 @@ def test_three_steps_on_a_mesh_equal_one_device(model_config, mesh_config, repea
     for one, many in zip(one_history, mesh_history, strict=True):
         np.testing.assert_allclose(many["loss"], one["loss"], rtol=1e-5)
         np.testing.assert_allclose(many["grad_norm"], one["grad_norm"], rtol=1e-5)
-    assert_close(from_pipeline_layout(mesh_state.model), from_pipeline_layout(one_state.model))
+    assert_close(
+        from_pipeline_layout(mesh_state.model), from_pipeline_layout(one_state.model)
+    )
     assert one_history[2]["loss"] < one_history[0]["loss"] + 1.0
 
 
 def test_metrics_of_a_moe_step():
     _, (metrics,) = run_steps(MOE, MeshConfig(pp=2, ep=2), 2, ADAM, 1)
-    for name in ("loss", "cross_entropy", "load_balance_loss", "router_z_loss", "dropped_fraction", "grad_norm", "learning_rate"):
+    for name in (
+        "loss",
+        "cross_entropy",
+        "load_balance_loss",
+        "router_z_loss",
+        "dropped_fraction",
+        "grad_norm",
+        "learning_rate",
+    ):
         assert np.shape(metrics[name]) == (), name
     assert metrics["expert_fraction"].shape == (4, 4)
-    np.testing.assert_allclose(metrics["expert_fraction"].sum(-1), np.ones(4), rtol=1e-5)
+    np.testing.assert_allclose(
+        metrics["expert_fraction"].sum(-1), np.ones(4), rtol=1e-5
+    )
     assert int(metrics["tokens"]) == np.prod(SHAPE)
     assert float(metrics["learning_rate"]) == 0.0  # warmup starts at zero
 
@@ -105,7 +136,9 @@ def test_clipping_uses_the_global_norm():
     sequentially computed gradient, clipped by its true global norm.
     """
     optimizer = dataclasses.replace(ADAM, eps=1.0, clip_norm=1e-3, weight_decay=0.0)
-    mesh_state, (metrics,) = run_steps(DENSE, MeshConfig(dp=2, pp=2, tp=2), 2, optimizer, 1)
+    mesh_state, (metrics,) = run_steps(
+        DENSE, MeshConfig(dp=2, pp=2, tp=2), 2, optimizer, 1
+    )
 
     model = models.DecoderLM(DENSE, key=jax.random.key(0))
     config = step_config(1, optimizer)
@@ -113,7 +146,9 @@ def test_clipping_uses_the_global_norm():
 
     def loss(model):
         losses = [
-            sequential_loss(model, batch["tokens"][g], batch["targets"][g], config=config)[0]
+            sequential_loss(
+                model, batch["tokens"][g], batch["targets"][g], config=config
+            )[0]
             for g in range(SHAPE[0])
         ]
         return sum(losses) / len(losses)
@@ -128,9 +163,12 @@ def test_clipping_uses_the_global_norm():
     assert float(optax.tree.norm(grads)) > 100 * optimizer.clip_norm
 
     # Both sides take their first optimizer step at learning rate 0; compare the second.
-    mesh_state, _ = make_train_step(
-        step_config(2, optimizer), make_mesh(MeshConfig(dp=2, pp=2, tp=2))
-    )(mesh_state, batch), None
+    mesh_state, _ = (
+        make_train_step(
+            step_config(2, optimizer), make_mesh(MeshConfig(dp=2, pp=2, tp=2))
+        )(mesh_state, batch),
+        None,
+    )
     mesh_state = mesh_state[0]
     updates, _ = tx.update(grads, opt_state, params)
     expected = optax.apply_updates(params, updates)
@@ -156,15 +194,58 @@ def test_frozen_parameters_never_change_and_have_no_optimizer_state():
     mesh = make_mesh(mesh_config)
     config = step_config(2, optimizer)
     initial = init_train_state(DENSE, jax.random.key(0), config=config, mesh=mesh)
-    frozen_before = [np.asarray(initial.model.embedding.weight), np.asarray(initial.model.blocks.layers.attention.wq)]
+    frozen_before = [
+        np.asarray(initial.model.embedding.weight),
+        np.asarray(initial.model.blocks.layers.attention.wq),
+    ]
     trainable_before = np.asarray(initial.model.blocks.layers.attention.wk)
     adam_state = initial.opt_state[1][0]
-    assert adam_state.mu.embedding.weight is None and adam_state.mu.blocks.layers.attention.wq is None
+    assert (
+        adam_state.mu.embedding.weight is None
+        and adam_state.mu.blocks.layers.attention.wq is None
+    )
     state, _ = make_train_step(config, mesh)(initial, make_batch(0))
     state, _ = make_train_step(config, mesh)(state, make_batch(1))
-    np.testing.assert_array_equal(np.asarray(state.model.embedding.weight), frozen_before[0])
-    np.testing.assert_array_equal(np.asarray(state.model.blocks.layers.attention.wq), frozen_before[1])
-    assert not np.array_equal(np.asarray(state.model.blocks.layers.attention.wk), trainable_before)
+    np.testing.assert_array_equal(
+        np.asarray(state.model.embedding.weight), frozen_before[0]
+    )
+    np.testing.assert_array_equal(
+        np.asarray(state.model.blocks.layers.attention.wq), frozen_before[1]
+    )
+    assert not np.array_equal(
+        np.asarray(state.model.blocks.layers.attention.wk), trainable_before
+    )
+
+
+def test_non_finite_step_is_skipped_and_counted():
+    """A NaN loss leaves parameters and optimizer state bitwise unchanged; the next finite
+    step updates as usual."""
+    config = step_config(1, ADAM)
+    mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+    state = init_train_state(DENSE, jax.random.key(0), config=config, mesh=mesh)
+
+    def poisoned_loss(model, tokens, targets):
+        loss, metrics = sequential_loss(
+            from_pipeline_layout(model), tokens, targets, config=config
+        )
+        return jnp.where(tokens[0, 0, 0] == 0, jnp.nan, loss), metrics
+
+    step = jax.jit(lambda s, b: train_step(s, b, config=config, loss_fn=poisoned_loss))
+    poisoned = make_batch(0)
+    poisoned["tokens"] = poisoned["tokens"].at[0, 0, 0, 0].set(0)
+    after, metrics = step(state, poisoned)
+    assert int(metrics["skipped"]) == 1
+    for a, b in zip(host(after), host(state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    clean = make_batch(1)
+    clean["tokens"] = clean["tokens"].at[0, 0, 0, 0].set(1)
+    updated, metrics = step(after, clean)
+    assert int(metrics["skipped"]) == 0 and np.isfinite(float(metrics["loss"]))
+    after, updated = updated, step(updated, clean)[0]  # the first update has warmup lr 0
+    changed = [
+        not np.array_equal(a, b) for a, b in zip(host(updated.model), host(after.model))
+    ]
+    assert any(changed) and int(updated.step) == 2
 
 
 def test_bfloat16_compute_keeps_float32_master_weights():
@@ -172,7 +253,9 @@ def test_bfloat16_compute_keeps_float32_master_weights():
     mesh = make_mesh(MeshConfig(dp=2, pp=2), jax.devices()[:4])
     losses = {}
     for compute in ("float32", "bfloat16"):
-        config = dataclasses.replace(step_config(2, ADAM), precision=Precision(compute=compute))
+        config = dataclasses.replace(
+            step_config(2, ADAM), precision=Precision(compute=compute)
+        )
         state = init_train_state(MOE, jax.random.key(0), config=config, mesh=mesh)
         state, metrics = make_train_step(config, mesh)(state, make_batch(0))
         losses[compute] = float(metrics["loss"])
@@ -189,18 +272,29 @@ def test_adafactor_is_selectable_and_matches_one_device():
 
 
 def test_decay_mask_excludes_norms_and_biases():
-    model = models.DecoderLM(dataclasses.replace(DENSE, qkv_bias=True), key=jax.random.key(0))
+    model = models.DecoderLM(
+        dataclasses.replace(DENSE, qkv_bias=True), key=jax.random.key(0)
+    )
     mask = decay_mask(eqx.filter(model, eqx.is_array))
     assert mask.blocks.layers.attention.wq and mask.embedding.weight
-    assert not mask.blocks.layers.attention.bq and not mask.blocks.layers.attention_norm.weight
+    assert (
+        not mask.blocks.layers.attention.bq
+        and not mask.blocks.layers.attention_norm.weight
+    )
     assert not mask.final_norm.weight
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(n_layers=6, pp=4), r"n_layers=6 is not divisible by pp \* repeats = 4 \* 1"),
-        (dict(n_layers=8, pp=2, repeats=3), r"n_layers=8 is not divisible by pp \* repeats = 2 \* 3"),
+        (
+            dict(n_layers=6, pp=4),
+            r"n_layers=6 is not divisible by pp \* repeats = 4 \* 1",
+        ),
+        (
+            dict(n_layers=8, pp=2, repeats=3),
+            r"n_layers=8 is not divisible by pp \* repeats = 2 \* 3",
+        ),
         (dict(n_heads=6, tp=4), r"n_heads=6 is not divisible by tp=4"),
         (dict(n_experts=6, ep=4), r"n_experts=6 is not divisible by ep=4"),
         (dict(n_experts=None, ep=2), r"ep=2 needs a MoE model"),
@@ -216,13 +310,25 @@ def test_mesh_that_does_not_fit_the_model(kwargs, message):
 def test_init_checks_the_mesh_against_the_model():
     config = step_config(2, ADAM)
     with pytest.raises(MeshError, match=r"n_heads=4 is not divisible by tp=8"):
-        init_train_state(DENSE, jax.random.key(0), config=config, mesh=make_mesh(MeshConfig(tp=8)))
-    with pytest.raises(MeshError, match=r"the schedule has 2 stages but the mesh has pp=4"):
-        init_train_state(DENSE, jax.random.key(0), config=config, mesh=make_mesh(MeshConfig(pp=4, dp=2)))
+        init_train_state(
+            DENSE, jax.random.key(0), config=config, mesh=make_mesh(MeshConfig(tp=8))
+        )
+    with pytest.raises(
+        MeshError, match=r"the schedule has 2 stages but the mesh has pp=4"
+    ):
+        init_train_state(
+            DENSE,
+            jax.random.key(0),
+            config=config,
+            mesh=make_mesh(MeshConfig(pp=4, dp=2)),
+        )
 
 
 def test_mesh_that_does_not_fit_the_devices():
-    with pytest.raises(MeshError, match=r"mesh dp=2 x pp=2 x tp=4 x ep=1 needs 16 devices, but 8 are available"):
+    with pytest.raises(
+        MeshError,
+        match=r"mesh dp=2 x pp=2 x tp=4 x ep=1 needs 16 devices, but 8 are available",
+    ):
         make_mesh(MeshConfig(dp=2, pp=2, tp=4))
 
 
@@ -230,7 +336,10 @@ def test_mesh_that_does_not_fit_the_devices():
     ("args", "message"),
     [
         (("gpipe", 2, 4, 2), r"gpipe schedule has one repeat per stage, got repeats=2"),
-        (("circular", 4, 3, 2), r"circular schedule needs microbatches >= stages, got microbatches=3 < stages=4"),
+        (
+            ("circular", 4, 3, 2),
+            r"circular schedule needs microbatches >= stages, got microbatches=3 < stages=4",
+        ),
         (("zigzag", 2, 2, 1), r"zigzag"),
     ],
 )
@@ -240,7 +349,12 @@ def test_impossible_schedules(args, message):
 
 
 def test_optimizer_config_errors():
-    with pytest.raises(OptimizerConfigError, match=r"optimizer.warmup_steps must be in \[0, decay_steps=10\), got 20"):
+    with pytest.raises(
+        OptimizerConfigError,
+        match=r"optimizer.warmup_steps must be in \[0, decay_steps=10\), got 20",
+    ):
         OptimizerConfig(warmup_steps=20, decay_steps=10)
-    with pytest.raises(OptimizerConfigError, match=r"optimizer.freeze: bad pattern '\('"):
+    with pytest.raises(
+        OptimizerConfigError, match=r"optimizer.freeze: bad pattern '\('"
+    ):
         OptimizerConfig(freeze=("(",))

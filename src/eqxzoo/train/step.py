@@ -8,6 +8,7 @@ the jitted step ``(state, batch) -> (state, metrics)`` with the old state donate
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 
 import equinox as eqx
@@ -18,7 +19,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from eqxzoo.nn import logical_axes
-from eqxzoo.optim import OptimizerConfig, build_optimizer, learning_rate_schedule, trainable_mask
+from eqxzoo.optim import (
+    OptimizerConfig,
+    build_optimizer,
+    learning_rate_schedule,
+    trainable_mask,
+)
 from eqxzoo.parallel import (
     DEFAULT_RULES,
     MESH_AXES,
@@ -52,7 +58,9 @@ class Precision:
     def __post_init__(self):
         for field in ("params", "compute", "output"):
             if getattr(self, field) not in DTYPES:
-                raise ValueError(f"precision.{field} must be one of {sorted(DTYPES)}, got {getattr(self, field)!r}")
+                raise ValueError(
+                    f"precision.{field} must be one of {sorted(DTYPES)}, got {getattr(self, field)!r}"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +68,7 @@ class StepConfig:
     """Everything the step needs besides the model: schedule, optimizer, loss weights."""
 
     schedule: Schedule
-    optimizer: OptimizerConfig = OptimizerConfig()
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     precision: Precision = Precision()
     load_balance_weight: float = 0.01
     router_z_weight: float = 0.001
@@ -84,7 +92,9 @@ def to_pipeline_layout(model: DecoderLM, schedule: Schedule) -> DecoderLM:
 
 def from_pipeline_layout(model: DecoderLM) -> DecoderLM:
     """The plain model (blocks with one leading layer axis) from the pipeline layout."""
-    return eqx.tree_at(lambda m: m.blocks.layers, model, unstage_layers(model.blocks.layers))
+    return eqx.tree_at(
+        lambda m: m.blocks.layers, model, unstage_layers(model.blocks.layers)
+    )
 
 
 def split_trainable(model: DecoderLM, config: OptimizerConfig) -> tuple[PyTree, PyTree]:
@@ -157,22 +167,30 @@ def init_train_state(
         repeats=config.schedule.repeats,
     )
     if config.schedule.stages != mesh_config.pp:
-        raise MeshError(f"the schedule has {config.schedule.stages} stages but the mesh has pp={mesh_config.pp}")
+        raise MeshError(
+            f"the schedule has {config.schedule.stages} stages but the mesh has pp={mesh_config.pp}"
+        )
 
     def build(key):
         model = _cast(DecoderLM(model_config, key=key), DTYPES[config.precision.params])
         model = to_pipeline_layout(model, config.schedule)
         trainable, _ = split_trainable(model, config.optimizer)
         opt_state = build_optimizer(config.optimizer).init(trainable)
-        return TrainState(step=jnp.zeros((), jnp.int32), model=model, opt_state=opt_state)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), model=model, opt_state=opt_state
+        )
 
     state_shape = eqx.filter_eval_shape(build, key)
-    shardings = state_shardings(state_shape, model_config, config=config, mesh=mesh, rules=rules)
+    shardings = state_shardings(
+        state_shape, model_config, config=config, mesh=mesh, rules=rules
+    )
     return jax.jit(build, out_shardings=shardings)(key)
 
 
 def _cast(tree: PyTree, dtype) -> PyTree:
-    return jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, tree)
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, tree
+    )
 
 
 def pipelined_loss(
@@ -217,11 +235,15 @@ def sequential_loss(
     model = _cast(model, DTYPES[config.precision.compute])
     logits, aux = jax.vmap(jax.vmap(model))(tokens)
     aux = jax.tree.map(lambda v: jnp.mean(v, axis=(0, 1)), aux)
-    return _total_loss(logits.astype(DTYPES[config.precision.output]), targets, aux, config)
+    return _total_loss(
+        logits.astype(DTYPES[config.precision.output]), targets, aux, config
+    )
 
 
 def _total_loss(logits, targets, aux, config: StepConfig):
-    cross_entropy = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
+    cross_entropy = jnp.mean(
+        optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    )
     loss = cross_entropy
     if "load_balance_loss" in aux:
         loss = loss + config.load_balance_weight * aux["load_balance_loss"]
@@ -235,7 +257,12 @@ LossFn = Callable[[DecoderLM, Array, Array], tuple[Array, dict[str, Array]]]
 def train_step(
     state: TrainState, batch: Batch, *, config: StepConfig, loss_fn: LossFn
 ) -> tuple[TrainState, dict[str, Array]]:
-    """One optimizer step over ``G`` accumulated gradients of ``loss_fn`` (not jitted)."""
+    """One optimizer step over ``G`` accumulated gradients of ``loss_fn`` (not jitted).
+
+    A step whose loss or gradient norm is not finite leaves the whole state as it was
+    (``metrics["skipped"] == 1``): ``state.step`` counts applied updates, like the optimizer's
+    own schedule counter, so the reported learning rate is the one the next update uses.
+    """
     optimizer = build_optimizer(config.optimizer)
     trainable, frozen = split_trainable(state.model, config.optimizer)
 
@@ -243,36 +270,58 @@ def train_step(
         grad_sum, metric_sum = carry
 
         def loss_of(trainable):
-            return loss_fn(eqx.combine(trainable, frozen), micro["tokens"], micro["targets"])
+            return loss_fn(
+                eqx.combine(trainable, frozen), micro["tokens"], micro["targets"]
+            )
 
         (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
         metrics = {"loss": loss, **metrics}
-        return (jax.tree.map(jnp.add, grad_sum, grads), jax.tree.map(jnp.add, metric_sum, metrics)), None
+        return (
+            jax.tree.map(jnp.add, grad_sum, grads),
+            jax.tree.map(jnp.add, metric_sum, metrics),
+        ), None
 
     grad_zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), trainable)
+
     def first_metrics():
         loss, metrics = loss_fn(state.model, batch["tokens"][0], batch["targets"][0])
         return {"loss": loss, **metrics}
 
     metric_shapes = jax.eval_shape(first_metrics)
-    zeros = (grad_zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes))
+    zeros = (
+        grad_zeros,
+        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes),
+    )
     if batch["tokens"].shape[0] == 1:
-        (grad_sum, metric_sum), _ = microbatch_grads(zeros, jax.tree.map(lambda x: x[0], batch))
+        (grad_sum, metric_sum), _ = microbatch_grads(
+            zeros, jax.tree.map(lambda x: x[0], batch)
+        )
     else:
         (grad_sum, metric_sum), _ = jax.lax.scan(microbatch_grads, zeros, batch)
     n_accum = batch["tokens"].shape[0]
-    grads = jax.tree.map(lambda g, p: (g / n_accum).astype(p.dtype), grad_sum, trainable)
+    grads = jax.tree.map(
+        lambda g, p: (g / n_accum).astype(p.dtype), grad_sum, trainable
+    )
     metrics = jax.tree.map(lambda m: m / n_accum, metric_sum)
     updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
-    trainable = optax.apply_updates(trainable, updates)
+    updated = optax.apply_updates(trainable, updates)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    keep_finite = functools.partial(
+        jax.tree.map, lambda new, old: jnp.where(finite, new, old)
+    )
     metrics.update(
-        grad_norm=optax.tree.norm(grads),
+        grad_norm=grad_norm,
         learning_rate=learning_rate_schedule(config.optimizer)(state.step),
         tokens=jnp.asarray(batch["tokens"].size, jnp.int32),
+        skipped=jnp.logical_not(finite).astype(jnp.int32),
     )
-    new_state = TrainState(step=state.step + 1, model=eqx.combine(trainable, frozen), opt_state=opt_state)
+    new_state = TrainState(
+        step=state.step + finite.astype(state.step.dtype),
+        model=eqx.combine(keep_finite(updated, trainable), frozen),
+        opt_state=keep_finite(opt_state, state.opt_state),
+    )
     return new_state, metrics
-
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -297,3 +346,19 @@ def make_train_step(
         return train_step(state, batch, config=config, loss_fn=loss_fn)
 
     return jax.jit(step, donate_argnums=0)
+
+
+def make_eval_step(
+    config: StepConfig, mesh: Mesh
+) -> Callable[[DecoderLM, Batch], Float[Array, ""]]:
+    """The jitted evaluation: token-mean cross-entropy of a ``(1, M, B, T)`` batch through the
+    same pipeline as training (``model`` in the pipeline layout)."""
+
+    def evaluate(model, batch):
+        batch = jax.lax.with_sharding_constraint(batch, batch_sharding(mesh))
+        _, metrics = pipelined_loss(
+            model, batch["tokens"][0], batch["targets"][0], config=config, mesh=mesh
+        )
+        return metrics["cross_entropy"]
+
+    return jax.jit(evaluate)
