@@ -167,11 +167,18 @@ def config_from_table(table: Mapping[str, Any], *, where: str = "model") -> Deco
         _fail(f"{where}.family", f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
     cls = FAMILIES[family]
     if "moe" in table:
-        table["moe"] = _build(MoEConfig, table["moe"], f"{where}.moe")
-    return _build(cls, table, where)
+        table["moe"] = build_dataclass(MoEConfig, table["moe"], f"{where}.moe")
+    return build_dataclass(cls, table, where)
 
 
-def _build(cls: type, table: Any, where: str):
+def build_dataclass(cls: type, table: Any, where: str):
+    """``cls(**table)`` for a dataclass ``cls``, with every key and value checked first.
+
+    Unknown keys, values that do not match a field's annotation (``int``, ``float``, ``str``,
+    ``bool``, ``Literal``, unions, ``tuple[X, ...]``) and the `ConfigError` of the class's own
+    validation raise one-line `ConfigError` messages naming ``where.key``. TOML integers
+    become floats for float fields and TOML arrays become tuples for tuple fields.
+    """
     if not isinstance(table, Mapping):
         _fail(where, f"must be a table, got {type(table).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -189,7 +196,10 @@ def _build(cls: type, table: Any, where: str):
 
 
 def _as_declared(value: Any, hint: Any) -> Any:
-    """TOML writes ``500000`` for a float field: give float fields a float."""
+    """TOML writes ``500000`` for a float field: give float fields a float (and tuple fields a tuple)."""
+    item = _tuple_item(hint)
+    if item is not None and isinstance(value, (list, tuple)):
+        return tuple(_as_declared(element, item) for element in value)
     accepts_float = hint is float or float in typing.get_args(hint)
     accepts_int = hint is int or int in typing.get_args(hint)
     if accepts_float and not accepts_int and isinstance(value, int) and not isinstance(value, bool):
@@ -205,6 +215,9 @@ def _matches(value: Any, hint: Any) -> bool:
         return any(_matches(value, arg) for arg in typing.get_args(hint))
     if hint is type(None):
         return value is None
+    item = _tuple_item(hint)
+    if item is not None:
+        return isinstance(value, (list, tuple)) and all(_matches(element, item) for element in value)
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is int:
@@ -220,4 +233,15 @@ def _describe(hint: Any) -> str:
         return " or ".join(repr(a) for a in typing.get_args(hint))
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(hint))
+    item = _tuple_item(hint)
+    if item is not None:
+        return f"a list of {_describe(item)}"
     return "none" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def _tuple_item(hint: Any) -> Any:
+    """``X`` for a ``tuple[X, ...]`` annotation, else None."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return args[0]
+    return None

@@ -1,0 +1,501 @@
+"""The run configuration: typed sections, TOML loading, ``--set`` overrides, validation.
+
+``python -m pipelines.run CONFIG.toml [--set section.key=value ...]`` reads one TOML file:
+
+    [run]         name, seed, steps, log_every, eval_every, eval_batches, max_nonfinite,
+                  compilation_cache_dir, tensorboard, wandb, wandb_project, plot
+    [model]       family and sizes (`models.config_from_table`), with a [model.moe] table
+    [mesh]        dp, pp, tp, ep
+    [pipeline]    schedule ("gpipe" or "circular"), microbatches (M), repeats (R), remat_stages
+    [optimizer]   `eqxzoo.optim.OptimizerConfig` (decay_steps defaults to run.steps)
+    [precision]   params, compute, output (`eqxzoo.train.step.Precision`)
+    [loss]        load_balance_weight, router_z_weight
+    [data]        path, vocab_size, seq_len (T), batch_size (B), grad_accum (G), seed,
+                  prefetch, num_threads
+    [checkpoint]  every, keep, async_save
+
+Missing sections and keys take their defaults. One optimizer step sees ``G * M * B``
+sequences of ``T`` tokens. Everything is checked here, before any JAX work: unknown
+sections or keys, wrongly typed values, non-positive sizes and combinations the mesh, the
+schedule or the model cannot run each raise a `ConfigError` whose message is one line that
+names the key (``mesh.dp: expected int, got 'two'``).
+"""
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import re
+import tomllib
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from eqxzoo.data.prepare import DEFAULT_VOCAB_SIZE
+from eqxzoo.data.tokenizer import MIN_VOCAB_SIZE
+from eqxzoo.optim import OptimizerConfig
+from eqxzoo.parallel.mesh import MeshConfig, MeshError, check_model_fits
+from eqxzoo.parallel.schedule import Schedule, ScheduleError, ScheduleName
+from eqxzoo.train.step import Precision, StepConfig
+from models.config import ConfigError, DecoderConfig, build_dataclass, config_from_table
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "LossConfig",
+    "PipelineConfig",
+    "RunConfig",
+    "RunSettings",
+    "config_from_dict",
+    "config_to_dict",
+    "config_to_toml",
+    "devices_needed",
+    "load_config",
+    "mesh_config",
+    "step_config",
+]
+
+DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/eqxzoo/jax-compilation-cache"
+STDLIB_DATA = "stdlib"
+
+
+def _fail(key: str, problem: str) -> typing.NoReturn:
+    raise ConfigError(f"{key}: {problem}")
+
+
+def _require_at_least(section: Any, minimum: int, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value < minimum:
+            _fail(name, f"must be >= {minimum}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """``[run]``: how long to train and what to log.
+
+    ``eval_every = 0`` never evaluates; ``max_nonfinite`` stops the run after that many
+    non-finite steps in a row; ``compilation_cache_dir = ""`` disables JAX's persistent
+    compilation cache (``~`` is expanded by the run loop).
+    """
+
+    name: str = "run"
+    seed: int = 0
+    steps: int = 1000
+    log_every: int = 10
+    eval_every: int = 500
+    eval_batches: int = 8
+    max_nonfinite: int = 3
+    compilation_cache_dir: str = DEFAULT_COMPILATION_CACHE_DIR
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "eqxzoo"
+    plot: bool = True
+
+    def __post_init__(self):
+        if not self.name.strip():
+            _fail("name", "must not be empty")
+        _require_at_least(self, 1, "steps", "log_every", "eval_batches", "max_nonfinite")
+        _require_at_least(self, 0, "eval_every")
+        if self.wandb and not self.wandb_project.strip():
+            _fail("wandb_project", "must not be empty when wandb = true")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """``[pipeline]``: the schedule over the ``mesh.pp`` stages (see `eqxzoo.parallel.Schedule`).
+
+    ``gpipe`` runs each stage's layers once per microbatch (``repeats = 1``); ``circular``
+    splits the layers into ``repeats`` rounds over the stages (needs ``microbatches >= pp``).
+    ``remat_stages`` recomputes each stage's activations in the backward pass.
+    """
+
+    schedule: ScheduleName = "gpipe"
+    microbatches: int = 1
+    repeats: int = 1
+    remat_stages: bool = True
+
+    def __post_init__(self):
+        if self.schedule not in typing.get_args(ScheduleName):
+            _fail("schedule", f"must be 'gpipe' or 'circular', got {self.schedule!r}")
+        _require_at_least(self, 1, "microbatches", "repeats")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """``[loss]``: weights of the MoE auxiliary losses added to the cross-entropy."""
+
+    load_balance_weight: float = 0.01
+    router_z_weight: float = 0.001
+
+    def __post_init__(self):
+        for name in ("load_balance_weight", "router_z_weight"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                _fail(name, f"must be a finite number >= 0, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """``[data]``: where the tokens come from and the ``(G, M, B, T)`` batch they form.
+
+    ``path = "stdlib"`` is the built-in corpus (this Python's standard library), prepared
+    on first use with a byte-level BPE of ``vocab_size`` tokens; any other path is a
+    directory written by ``python -m pipelines.prepare`` (whose tokenizer decides the
+    vocabulary; write ``./stdlib`` for a directory of that name). ``batch_size`` is the
+    global number of sequences per microbatch, split over ``mesh.dp``; ``prefetch`` batches
+    are read ahead on ``num_threads`` threads.
+    """
+
+    path: str = STDLIB_DATA
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+    seq_len: int = 1024
+    batch_size: int = 8
+    grad_accum: int = 1
+    seed: int = 0
+    prefetch: int = 2
+    num_threads: int = 2
+
+    def __post_init__(self):
+        if not self.path.strip():
+            _fail("path", f"must name a prepared data directory or {STDLIB_DATA!r}")
+        _require_at_least(self, MIN_VOCAB_SIZE, "vocab_size")
+        _require_at_least(self, 1, "seq_len", "batch_size", "grad_accum", "num_threads")
+        _require_at_least(self, 0, "prefetch")
+
+    @property
+    def is_stdlib(self) -> bool:
+        return self.path == STDLIB_DATA
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """``[checkpoint]``: save every ``every`` steps (and at the end), keep the newest ``keep``."""
+
+    every: int = 1000
+    keep: int = 3
+    async_save: bool = True
+
+    def __post_init__(self):
+        _require_at_least(self, 1, "every", "keep")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A whole training run; construction checks every combination the sections allow.
+
+    The checks that involve several sections (schedule vs. mesh, model vs. mesh, batch vs.
+    mesh, corpus vocabulary vs. model) reuse `Schedule` and `check_model_fits`, and name the
+    key a user would change.
+    """
+
+    run: RunSettings = dataclasses.field(default_factory=RunSettings)
+    model: DecoderConfig = dataclasses.field(default_factory=DecoderConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    precision: Precision = dataclasses.field(default_factory=Precision)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+
+    def __post_init__(self):
+        self._check_schedule()
+        self._check_model_fits_mesh()
+        self._check_batch_and_vocab()
+
+    @property
+    def schedule(self) -> Schedule:
+        """The pipeline schedule: ``mesh.pp`` stages, ``pipeline.microbatches``, ``repeats``."""
+        return _schedule(self.pipeline, self.mesh)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step: ``G * M * B``."""
+        return self.data.grad_accum * self.pipeline.microbatches * self.data.batch_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.data.seq_len
+
+    def _check_schedule(self) -> None:
+        try:
+            _schedule(self.pipeline, self.mesh)
+        except ScheduleError as error:
+            # PipelineConfig already checked the name and the sizes: what is left is gpipe
+            # with repeats > 1, or circular with too few microbatches for its stages.
+            if self.pipeline.schedule == "gpipe":
+                raise ConfigError(f"pipeline.repeats: {error}") from None
+            raise ConfigError(
+                f"pipeline.microbatches: {error} (stages = mesh.pp): raise pipeline.microbatches "
+                "or lower mesh.pp"
+            ) from None
+
+    def _check_model_fits_mesh(self) -> None:
+        model, mesh = self.model, self.mesh
+        n_experts = None if model.moe is None else model.moe.n_experts
+        # One mesh axis at a time, so the message names the axis that does not fit.
+        for key, axis_only, fix in (
+            (
+                "mesh.pp",
+                MeshConfig(pp=mesh.pp),
+                "choose mesh.pp and pipeline.repeats whose product divides model.n_layers",
+            ),
+            ("mesh.tp", MeshConfig(tp=mesh.tp), "choose a mesh.tp that divides model.n_heads"),
+            (
+                "mesh.ep",
+                MeshConfig(ep=mesh.ep),
+                "choose a mesh.ep that divides model.moe.n_experts (1 for a dense model)",
+            ),
+        ):
+            try:
+                check_model_fits(
+                    axis_only,
+                    n_layers=model.n_layers,
+                    n_heads=model.n_heads,
+                    n_experts=n_experts,
+                    repeats=self.pipeline.repeats,
+                )
+            except MeshError as error:
+                raise ConfigError(f"{key}: {error}; {fix}") from None
+        kv_heads = model.kv_heads
+        if kv_heads % mesh.tp != 0 and mesh.tp % kv_heads != 0:
+            _fail(
+                "mesh.tp",
+                f"model.n_kv_heads={kv_heads} must be a multiple of tp={mesh.tp} (kv heads split "
+                "over tp) or divide it (kv heads replicated over tp groups)",
+            )
+
+    def _check_batch_and_vocab(self) -> None:
+        data, mesh = self.data, self.mesh
+        if data.batch_size % mesh.dp != 0:
+            _fail(
+                "data.batch_size",
+                f"{data.batch_size} sequences per microbatch cannot be split evenly over "
+                f"mesh.dp={mesh.dp}; use a multiple of {mesh.dp}",
+            )
+        if data.is_stdlib and data.vocab_size > self.model.vocab_size:
+            _fail(
+                "data.vocab_size",
+                f"the stdlib corpus would have {data.vocab_size} token ids but "
+                f"model.vocab_size={self.model.vocab_size}; set data.vocab_size <= "
+                f"{self.model.vocab_size} or model.vocab_size >= {data.vocab_size}",
+            )
+
+
+def _schedule(pipeline: PipelineConfig, mesh: MeshConfig) -> Schedule:
+    return Schedule(
+        pipeline.schedule,
+        stages=mesh.pp,
+        microbatches=pipeline.microbatches,
+        repeats=pipeline.repeats,
+    )
+
+
+# ----------------------------------------------------------------------------- building
+
+SECTIONS: dict[str, type] = {field.name: field.type for field in dataclasses.fields(RunConfig)}
+
+
+def _section(cls: type, table: Any, where: str) -> Any:
+    """`build_dataclass`, with the `ValueError`s of the imported configs made `ConfigError`s.
+
+    `MeshConfig`, `OptimizerConfig` and `Precision` say ``mesh.dp must be >= 1``; this
+    gives ``mesh.dp: must be >= 1`` like every other message.
+    """
+    try:
+        return build_dataclass(cls, table, where)
+    except ConfigError:
+        raise
+    except ValueError as error:
+        message = str(error).splitlines()[0]
+        named = re.match(rf"({re.escape(where)}\.\w+):? (.*)", message)
+        if named:
+            raise ConfigError(f"{named[1]}: {named[2]}") from None
+        raise ConfigError(f"{where}: {message}") from None
+
+
+def config_from_dict(document: Mapping[str, Any]) -> RunConfig:
+    """A validated `RunConfig` from a parsed TOML (or JSON) document, as `config_to_dict` writes."""
+    if not isinstance(document, Mapping):
+        raise ConfigError(f"config: must be a table of sections, got {type(document).__name__}")
+    for name in document:
+        if name not in SECTIONS:
+            _fail(str(name), f"unknown section; valid sections are {sorted(SECTIONS)}")
+    run = _section(RunSettings, document.get("run", {}), "run")
+    sections: dict[str, Any] = {"run": run}
+    for name, cls in SECTIONS.items():
+        table = document.get(name, {})
+        if name == "run":
+            continue
+        if name == "model":
+            if not isinstance(table, Mapping):
+                _fail("model", f"must be a table, got {type(table).__name__}")
+            sections[name] = config_from_table(table, where="model")
+            continue
+        if name == "optimizer" and isinstance(table, Mapping) and "decay_steps" not in table:
+            try:
+                sections[name] = _section(cls, {**table, "decay_steps": run.steps}, name)
+            except ConfigError as error:
+                if str(error).startswith("optimizer.warmup_steps:"):
+                    raise ConfigError(f"{error} (decay_steps defaults to run.steps)") from None
+                raise
+            continue
+        sections[name] = _section(cls, table, name)
+    return RunConfig(**sections)
+
+
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed TOML file; a missing, unreadable or malformed file is a one-line `ConfigError`."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such config file")
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory, not a TOML config file")
+    try:
+        with path.open("rb") as file:
+            return tomllib.load(file)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: not valid TOML: {error}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not valid TOML: the file is not UTF-8 text") from None
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read the config file: {error.strerror}") from None
+
+
+def parse_override_value(text: str) -> Any:
+    """A ``--set`` value: a TOML value (``4``, ``3e-4``, ``true``, ``"x"``, ``[1, 2]``), else the text itself."""
+    text = text.strip()
+    if "\n" not in text:
+        try:
+            return tomllib.loads(f"value = {text}")["value"]
+        except tomllib.TOMLDecodeError:
+            pass
+    return text
+
+
+def apply_overrides(document: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of ``document`` with each ``section.key[.key...]=value`` set, in order.
+
+    Tables along the way are created when missing (``model.moe.n_experts=8`` on a config
+    without ``[model.moe]``); the keys themselves are checked when the config is built.
+    """
+    document = copy.deepcopy(dict(document))
+    for override in overrides:
+        dotted, equals, text = override.partition("=")
+        parts = [part.strip() for part in dotted.split(".")]
+        if not equals or not all(parts):
+            raise ConfigError(f"--set {override!r}: expected section.key=value, e.g. mesh.dp=4")
+        if len(parts) < 2:
+            raise ConfigError(f"--set {override!r}: name the section too, e.g. run.{parts[0]}={text.strip()}")
+        table = document
+        for depth, part in enumerate(parts[:-1]):
+            child = table.setdefault(part, {})
+            if not isinstance(child, dict):
+                _fail(
+                    ".".join(parts[: depth + 1]),
+                    f"is {child!r}, not a table: cannot set {'.'.join(parts)}",
+                )
+            table = child
+        table[parts[-1]] = parse_override_value(text)
+    return document
+
+
+def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read the TOML run config at ``path``, apply ``--set`` ``overrides``, validate.
+
+    Each override is ``section.key=value`` (nested tables: ``model.moe.n_experts=8``); the
+    value is read as a TOML value and, when it is not one, as a plain string, so
+    ``data.path=/tmp/x`` and ``pipeline.schedule=circular`` need no quotes.
+    """
+    if isinstance(overrides, str):
+        overrides = (overrides,)
+    return config_from_dict(apply_overrides(read_toml(path), overrides))
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _table(section: Any) -> dict[str, Any]:
+    """A dataclass as a TOML-able table: None fields left out (they are the defaults), tuples as lists."""
+    table: dict[str, Any] = {}
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        if value is None:
+            continue
+        if dataclasses.is_dataclass(value):
+            value = _table(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        table[field.name] = value
+    return table
+
+
+def config_to_dict(config: RunConfig) -> dict[str, Any]:
+    """Every section with every key (JSON- and TOML-able); `config_from_dict` rebuilds ``config``."""
+    document = {name: _table(getattr(config, name)) for name in SECTIONS}
+    document["model"] = {"family": config.model.family, **document["model"]}
+    return document
+
+
+def config_to_toml(config: RunConfig) -> str:
+    """``config`` as TOML text that `load_config` reads back to an equal config."""
+    lines: list[str] = []
+
+    def write_table(table: Mapping[str, Any], name: str) -> None:
+        if lines:
+            lines.append("")
+        lines.append(f"[{name}]")
+        subtables = []
+        for key, value in table.items():
+            if isinstance(value, Mapping):
+                subtables.append((key, value))
+            else:
+                lines.append(f"{key} = {_toml_value(value)}")
+        for key, value in subtables:
+            write_table(value, f"{name}.{key}")
+
+    for name, table in config_to_dict(config).items():
+        write_table(table, name)
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)  # inf, nan and 1e-08 are TOML floats too
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    raise TypeError(f"cannot write {value!r} as a TOML value")
+
+
+# ----------------------------------------------------------------------------- views
+
+
+def step_config(config: RunConfig) -> StepConfig:
+    """What `eqxzoo.train.step` needs: schedule, optimizer, precision, loss weights, remat."""
+    return StepConfig(
+        schedule=config.schedule,
+        optimizer=config.optimizer,
+        precision=config.precision,
+        load_balance_weight=config.loss.load_balance_weight,
+        router_z_weight=config.loss.router_z_weight,
+        remat_stages=config.pipeline.remat_stages,
+    )
+
+
+def mesh_config(config: RunConfig) -> MeshConfig:
+    return config.mesh
+
+
+def devices_needed(config: RunConfig) -> int:
+    """``dp * pp * tp * ep``: the devices the mesh spans."""
+    return config.mesh.size
