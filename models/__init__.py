@@ -16,22 +16,37 @@ from models.config import (
     QwenMoeConfig,
     config_from_table,
 )
-from models.decoder import DecoderBlock, DecoderLM, summarize_layer_aux
+from models.decoder import DecoderBlock, DecoderLM, KVCache, summarize_layer_aux
+from models.generate import (
+    decode_step,
+    generate,
+    prefill,
+    sample_token,
+    top_k_filter,
+    top_p_filter,
+)
 from models.hf import HFCheckpointError, load_hf, save_hf
 
 __all__ = [
     "FAMILIES",
     "ConfigError",
-    "HFCheckpointError",
     "DecoderBlock",
     "DecoderConfig",
     "DecoderLM",
+    "HFCheckpointError",
+    "KVCache",
     "LlamaConfig",
     "MixtralConfig",
     "MoEConfig",
     "QwenMoeConfig",
     "config_from_table",
+    "decode_step",
+    "generate",
     "load_hf",
+    "prefill",
+    "sample_token",
     "save_hf",
     "summarize_layer_aux",
+    "top_k_filter",
+    "top_p_filter",
 ]

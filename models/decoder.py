@@ -3,9 +3,19 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from eqxzoo.nn import MLP, CausalSelfAttention, Embedding, LayerNorm, Linear, MoE, RMSNorm, Stack
+from eqxzoo.nn import (
+    MLP,
+    CausalSelfAttention,
+    Embedding,
+    LayerNorm,
+    Linear,
+    MoE,
+    RMSNorm,
+    Stack,
+)
 from models.config import DecoderConfig
 
 
@@ -13,6 +23,25 @@ def make_norm(config: DecoderConfig) -> RMSNorm | LayerNorm:
     if config.norm == "rms":
         return RMSNorm(config.d_model, eps=config.norm_eps)
     return LayerNorm(config.d_model, eps=config.norm_eps)
+
+
+class KVCache(eqx.Module):
+    """Every layer's attention keys and values for the first ``position`` tokens of a sequence.
+
+    Stacked on a leading ``layers`` axis like the blocks, so a decode step is one
+    `jax.lax.scan` over layers and cache together; ``max_len`` rows per layer whatever the
+    position, so decoding compiles once. Rows at and after ``position`` are not yet written
+    (attention masks them). Keys are stored rotated (RoPE at their absolute positions).
+    Build one with `DecoderLM.init_cache`; batch with `jax.vmap`.
+    """
+
+    keys: Float[Array, "layers max_len kv_heads head_dim"]
+    values: Float[Array, "layers max_len kv_heads head_dim"]
+    position: Int[Array, ""]
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[1]
 
 
 class DecoderBlock(eqx.Module):
@@ -77,6 +106,35 @@ class DecoderBlock(eqx.Module):
             mlp_out, aux = self.mlp(self.mlp_norm(h)), {}
         return h + mlp_out, aux
 
+    def cached_forward(
+        self,
+        h: Float[Array, "seq embed"],
+        keys: Float[Array, "max_len kv_heads head_dim"],
+        values: Float[Array, "max_len kv_heads head_dim"],
+        start: Int[Array, ""],
+    ) -> tuple[
+        Float[Array, "seq embed"],
+        Float[Array, "max_len kv_heads head_dim"],
+        Float[Array, "max_len kv_heads head_dim"],
+    ]:
+        """The block on tokens at positions ``start, ...`` against this layer's cache.
+
+        Returns the hidden states and the cache with these tokens' keys and values written.
+        A MoE routes each token as its own one-token sequence: routing is per token, as in
+        the full pass, and no expert capacity can drop a token (a capacity-routed model
+        decodes as if dropless; its full pass agrees wherever that drops nothing).
+        """
+        attended, keys, values = self.attention.cached_forward(
+            self.attention_norm(h), keys, values, start
+        )
+        h = h + attended
+        if isinstance(self.mlp, MoE):
+            mlp_out, _ = self.mlp(self.mlp_norm(h)[:, None, :])
+            mlp_out = mlp_out[:, 0, :]
+        else:
+            mlp_out = self.mlp(self.mlp_norm(h))
+        return h + mlp_out, keys, values
+
 
 class DecoderLM(eqx.Module):
     """A decoder-only language model: ``embed``, stacked ``blocks``, ``head``.
@@ -133,6 +191,47 @@ class DecoderLM(eqx.Module):
     ) -> tuple[Float[Array, "seq vocab"], dict[str, Array]]:
         h, layer_aux = self.blocks(self.embed(tokens), key=key)
         return self.head(h), summarize_layer_aux(layer_aux)
+
+    def init_cache(self, max_len: int, dtype: DTypeLike | None = None) -> KVCache:
+        """An empty `KVCache` of ``max_len`` positions (prompt plus generated tokens).
+
+        ``dtype`` defaults to the embedding's (the parameter dtype).
+        """
+        config = self.config
+        shape = (config.n_layers, max_len, config.kv_heads, config.attention_head_dim)
+        dtype = self.embedding.weight.dtype if dtype is None else dtype
+        return KVCache(
+            keys=jnp.zeros(shape, dtype),
+            values=jnp.zeros(shape, dtype),
+            position=jnp.zeros((), jnp.int32),
+        )
+
+    def cached_forward(
+        self, tokens: Int[Array, " seq"], cache: KVCache
+    ) -> tuple[Float[Array, "seq vocab"], KVCache]:
+        """Logits of ``tokens`` continuing the cached sequence, and the cache extended by them.
+
+        ``tokens`` sit at positions ``cache.position, ...``; the logits equal those rows of
+        ``self(whole_sequence)[0]``. A prompt goes through in one call (prefill), then one
+        token per call (decode). The layers run as one `jax.lax.scan` over the stacked blocks
+        and the stacked cache. Overflowing ``cache.max_len`` is an error.
+        """
+        position = eqx.error_if(
+            cache.position,
+            cache.position + tokens.shape[0] > cache.max_len,
+            "KVCache overflow: the tokens do not fit in max_len; build the cache larger",
+        )
+        params, static = eqx.partition(self.blocks.layers, eqx.is_array)
+
+        def one_layer(h, layer):
+            layer_params, keys, values = layer
+            block = eqx.combine(layer_params, static)
+            h, keys, values = block.cached_forward(h, keys, values, position)
+            return h, (keys, values)
+
+        h, (keys, values) = jax.lax.scan(one_layer, self.embed(tokens), (params, cache.keys, cache.values))
+        cache = KVCache(keys=keys, values=values, position=position + tokens.shape[0])
+        return self.head(h), cache
 
 
 def summarize_layer_aux(layer_aux: dict[str, Array]) -> dict[str, Array]:

@@ -1,4 +1,8 @@
-"""Causal self-attention with multi-head, grouped-query and multi-query layouts."""
+"""Causal self-attention with multi-head, grouped-query and multi-query layouts.
+
+`CausalSelfAttention.__call__` attends within a sequence; `CausalSelfAttention.cached_forward`
+attends to a fixed-length key/value cache of earlier tokens (for incremental decoding).
+"""
 
 from collections.abc import Mapping
 
@@ -118,3 +122,36 @@ class CausalSelfAttention(AbstractAxesOwner):
             is_causal=True,
         )
         return self.project_out(attended.reshape(*lead_shape, *seq_shape))
+
+    def cached_forward(
+        self,
+        x: Float[Array, "seq embed"],
+        keys: Float[Array, "max_len kv_heads head_dim"],
+        values: Float[Array, "max_len kv_heads head_dim"],
+        start: Int[Array, ""],
+    ) -> tuple[
+        Float[Array, "seq embed"],
+        Float[Array, "max_len kv_heads head_dim"],
+        Float[Array, "max_len kv_heads head_dim"],
+    ]:
+        """Attention of ``x``, the tokens at positions ``start, ..., start + seq - 1``, over a cache.
+
+        Their rotated keys and values are written into ``keys``/``values`` at those positions
+        (rows before ``start`` hold the earlier tokens); each query then attends to every
+        cache row at or before its own position, so rows not yet written are masked out and
+        the cache keeps one static shape however far decoding has gone. With ``start = 0``
+        and ``seq = max_len`` this is `__call__`. Returns the output and the updated cache;
+        the caller ensures ``start + seq <= max_len``.
+        """
+        positions = start + jnp.arange(x.shape[0])
+        q, k, v = self.project_qkv(x, positions)
+        keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), start, axis=0)
+        values = jax.lax.dynamic_update_slice_in_dim(values, v.astype(values.dtype), start, axis=0)
+        visible = jnp.arange(keys.shape[0])[None, :] <= positions[:, None]
+        attended = jax.nn.dot_product_attention(
+            q[None],
+            keys[None].astype(q.dtype),
+            values[None].astype(q.dtype),
+            mask=visible[None, None],
+        )
+        return self.project_out(attended[0]), keys, values

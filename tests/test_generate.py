@@ -1,0 +1,184 @@
+"""KV-cache generation: cached logits equal full recomputation; sampling and its filters."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+
+SMALL = {"vocab_size": 97, "d_model": 32, "n_layers": 2, "n_heads": 4, "mlp_dim": 48}
+MOE = models.MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=24)
+
+CONFIGS = {
+    "llama_gqa": models.LlamaConfig(**SMALL, n_kv_heads=2),
+    "mixtral": models.MixtralConfig(**SMALL, n_kv_heads=1, moe=MOE),
+    "qwen_moe_shared": models.QwenMoeConfig(
+        **SMALL,
+        n_kv_heads=2,
+        qk_norm=True,
+        moe=dataclasses.replace(MOE, normalize_topk=False, shared_mlp_dim=40, shared_gate=True),
+    ),
+}
+
+PROMPT_LEN, NEW = 6, 5
+SAMPLING = {"max_new_tokens": 6, "temperature": 1.0, "top_k": 50, "top_p": 0.95}
+
+
+def build(config, seed=0):
+    """A model with every parameter perturbed, so that biases, norms and attention matter."""
+    model = models.DecoderLM(config, key=jax.random.key(seed))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(
+        lambda p: jnp.asarray(np.asarray(p) + 0.2 * rng.standard_normal(p.shape, np.float32)), params
+    )
+    return eqx.combine(params, static)
+
+
+def prompt(n=PROMPT_LEN, seed=3):
+    return jax.random.randint(jax.random.key(seed), (n,), 0, SMALL["vocab_size"])
+
+
+@eqx.filter_jit
+def cached_and_full_logits(model):
+    """Greedy tokens after `prompt`, and the logits of prompt + tokens computed two ways.
+
+    Full recomputation, and with the cache: the prompt prefilled in two chunks (the second
+    starts mid-cache), then one `decode_step` per generated token.
+    """
+    start = prompt()
+    new_tokens = models.generate(model, start, max_new_tokens=NEW, temperature=0.0, key=jax.random.key(0))
+    full_logits, _ = model(jnp.concatenate([start, new_tokens]))
+
+    cache = model.init_cache(PROMPT_LEN + NEW)
+    first_logits, cache = models.prefill(model, start[:2], cache)
+    rest_logits, cache = models.prefill(model, start[2:], cache)
+
+    def step(cache, token):
+        logits, cache = models.decode_step(model, token, cache)
+        return cache, logits
+
+    cache, step_logits = jax.lax.scan(step, cache, new_tokens)
+    return new_tokens, full_logits, jnp.concatenate([first_logits, rest_logits, step_logits]), cache
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_cached_logits_equal_full_recompute(name):
+    new_tokens, full, cached, cache = cached_and_full_logits(build(CONFIGS[name]))
+    assert int(cache.position) == PROMPT_LEN + NEW
+    np.testing.assert_allclose(cached, full, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(new_tokens, jnp.argmax(full[PROMPT_LEN - 1 : -1], axis=-1))
+
+
+def test_capacity_routing_decodes_dropless():
+    """A token-dropping capacity config decodes like its dropless twin: nothing is dropped."""
+    capacity = dataclasses.replace(
+        CONFIGS["mixtral"], moe=dataclasses.replace(MOE, routing="capacity", capacity_factor=0.5)
+    )
+
+    @eqx.filter_jit
+    def run(dropping, dropless, tokens):
+        cached, _ = dropping.cached_forward(tokens, dropping.init_cache(tokens.shape[0]))
+        return dropping(tokens)[1]["dropped_fraction"], cached, dropless(tokens)[0]
+
+    dropped_fraction, cached, dropless_logits = run(build(capacity), build(CONFIGS["mixtral"]), prompt(10))
+    assert float(dropped_fraction) > 0
+    np.testing.assert_allclose(cached, dropless_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_is_deterministic_and_top_k_1_is_greedy():
+    model = build(CONFIGS["llama_gqa"])
+    start = prompt()
+    first, second = (
+        models.generate(model, start, max_new_tokens=NEW, temperature=0.0, key=jax.random.key(seed))
+        for seed in (0, 1)
+    )
+    np.testing.assert_array_equal(first, second)
+    top_1 = models.generate(model, start, max_new_tokens=NEW, temperature=1.5, top_k=1, key=jax.random.key(7))
+    np.testing.assert_array_equal(top_1, first)
+
+
+def test_same_key_same_sample_stop_token_and_vmap():
+    model = build(CONFIGS["llama_gqa"])
+    start = prompt()
+
+    def sample(key, stop_token=None):
+        return models.generate(model, start, **SAMPLING, stop_token=stop_token, key=key)
+
+    tokens = sample(jax.random.key(1))
+    assert tokens.shape == (SAMPLING["max_new_tokens"],) and tokens.dtype == jnp.int32
+    np.testing.assert_array_equal(tokens, sample(jax.random.key(1)))
+    other = sample(jax.random.key(2))
+    assert not np.array_equal(tokens, other)
+
+    stop = int(tokens[2])
+    first_stop = int(np.flatnonzero(np.asarray(tokens) == stop)[0])
+    stopped = sample(jax.random.key(1), stop_token=stop)
+    np.testing.assert_array_equal(stopped[: first_stop + 1], tokens[: first_stop + 1])
+    assert (np.asarray(stopped[first_stop:]) == stop).all()
+
+    batched = jax.vmap(sample)(jnp.stack([jax.random.key(1), jax.random.key(2)]))
+    np.testing.assert_array_equal(batched, jnp.stack([tokens, other]))
+
+
+def test_generate_compiles_once():
+    """The whole loop is one jitted program; new prompt values and keys reuse it."""
+    model = build(CONFIGS["llama_gqa"])
+    traces = []
+
+    @jax.jit
+    def run(model, tokens, key):
+        traces.append(None)
+        return models.generate(model, tokens, **SAMPLING, key=key)
+
+    first = run(model, prompt(seed=3), jax.random.key(0))
+    run(model, prompt(seed=4), jax.random.key(1))
+    assert len(traces) == 1
+    assert "while" in run.lower(model, prompt(), jax.random.key(0)).as_text()
+    np.testing.assert_array_equal(first, models.generate(model, prompt(seed=3), **SAMPLING, key=jax.random.key(0)))
+
+
+def test_top_p_keeps_the_smallest_set_with_enough_mass():
+    probs = jnp.array([0.05, 0.3, 0.5, 0.15])
+    logits = jnp.log(probs)
+    for p, expected in [(0.4, {2}), (0.75, {1, 2}), (0.85, {1, 2, 3}), (0.97, {0, 1, 2, 3}), (1.0, {0, 1, 2, 3})]:
+        kept = set(np.flatnonzero(np.isfinite(np.asarray(models.top_p_filter(logits, p)))).tolist())
+        assert kept == expected, (p, kept)
+        assert np.asarray(probs)[sorted(kept)].sum() >= p - 1e-6
+    filtered = models.top_p_filter(logits, 0.75)
+    np.testing.assert_allclose(filtered[jnp.array([1, 2])], logits[jnp.array([1, 2])])
+
+    random_logits = jax.random.normal(jax.random.key(0), (50,)) * 3
+    random_probs = np.asarray(jax.nn.softmax(random_logits))
+    for p in (0.1, 0.5, 0.9):
+        kept = np.isfinite(np.asarray(models.top_p_filter(random_logits, p)))
+        assert random_probs[kept].sum() >= p
+        assert random_probs[kept].sum() - random_probs[kept].min() < p
+        assert random_probs[kept].min() >= random_probs[~kept].max()
+
+
+def test_top_k_filter_and_sampling_errors():
+    logits = jnp.array([0.1, 2.0, -1.0, 1.5, 0.3])
+    kept = np.flatnonzero(np.isfinite(np.asarray(models.top_k_filter(logits, 2))))
+    np.testing.assert_array_equal(kept, [1, 3])
+    key = jax.random.key(0)
+    samples = jax.vmap(lambda k: models.sample_token(logits, k, temperature=1.0, top_k=2))(jax.random.split(key, 64))
+    assert set(np.asarray(samples).tolist()) == {1, 3}
+    assert int(models.sample_token(logits, key, temperature=0.0)) == 1
+    for settings, message in [
+        ({"temperature": -1.0}, "temperature must be >= 0"),
+        ({"temperature": 1.0, "top_k": 0}, "top_k must be >= 1"),
+        ({"temperature": 1.0, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            models.sample_token(logits, key, **settings)
+
+
+def test_cache_overflow_is_an_error():
+    model = build(CONFIGS["llama_gqa"])
+    with pytest.raises(Exception, match="KVCache overflow"):
+        model.cached_forward(prompt(6), model.init_cache(4))
