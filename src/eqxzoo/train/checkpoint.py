@@ -1,0 +1,420 @@
+"""Checkpoints: orbax `CheckpointManager`, async, keep-N, one Composite per step.
+
+Every checkpoint holds three items:
+
+- ``state``: the `TrainState` arrays (step, model in the pipeline layout, optimizer state),
+  written with ``StandardSave`` and restored onto the *caller's* target shardings, so a
+  run can resume on a different mesh;
+- ``data``: the data iterator's ``get_state()`` dict as ``process_{i}-of-{n}.json`` files
+  (grain's format), read back even when the number of processes changed;
+- ``meta``: a JSON dict (run config, seed, counters such as skipped updates).
+
+Restoring walks back from the newest checkpoint: one that cannot be read (a file truncated
+or deleted, its metadata missing) is reported in one line and skipped for the one before.
+orbax writes a step under a temporary name and renames it when complete, so a save killed
+half-way is never listed as a checkpoint.
+"""
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import textwrap
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from grain import DatasetIterator
+from jax.experimental import multihost_utils
+from jax.sharding import Sharding
+from jaxtyping import PyTree
+
+ITEMS = ("state", "data", "meta")
+STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
+_DATA_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read; the message is one line naming the cause."""
+
+
+class CheckpointWarning(UserWarning):
+    """An unusable checkpoint was skipped in favour of an older one."""
+
+
+# --- the data iterator item --------------------------------------------------------------
+
+
+def process_index_and_count() -> tuple[int, int]:
+    """``(process index, process count)`` of this JAX process: names its data state file."""
+    return jax.process_index(), jax.process_count()
+
+
+def data_state_file(index: int, count: int) -> str:
+    """grain's file name for one process's iterator state."""
+    return f"process_{index}-of-{count}.json"
+
+
+class DataStateHandler(ocp.CheckpointHandler):
+    """Saves an iterator state dict as ``process_{i}-of-{n}.json``, the file grain writes.
+
+    The state is the global position in the example order, identical on every process, so
+    when a checkpoint written by ``m`` processes is restored by ``n != m`` processes each of
+    them reads process 0's file. With the same count, each process reads its own file and
+    a missing one is an error (the checkpoint is incomplete).
+    """
+
+    def save(self, directory: epath.Path, args: ocp.args.CheckpointArgs) -> None:
+        index, count = process_index_and_count()
+        (directory / data_state_file(index, count)).write_text(json.dumps(args.state, indent=4))
+
+    def restore(self, directory: epath.Path, args: ocp.args.CheckpointArgs | None = None) -> dict:
+        index, count = process_index_and_count()
+        own = directory / data_state_file(index, count)
+        if own.exists():
+            return json.loads(own.read_text())
+        counts = {
+            int(match.group(2))
+            for path in directory.iterdir()
+            if (match := _DATA_FILE.fullmatch(path.name))
+        }
+        if not counts:
+            raise CheckpointError("no data iterator state (process_*-of-*.json) in the checkpoint")
+        if count in counts or len(counts) > 1:
+            raise CheckpointError(f"data iterator state {own.name} is missing")
+        (saved_count,) = counts
+        first = directory / data_state_file(0, saved_count)
+        if not first.exists():
+            raise CheckpointError(f"data iterator state {first.name} is missing")
+        return json.loads(first.read_text())
+
+    def metadata(self, directory: epath.Path) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_save=True)
+@dataclasses.dataclass
+class DataStateSave(ocp.args.CheckpointArgs):
+    state: dict
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_restore=True)
+@dataclasses.dataclass
+class DataStateRestore(ocp.args.CheckpointArgs):
+    pass
+
+
+# --- checkpointer ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Unusable:
+    """A checkpoint that was skipped on restore, and why."""
+
+    step: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"checkpoint at step {self.step} is unusable ({self.reason}); trying an older one"
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What `Checkpointer.restore_latest` read: the data iterator was restored in place."""
+
+    step: int
+    state: PyTree
+    meta: dict
+    skipped: tuple[Unusable, ...]
+
+
+def abstract_state(shapes: PyTree, shardings: PyTree[Sharding]) -> PyTree[jax.ShapeDtypeStruct]:
+    """Restore targets: each array's shape and dtype with the sharding it should land on.
+
+    ``shapes`` is e.g. ``eqx.filter_eval_shape`` of the state constructor and ``shardings``
+    the matching tree from `state_shardings` for the mesh the run resumes on.
+    """
+    return jax.tree.map(
+        lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
+        shapes,
+        shardings,
+    )
+
+
+class Checkpointer:
+    """Saves every ``every`` steps (or when forced) and keeps the newest ``keep`` checkpoints.
+
+    Saves are asynchronous by default: `maybe_save` returns once the arrays are copied off
+    the devices (the caller may then donate them) and the files are written in the
+    background. `wait` blocks until they are on disk; `close` also releases the manager.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        every: int,
+        keep: int,
+        async_save: bool = True,
+    ):
+        if every < 1:
+            raise CheckpointError(f"checkpoint.every must be >= 1, got {every}")
+        if keep < 1:
+            raise CheckpointError(f"checkpoint.keep must be >= 1, got {keep}")
+        self.every = every
+        self.directory = epath.Path(_absolute(directory))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        self._stale_steps: tuple[int, ...] = ()
+
+    def maybe_save(
+        self,
+        step: int,
+        state: PyTree,
+        data_iterator: DatasetIterator,
+        meta: dict[str, Any],
+        *,
+        force: bool = False,
+    ) -> bool:
+        """Save ``state``, the iterator's position and ``meta`` as step ``step`` if it is due.
+
+        Due when ``step`` is a multiple of ``every`` or ``force`` (end of run, SIGTERM).
+        Returns whether a checkpoint was started; a step already saved is not saved again.
+        Raises `CheckpointError` if a floating array of ``state`` holds NaN or Inf, or if
+        ``meta`` or the iterator state is not JSON-serialisable.
+        """
+        if not (force or step % self.every == 0):
+            return False
+        self._drop_stale_steps()
+        if step in self._manager.all_steps():
+            return False
+        bad = non_finite_paths(state)
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise CheckpointError(
+                f"refusing to save step {step}: non-finite values in {bad[0]}{more}"
+            )
+        data_state = data_iterator.get_state()
+        _check_json(data_state, f"step {step}: the data iterator state")
+        _check_json(meta, f"step {step}: meta")
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=DataStateSave(data_state),
+            meta=ocp.args.JsonSave(meta),
+        )
+        return self._manager.save(step, args=args, force=True)
+
+    def restore_latest(
+        self,
+        abstract_state: PyTree[jax.ShapeDtypeStruct],
+        data_iterator: DatasetIterator | None,
+    ) -> Restored | None:
+        """Restore the newest usable checkpoint onto the shardings in ``abstract_state``.
+
+        The data iterator (if any: generation needs none) is set to the saved position in
+        place. Unusable checkpoints are
+        skipped with a `CheckpointWarning` each (also listed in `Restored.skipped`); they are
+        deleted when the next checkpoint is saved. Returns None when there is no
+        checkpoint; raises `CheckpointError` when there are some but none is usable.
+        """
+        self.wait()
+        self._manager.reload()
+        skipped = []
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            try:
+                state, data_state, meta = self._restore_step(step, abstract_state)
+                failure = None
+            except Exception as error:  # noqa: BLE001 - any read failure makes it unusable
+                failure = _one_line(error)
+            if not _on_every_process(failure is None):
+                unusable = Unusable(step, failure or "unreadable on another process")
+                warnings.warn(str(unusable), CheckpointWarning, stacklevel=2)
+                skipped.append(unusable)
+                continue
+            if data_iterator is not None:
+                data_iterator.set_state(data_state)
+                data_iterator.start_prefetch()
+            self._stale_steps = tuple(unusable.step for unusable in skipped)
+            return Restored(step=step, state=state, meta=meta, skipped=tuple(skipped))
+        if skipped:
+            reasons = "; ".join(f"step {u.step}: {u.reason}" for u in skipped)
+            raise CheckpointError(f"no usable checkpoint in {self.directory}: {reasons}")
+        return None
+
+    def latest_step(self) -> int | None:
+        """The newest step saved or being saved, None if there is none."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Every step with a checkpoint (or one being saved), oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def wait(self) -> None:
+        """Block until every started save is on disk (and raise if one failed)."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Finish pending saves and release the manager."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _restore_step(self, step: int, abstract_state: PyTree) -> tuple[PyTree, dict, dict]:
+        """Read one step item by item, so that a failure names the item."""
+        check_complete(self.directory / str(step))
+        targets = {
+            "meta": ocp.args.JsonRestore(),
+            "data": DataStateRestore(),
+            "state": ocp.args.StandardRestore(abstract_state),
+        }
+        restored = {}
+        for item, target in targets.items():
+            try:
+                restored[item] = self._manager.restore(
+                    step, args=ocp.args.Composite(**{item: target})
+                )[item]
+            except Exception as error:
+                raise CheckpointError(f"{item}: {_one_line(error)}") from error
+        return restored["state"], restored["data"], restored["meta"]
+
+    def _drop_stale_steps(self) -> None:
+        """Delete the unusable checkpoints newer than the one this run resumed from.
+
+        They are kept until the run writes its next checkpoint, so that a restore alone
+        never deletes anything; from then on the run's history replaces them.
+        """
+        for step in self._stale_steps:
+            if step in self._manager.all_steps():
+                self._manager.delete(step)
+        self._stale_steps = ()
+
+
+def check_complete(step_directory: epath.Path) -> None:
+    """Raise `CheckpointError` if the step's metadata or one of its items is missing.
+
+    orbax restores some checkpoints whose metadata file was lost; we do not trust them.
+    """
+    metadata_file = step_directory / STEP_METADATA_FILE
+    if not metadata_file.exists():
+        raise CheckpointError(f"its metadata file {STEP_METADATA_FILE} is missing")
+    try:
+        json.loads(metadata_file.read_text())
+    except ValueError as error:
+        raise CheckpointError(f"its metadata file {STEP_METADATA_FILE} is corrupt") from error
+    for item in ITEMS:
+        if not (step_directory / item).is_dir():
+            raise CheckpointError(f"item {item!r} is missing")
+
+
+def non_finite_paths(state: PyTree) -> list[str]:
+    """Paths (``.model.embedding.weight``) of the floating arrays holding a NaN or an Inf."""
+    leaves_with_paths, _ = jax.tree_util.tree_flatten_with_path(state)
+    floating = [
+        (jax.tree_util.keystr(path), leaf)
+        for path, leaf in leaves_with_paths
+        if isinstance(leaf, jax.Array | np.ndarray) and jnp.issubdtype(leaf.dtype, jnp.inexact)
+    ]
+    if not floating:
+        return []
+    finite = np.asarray(_all_finite(tuple(leaf for _, leaf in floating)))
+    return [path for (path, _), ok in zip(floating, finite, strict=True) if not ok]
+
+
+@jax.jit
+def _all_finite(leaves):
+    return jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves])
+
+
+class StopSignal:
+    """SIGTERM (a preemption notice) or SIGINT (Ctrl-C) as a flag the training loop polls
+    between steps.
+
+    Use as a context manager; the loop force-saves and stops when `should_stop(step)`.
+    With one process a handler sets the flag. With several, JAX's preemption service
+    (started by ``jax.distributed.initialize``) owns SIGTERM and picks one step at which
+    every process stops, so they all save the same step.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self):
+        for signum in self.SIGNALS if jax.process_count() == 1 else ():
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
+
+    def should_stop(self, step: int) -> bool:
+        """Whether to save and stop after ``step``."""
+        if jax.process_count() == 1:
+            return self.received
+        try:
+            return multihost_utils.reached_preemption_sync_point(step)
+        except RuntimeError:  # preemption service disabled
+            return False
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = True
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+
+def _absolute(directory: str | os.PathLike) -> str:
+    """Local paths made absolute (orbax needs it); URLs such as ``gs://...`` unchanged."""
+    directory = os.fspath(directory)
+    return directory if "://" in directory else os.path.abspath(directory)
+
+
+def _check_json(value: Any, what: str) -> None:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{what} is not JSON-serialisable: {error}") from error
+
+
+def _one_line(error: BaseException) -> str:
+    """A short one-line reason, without TensorStore's spec dumps.
+
+    orbax wraps TensorStore's errors ("error while reading array index ...") around the
+    informative one ("Error reading "w/0.0" ...: byte range ... not valid"): take the root
+    cause, unless the error is already ours.
+    """
+    while not isinstance(error, CheckpointError) and error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error) or type(error).__name__
+    for cut in (" [tensorstore_spec", " See full TensorStore details", "\n"):
+        text = text.split(cut)[0]
+    return textwrap.shorten(text, 240, placeholder=" ...")
+
+
+def _on_every_process(ok: bool) -> bool:
+    """True if ``ok`` holds on every process: all of them must resume from the same step."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))

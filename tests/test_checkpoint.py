@@ -1,0 +1,281 @@
+"""Checkpoints: bitwise round trips, resharding onto other meshes, keep-N, unusable
+checkpoints, non-finite refusal, data iterator state across process counts, SIGTERM."""
+
+import json
+import os
+import shutil
+import signal
+import warnings
+
+import equinox as eqx
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import SingleDeviceSharding
+
+import models
+from eqxzoo.optim import OptimizerConfig
+from eqxzoo.parallel import MeshConfig, Schedule, make_mesh
+from eqxzoo.train import checkpoint
+from eqxzoo.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointWarning,
+    StopSignal,
+    abstract_state,
+)
+from eqxzoo.train.step import StepConfig, TrainState, init_train_state, state_shardings
+
+MODEL = models.LlamaConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, mlp_dim=16)
+STEP_CONFIG = StepConfig(
+    schedule=Schedule("gpipe", 2, 2, 1), optimizer=OptimizerConfig(freeze=(r"^\.embedding",))
+)
+META = {"config": {"model": "tiny", "lr": 3e-4}, "seed": 0, "skipped_updates": 2}
+ONE_DEVICE = SingleDeviceSharding(jax.devices()[0])
+
+
+def data_iterator(position: int = 0):
+    iterator = grain.MapDataset.range(1000).to_iter_dataset().__iter__()
+    for _ in range(position):
+        next(iterator)
+    return iterator
+
+
+def small_state(seed: int = 0) -> dict:
+    """A few arrays, one large enough (16 KiB) that its bytes live in their own file."""
+    return {
+        "step": jnp.asarray(seed, jnp.int32),
+        "w": jax.random.normal(jax.random.key(seed), (64, 64)),
+        "b": jnp.arange(8, dtype=jnp.bfloat16),
+    }
+
+
+def small_abstract() -> dict:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=ONE_DEVICE), small_state())
+
+
+def train_state_on(mesh_config: MeshConfig) -> tuple[TrainState, jax.sharding.Mesh]:
+    mesh = make_mesh(mesh_config, jax.devices()[: mesh_config.size])
+    return init_train_state(MODEL, jax.random.key(0), config=STEP_CONFIG, mesh=mesh), mesh
+
+
+def train_state_shapes():
+    return eqx.filter_eval_shape(
+        lambda: init_train_state(MODEL, jax.random.key(0), config=STEP_CONFIG, mesh=make_mesh(MeshConfig(pp=2), jax.devices()[:2]))
+    )
+
+
+@pytest.fixture(scope="module")
+def mesh_state():
+    """A TrainState on dp2 x pp2 x tp2, with an Adam step count moved off zero."""
+    state, _ = train_state_on(MeshConfig(dp=2, pp=2, tp=2))
+    return eqx.tree_at(lambda s: s.step, state, state.step + 5)
+
+
+def assert_bitwise_equal(actual, expected):
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        assert a.dtype == e.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+def save_steps(directory, steps, *, keep=5):
+    with Checkpointer(directory, every=1, keep=keep, async_save=False) as checkpointer:
+        for step in steps:
+            assert checkpointer.maybe_save(step, small_state(step), data_iterator(10 * step), {"step": step})
+
+
+def test_round_trip_is_bitwise_on_the_same_mesh(tmp_path, mesh_state):
+    mesh = make_mesh(MeshConfig(dp=2, pp=2, tp=2))
+    expected = jax.device_get(mesh_state)
+    state = jax.tree.map(jnp.copy, mesh_state)
+    iterator = data_iterator(5)
+    with Checkpointer(tmp_path, every=3, keep=2) as checkpointer:
+        assert checkpointer.maybe_save(3, state, iterator, META)
+        for leaf in jax.tree.leaves(state):  # as a donating train step would
+            leaf.delete()
+        checkpointer.wait()
+    saved_iterator_state = json.loads((tmp_path / "3" / "data" / "process_0-of-1.json").read_text())
+    assert saved_iterator_state == iterator.get_state()
+
+    target = abstract_state(mesh_state, jax.tree.map(lambda x: x.sharding, mesh_state))
+    resumed_iterator = data_iterator()
+    with Checkpointer(tmp_path, every=3, keep=2) as checkpointer:
+        restored = checkpointer.restore_latest(target, resumed_iterator)
+    assert (restored.step, restored.meta, restored.skipped) == (3, META, ())
+    assert isinstance(restored.state, TrainState)
+    assert_bitwise_equal(restored.state, expected)
+    for leaf, sharding in zip(jax.tree.leaves(restored.state), jax.tree.leaves(target), strict=True):
+        assert leaf.sharding == sharding.sharding
+    assert restored.state.model.blocks.layers.attention.wq.sharding.mesh == mesh
+    assert next(resumed_iterator) == 5
+
+
+@pytest.mark.parametrize("target", ["dp4-pp2", "one-device"])
+def test_restore_onto_another_mesh(tmp_path, mesh_state, target):
+    with Checkpointer(tmp_path, every=1, keep=1, async_save=False) as checkpointer:
+        checkpointer.maybe_save(1, mesh_state, data_iterator(), META)
+
+    shapes = train_state_shapes()
+    if target == "dp4-pp2":
+        shardings = state_shardings(shapes, MODEL, config=STEP_CONFIG, mesh=make_mesh(MeshConfig(dp=4, pp=2)))
+    else:
+        shardings = jax.tree.map(lambda _: ONE_DEVICE, shapes)
+    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
+        restored = checkpointer.restore_latest(abstract_state(shapes, shardings), data_iterator())
+    assert_bitwise_equal(restored.state, jax.device_get(mesh_state))
+    for leaf, sharding in zip(jax.tree.leaves(restored.state), jax.tree.leaves(shardings), strict=True):
+        assert leaf.sharding == sharding
+    if target == "dp4-pp2":
+        assert dict(restored.state.model.blocks.layers.attention.wq.sharding.mesh.shape) == {"dp": 4, "pp": 2, "tp": 1, "ep": 1}
+
+
+def test_saves_every_n_steps_and_keeps_the_last_n(tmp_path):
+    with Checkpointer(tmp_path, every=2, keep=2) as checkpointer:
+        saved = [
+            step
+            for step in range(1, 10)
+            if checkpointer.maybe_save(step, small_state(step), data_iterator(step), {}, force=step == 9)
+        ]
+        assert not checkpointer.maybe_save(9, small_state(9), data_iterator(9), {}, force=True)
+        checkpointer.wait()
+        assert saved == [2, 4, 6, 8, 9]
+        assert checkpointer.all_steps() == [8, 9] and checkpointer.latest_step() == 9
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name.isdigit()) == ["8", "9"]
+
+
+def _truncate_array_files(step_dir):
+    for path in (step_dir / "state").rglob("d/*"):
+        if path.stat().st_size > 4096:
+            with open(path, "r+b") as file:
+                file.truncate(path.stat().st_size // 2)
+
+
+def _delete_array_files(step_dir):
+    for path in (step_dir / "state").rglob("d/*"):
+        if path.stat().st_size > 4096:
+            path.unlink()
+
+
+DAMAGES = {
+    "truncated-array": (_truncate_array_files, r"state: OUT_OF_RANGE: Error reading \"w/0\.0\""),
+    "deleted-array": (_delete_array_files, r"state: .*w/0\.0"),
+    "missing-metadata": (lambda d: (d / "_CHECKPOINT_METADATA").unlink(), r"its metadata file _CHECKPOINT_METADATA is missing"),
+    "truncated-meta": (lambda d: (d / "meta" / "metadata").write_text("{\"st"), r"meta: Unterminated string"),
+    "deleted-data-state": (lambda d: (d / "data" / "process_0-of-1.json").unlink(), r"data: no data iterator state"),
+}
+
+
+# When one array cannot be read, orbax leaves the other reads' exceptions unretrieved.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("damage", DAMAGES, ids=list(DAMAGES))
+def test_unusable_latest_falls_back_to_the_previous(tmp_path, damage):
+    damage_fn, reason = DAMAGES[damage]
+    save_steps(tmp_path, [1, 2])
+    damage_fn(tmp_path / "2")
+
+    iterator = data_iterator()
+    checkpointer = Checkpointer(tmp_path, every=1, keep=5)
+    with pytest.warns(CheckpointWarning, match=rf"^checkpoint at step 2 is unusable \({reason}.*\); trying an older one$"):
+        restored = checkpointer.restore_latest(small_abstract(), iterator)
+    assert restored.step == 1 and [u.step for u in restored.skipped] == [2]
+    assert_bitwise_equal(restored.state, small_state(1))
+    assert restored.meta == {"step": 1} and next(iterator) == 10
+
+    # The run goes on from step 1: its next checkpoint replaces the unusable step 2.
+    assert checkpointer.maybe_save(2, small_state(2), data_iterator(20), {"step": 2})
+    checkpointer.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Checkpointer(tmp_path, every=1, keep=5).restore_latest(small_abstract(), data_iterator()).step == 2
+
+
+def test_no_usable_checkpoint_is_an_error(tmp_path):
+    save_steps(tmp_path, [1, 2])
+    (tmp_path / "2" / "_CHECKPOINT_METADATA").unlink()
+    (tmp_path / "1" / "meta" / "metadata").write_text("")
+    message = (
+        rf"^no usable checkpoint in {tmp_path}: step 2: its metadata file _CHECKPOINT_METADATA is missing; "
+        r"step 1: meta: Expecting value: line 1 column 1 \(char 0\)$"
+    )
+    with pytest.warns(CheckpointWarning), pytest.raises(CheckpointError, match=message):
+        Checkpointer(tmp_path, every=1, keep=5).restore_latest(small_abstract(), data_iterator())
+
+
+def test_no_checkpoint_restores_nothing(tmp_path):
+    assert Checkpointer(tmp_path / "new", every=1, keep=1).restore_latest(small_abstract(), data_iterator()) is None
+
+
+def test_half_written_checkpoint_is_never_picked(tmp_path):
+    save_steps(tmp_path, [1])
+    killed_save = tmp_path / "2.orbax-checkpoint-tmp-1700000000000000"
+    shutil.copytree(tmp_path / "1", killed_save)
+    _truncate_array_files(killed_save)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        restored = Checkpointer(tmp_path, every=1, keep=5).restore_latest(small_abstract(), data_iterator())
+    assert restored.step == 1 and restored.skipped == ()
+
+
+def test_refuses_to_save_non_finite_values(tmp_path):
+    state = small_state()
+    state["w"] = state["w"].at[3, 4].set(jnp.nan)
+    state["b"] = state["b"].at[0].set(jnp.inf)
+    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
+        with pytest.raises(CheckpointError, match=r"^refusing to save step 4: non-finite values in \['b'\] \(and 1 more\)$"):
+            checkpointer.maybe_save(4, state, data_iterator(), {})
+        assert checkpointer.all_steps() == []
+
+
+@pytest.mark.parametrize(
+    ("saved_by", "restored_by"),
+    [((0, 2), (0, 1)), ((0, 1), (1, 2)), ((1, 4), (0, 3))],
+    ids=["2-to-1", "1-to-2", "4-to-3"],
+)
+def test_data_state_restores_with_another_process_count(tmp_path, monkeypatch, saved_by, restored_by):
+    monkeypatch.setattr(checkpoint, "process_index_and_count", lambda: saved_by)
+    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
+        checkpointer.maybe_save(1, small_state(), data_iterator(7), {})
+    index, count = saved_by
+    data_dir = tmp_path / "1" / "data"
+    for other in range(count):  # the files the other processes would have written
+        if other != index:
+            shutil.copy(data_dir / f"process_{index}-of-{count}.json", data_dir / f"process_{other}-of-{count}.json")
+
+    monkeypatch.setattr(checkpoint, "process_index_and_count", lambda: restored_by)
+    iterator = data_iterator()
+    assert Checkpointer(tmp_path, every=1, keep=1).restore_latest(small_abstract(), iterator).step == 1
+    assert next(iterator) == 7
+
+
+def test_data_state_of_this_process_missing_with_the_same_count(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "process_index_and_count", lambda: (0, 2))
+    save_steps(tmp_path, [1])
+    monkeypatch.setattr(checkpoint, "process_index_and_count", lambda: (1, 2))
+    with pytest.warns(CheckpointWarning), pytest.raises(
+        CheckpointError, match=r"step 1: data: data iterator state process_1-of-2\.json is missing$"
+    ):
+        Checkpointer(tmp_path, every=1, keep=1).restore_latest(small_abstract(), data_iterator())
+
+
+def test_sigterm_forces_a_save(tmp_path):
+    previous = signal.getsignal(signal.SIGTERM)
+    with StopSignal() as stop, Checkpointer(tmp_path, every=100, keep=1) as checkpointer:
+        assert not stop.should_stop(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.should_stop(2)
+        assert checkpointer.maybe_save(2, small_state(), data_iterator(), {}, force=stop.should_stop(2))
+    assert signal.getsignal(signal.SIGTERM) is previous
+    assert (tmp_path / "2" / "state").is_dir()
+
+
+def test_bad_settings_and_meta(tmp_path):
+    with pytest.raises(CheckpointError, match=r"^checkpoint.every must be >= 1, got 0$"):
+        Checkpointer(tmp_path, every=0, keep=1)
+    with pytest.raises(CheckpointError, match=r"^checkpoint.keep must be >= 1, got 0$"):
+        Checkpointer(tmp_path, every=1, keep=0)
+    meta_error = r"^step 1: meta is not JSON-serialisable: .*ndarray"
+    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer, pytest.raises(CheckpointError, match=meta_error):
+        checkpointer.maybe_save(1, small_state(), data_iterator(), {"loss": np.zeros(2)})
