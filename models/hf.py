@@ -34,7 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import ConfigError, DecoderConfig, LlamaConfig, MixtralConfig, MoEConfig, QwenMoeConfig
+from models.config import (
+    ConfigError,
+    DecoderConfig,
+    LlamaConfig,
+    MixtralConfig,
+    MoEConfig,
+    QwenMoeConfig,
+)
 from models.decoder import DecoderLM
 
 CONFIG_NAME = "config.json"

@@ -8,7 +8,10 @@
    the same global batch, for GPipe and circular;
 3. compile time of the train step for 4, 16 and 64 layers;
 4. per-device memory of the compiled step for pp in {1, 2, 4};
-5. with torch installed, the same model in PyTorch eager: our FLOP/s over PyTorch's.
+5. with torch installed, the same model in PyTorch eager: our FLOP/s over PyTorch's;
+6. the data loader over the prepared stdlib corpus: tokens/s of `eqxzoo.data.train_batches`
+   (global batches on configs/tiny.toml's mesh) next to a plain numpy memmap reader of the
+   same token stream, and next to the tokens/s that tiny.toml's train step consumes.
 
 Absolute times on a shared machine are noise; the ratios, measured in one run, are the result.
 """
@@ -19,9 +22,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
 
 import jax  # noqa: E402
 
@@ -32,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import models  # noqa: E402
 from eqxzoo.optim import OptimizerConfig  # noqa: E402
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh  # noqa: E402
+from eqxzoo.train.report import flops_per_token, measured_matmul_flops, median_seconds  # noqa: E402
 from eqxzoo.train.step import StepConfig, batch_sharding, init_train_state, make_train_step  # noqa: E402
 
 REFERENCE = dict(vocab_size=1024, d_model=256, n_layers=4, n_heads=4, mlp_dim=1024)
@@ -47,34 +49,6 @@ def reference_config(n_layers: int = 4, *, quick: bool = False) -> models.LlamaC
     return models.LlamaConfig(
         **{**sizes, "n_layers": n_layers}, activation="gelu", norm="layer", norm_eps=1e-5
     )
-
-
-def model_flops_per_token(config: models.DecoderConfig, seq_len: int) -> float:
-    """Training FLOPs per token: ``6 N`` for the matmul parameters plus ``12 L d T`` for attention."""
-    d, f, heads, kv = config.d_model, config.mlp_dim, config.n_heads, config.kv_heads
-    head_dim = config.attention_head_dim
-    attention = 2 * d * heads * head_dim + 2 * d * kv * head_dim
-    mlp = (3 if config.activation == "swiglu" else 2) * d * f
-    matmul_params = config.n_layers * (attention + mlp) + d * config.vocab_size
-    return float(6 * matmul_params + 12 * config.n_layers * heads * head_dim * seq_len)
-
-
-def median_seconds(fn: Callable[[], object], *, repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def matmul_peak_flops(repeats: int = 10) -> float:
-    a = jax.device_put(jax.random.normal(jax.random.key(0), (2048, 2048)), jax.devices()[0])
-    b = jax.device_put(jax.random.normal(jax.random.key(1), (2048, 2048)), jax.devices()[0])
-    matmul = jax.jit(jnp.matmul)
-    return 2 * 2048**3 / median_seconds(lambda: matmul(a, b), repeats=repeats)
 
 
 def make_batch(shape: tuple[int, ...], vocab: int) -> dict[str, jax.Array]:
@@ -133,8 +107,8 @@ def single_device(repeats: int, quick: bool) -> dict:
     tokens_per_s = runner.tokens_per_second(repeats)
     return {
         "tokens_per_s": tokens_per_s,
-        "model_flops_per_token": model_flops_per_token(config, seq),
-        "model_flops_per_s": tokens_per_s * model_flops_per_token(config, seq),
+        "model_flops_per_token": flops_per_token(config, seq),
+        "model_flops_per_s": tokens_per_s * flops_per_token(config, seq),
     }
 
 
@@ -187,17 +161,82 @@ def pytorch_reference(quick: bool) -> dict | None:
     return torch_train_throughput(**(QUICK if quick else REFERENCE), batch=batch, seq_len=seq)
 
 
+def loader_throughput(repeats: int, quick: bool) -> dict:
+    """configs/tiny.toml's loader, a numpy memmap reader of the same tokens, and its step."""
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    from eqxzoo.config import load_config, step_config
+    from eqxzoo.data import TokenStream, open_split, train_batches
+    from eqxzoo.train.loop import batch_shape, data_directory
+
+    config = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml")
+    shape = batch_shape(config)
+    documents = open_split(data_directory(config), "train")
+    mesh = make_mesh(config.mesh, jax.devices()[: config.mesh.size])
+    sharding = batch_sharding(mesh)
+    steps = 20 if quick else 200
+    tokens_per_step = shape.windows * shape.seq_len
+
+    batches = train_batches(
+        documents, shape, sharding, seed=0, prefetch=config.data.prefetch, num_threads=config.data.num_threads
+    )
+    jax.block_until_ready(next(batches))
+    start = time.perf_counter()
+    for _ in range(steps):
+        jax.block_until_ready(next(batches))
+    loader = steps * tokens_per_step / (time.perf_counter() - start)
+    batches.close()
+
+    window_tokens = shape.windows * shape.window_tokens
+    stream = TokenStream(documents, seed=0, shuffle=True).read(0, (steps + 1) * window_tokens)
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "tokens.npy"
+        np.save(path, stream.astype(np.int32))
+        memmap = np.load(path, mmap_mode="r")
+        start = time.perf_counter()
+        for step in range(steps):
+            windows = np.asarray(memmap[step * window_tokens : (step + 1) * window_tokens])
+            windows = windows.reshape(*shape.shape[:3], shape.window_tokens)
+            for part in (windows[..., :-1], windows[..., 1:]):
+                jax.block_until_ready(jax.make_array_from_process_local_data(sharding, part, shape.shape))
+        memmap_rate = steps * tokens_per_step / (time.perf_counter() - start)
+
+    train_config = step_config(config)
+    state = init_train_state(config.model, jax.random.key(0), config=train_config, mesh=mesh)
+    step_fn = make_train_step(train_config, mesh)
+    batches = train_batches(documents, shape, sharding, seed=0)
+    batch = next(batches)
+    batches.close()
+
+    def step():
+        nonlocal state
+        state, metrics = step_fn(state, batch)
+        return metrics["loss"]
+
+    consumed = tokens_per_step / median_seconds(step, repeats=repeats)
+    return {
+        "loader_tokens_per_s": loader,
+        "memmap_tokens_per_s": memmap_rate,
+        "tiny_step_tokens_per_s": consumed,
+        "loader_vs_memmap": loader / memmap_rate,
+        "loader_vs_tiny_step": loader / consumed,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m pipelines.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="FILE", help="also write the figures as one JSON object")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per measurement (median)")
-    parser.add_argument("--only", choices=["single", "pipeline", "compile", "memory", "torch"], action="append")
+    parser.add_argument("--only", choices=["single", "pipeline", "compile", "memory", "torch", "loader"], action="append")
     parser.add_argument("--quick", action="store_true", help="a toy model: checks the command, not speed")
     args = parser.parse_args(argv)
-    parts = set(args.only or ["single", "pipeline", "compile", "memory", "torch"])
+    parts = set(args.only or ["single", "pipeline", "compile", "memory", "torch", "loader"])
 
     figures: dict = {}
-    peak = matmul_peak_flops()
+    peak = measured_matmul_flops()
     figures["matmul_peak_flops"] = peak
     if "single" in parts or "torch" in parts:
         figures.update(single_device(args.repeats, args.quick))
@@ -221,6 +260,13 @@ def main(argv: list[str] | None = None) -> dict:
     if "memory" in parts:
         figures["memory_bytes_by_pp"] = memory_by_pp(args.quick)
         print("per-device bytes by pp:", figures["memory_bytes_by_pp"])
+    if "loader" in parts:
+        figures.update(loader_throughput(args.repeats, args.quick))
+        print(
+            f"data loader (tiny.toml batches): {figures['loader_tokens_per_s']:,.0f} tokens/s; "
+            f"numpy memmap {figures['memmap_tokens_per_s']:,.0f}; tiny.toml's step consumes "
+            f"{figures['tiny_step_tokens_per_s']:,.0f}: loader / step = {figures['loader_vs_tiny_step']:.0f}x"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

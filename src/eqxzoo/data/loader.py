@@ -151,7 +151,7 @@ def _record_lengths(path: Path, manifest: Manifest) -> Int64[np.ndarray, " docum
     except Exception as error:  # noqa: BLE001 (array_record's errors vary)
         raise DataError(
             f"shard {path} cannot be read ({error}); re-run python -m pipelines.prepare"
-        )
+        ) from None
     return np.array([len(record) // itemsize for record in records], dtype=np.int64)
 
 

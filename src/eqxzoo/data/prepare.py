@@ -199,7 +199,7 @@ def manifest_from_json(text: str, source: str) -> Manifest:
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise DataError(
             f"{source}: not a valid manifest ({type(error).__name__}: {error})"
-        )
+        ) from None
 
 
 def read_manifest(directory: Path | str) -> Manifest:

@@ -5,7 +5,7 @@ from eqxzoo.nn.axes import AbstractAxesOwner, Axes, LogicalName, logical_axes
 from eqxzoo.nn.grouped import grouped_matmul
 from eqxzoo.nn.linear import Embedding, Linear, normal_init
 from eqxzoo.nn.mlp import MLP, Activation
-from eqxzoo.nn.moe import MoE, Experts, Router, Routing, RoutingMode, router_losses
+from eqxzoo.nn.moe import Experts, MoE, Router, Routing, RoutingMode, router_losses
 from eqxzoo.nn.norm import LayerNorm, RMSNorm
 from eqxzoo.nn.rope import apply_rope, rope_frequencies
 from eqxzoo.nn.stack import RematPolicy, Stack, apply_layers, remat

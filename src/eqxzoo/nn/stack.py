@@ -102,7 +102,7 @@ def apply_layers(
         return jax.lax.scan(body, h, (params, layer_keys))
     auxes = []
     for index in range(n_layers):
-        layer_params = jax.tree.map(lambda p: p[index], params)
+        layer_params = jax.tree.map(lambda p: p[index], params)  # noqa: B023 (used at once)
         h, aux = one_layer(h, layer_params, None if layer_keys is None else layer_keys[index])
         auxes.append(aux)
     return h, jax.tree.map(lambda *values: jnp.stack(values), *auxes)

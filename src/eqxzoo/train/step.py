@@ -92,9 +92,7 @@ def to_pipeline_layout(model: DecoderLM, schedule: Schedule) -> DecoderLM:
 
 def from_pipeline_layout(model: DecoderLM) -> DecoderLM:
     """The plain model (blocks with one leading layer axis) from the pipeline layout."""
-    return eqx.tree_at(
-        lambda m: m.blocks.layers, model, unstage_layers(model.blocks.layers)
-    )
+    return eqx.tree_at(lambda m: m.blocks.layers, model, unstage_layers(model.blocks.layers))
 
 
 def split_trainable(model: DecoderLM, config: OptimizerConfig) -> tuple[PyTree, PyTree]:
@@ -146,18 +144,7 @@ def state_shardings(
     )
 
 
-def init_train_state(
-    model_config,
-    key: PRNGKeyArray,
-    *,
-    config: StepConfig,
-    mesh: Mesh,
-    rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
-) -> TrainState:
-    """A fresh `TrainState`, every array created directly with its final sharding.
-
-    Raises `MeshError` (naming the numbers) if the model cannot be split over ``mesh``.
-    """
+def _check_mesh(model_config, config: StepConfig, mesh: Mesh) -> None:
     mesh_config = MeshConfig(**{axis: mesh.shape[axis] for axis in MESH_AXES})
     check_model_fits(
         mesh_config,
@@ -171,26 +158,54 @@ def init_train_state(
             f"the schedule has {config.schedule.stages} stages but the mesh has pp={mesh_config.pp}"
         )
 
-    def build(key):
-        model = _cast(DecoderLM(model_config, key=key), DTYPES[config.precision.params])
-        model = to_pipeline_layout(model, config.schedule)
-        trainable, _ = split_trainable(model, config.optimizer)
-        opt_state = build_optimizer(config.optimizer).init(trainable)
-        return TrainState(
-            step=jnp.zeros((), jnp.int32), model=model, opt_state=opt_state
-        )
 
-    state_shape = eqx.filter_eval_shape(build, key)
-    shardings = state_shardings(
-        state_shape, model_config, config=config, mesh=mesh, rules=rules
+def _build_state(model_config, config: StepConfig, key: PRNGKeyArray) -> TrainState:
+    model = _cast(DecoderLM(model_config, key=key), DTYPES[config.precision.params])
+    model = to_pipeline_layout(model, config.schedule)
+    trainable, _ = split_trainable(model, config.optimizer)
+    opt_state = build_optimizer(config.optimizer).init(trainable)
+    return TrainState(step=jnp.zeros((), jnp.int32), model=model, opt_state=opt_state)
+
+
+def abstract_train_state(
+    model_config,
+    *,
+    config: StepConfig,
+    mesh: Mesh,
+    rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
+) -> TrainState:
+    """The `TrainState` as `jax.ShapeDtypeStruct`s carrying their shardings, computing nothing:
+    the target of a checkpoint restore and of ahead-of-time compilation."""
+    _check_mesh(model_config, config, mesh)
+    state_shape = eqx.filter_eval_shape(_build_state, model_config, config, jax.random.key(0))
+    shardings = state_shardings(state_shape, model_config, config=config, mesh=mesh, rules=rules)
+    return jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        state_shape,
+        shardings,
     )
+
+
+def init_train_state(
+    model_config,
+    key: PRNGKeyArray,
+    *,
+    config: StepConfig,
+    mesh: Mesh,
+    rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
+) -> TrainState:
+    """A fresh `TrainState`, every array created directly with its final sharding.
+
+    Raises `MeshError` (naming the numbers) if the model cannot be split over ``mesh``.
+    """
+    target = abstract_train_state(model_config, config=config, mesh=mesh, rules=rules)
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, target)
+    build = functools.partial(_build_state, model_config, config)
     return jax.jit(build, out_shardings=shardings)(key)
 
 
 def _cast(tree: PyTree, dtype) -> PyTree:
-    return jax.tree.map(
-        lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, tree
-    )
+    return jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, tree)
 
 
 def pipelined_loss(
@@ -235,15 +250,11 @@ def sequential_loss(
     model = _cast(model, DTYPES[config.precision.compute])
     logits, aux = jax.vmap(jax.vmap(model))(tokens)
     aux = jax.tree.map(lambda v: jnp.mean(v, axis=(0, 1)), aux)
-    return _total_loss(
-        logits.astype(DTYPES[config.precision.output]), targets, aux, config
-    )
+    return _total_loss(logits.astype(DTYPES[config.precision.output]), targets, aux, config)
 
 
 def _total_loss(logits, targets, aux, config: StepConfig):
-    cross_entropy = jnp.mean(
-        optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    )
+    cross_entropy = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
     loss = cross_entropy
     if "load_balance_loss" in aux:
         loss = loss + config.load_balance_weight * aux["load_balance_loss"]
@@ -270,9 +281,7 @@ def train_step(
         grad_sum, metric_sum = carry
 
         def loss_of(trainable):
-            return loss_fn(
-                eqx.combine(trainable, frozen), micro["tokens"], micro["targets"]
-            )
+            return loss_fn(eqx.combine(trainable, frozen), micro["tokens"], micro["targets"])
 
         (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
         metrics = {"loss": loss, **metrics}
@@ -293,23 +302,17 @@ def train_step(
         jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes),
     )
     if batch["tokens"].shape[0] == 1:
-        (grad_sum, metric_sum), _ = microbatch_grads(
-            zeros, jax.tree.map(lambda x: x[0], batch)
-        )
+        (grad_sum, metric_sum), _ = microbatch_grads(zeros, jax.tree.map(lambda x: x[0], batch))
     else:
         (grad_sum, metric_sum), _ = jax.lax.scan(microbatch_grads, zeros, batch)
     n_accum = batch["tokens"].shape[0]
-    grads = jax.tree.map(
-        lambda g, p: (g / n_accum).astype(p.dtype), grad_sum, trainable
-    )
+    grads = jax.tree.map(lambda g, p: (g / n_accum).astype(p.dtype), grad_sum, trainable)
     metrics = jax.tree.map(lambda m: m / n_accum, metric_sum)
     updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
     updated = optax.apply_updates(trainable, updates)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-    keep_finite = functools.partial(
-        jax.tree.map, lambda new, old: jnp.where(finite, new, old)
-    )
+    keep_finite = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
     metrics.update(
         grad_norm=grad_norm,
         learning_rate=learning_rate_schedule(config.optimizer)(state.step),
@@ -343,7 +346,10 @@ def make_train_step(
 
     def step(state, batch):
         batch = jax.lax.with_sharding_constraint(batch, batch_sharding(mesh))
-        return train_step(state, batch, config=config, loss_fn=loss_fn)
+        state, metrics = train_step(state, batch, config=config, loss_fn=loss_fn)
+        # Replicated, so that every process can read them (multi-process runs).
+        replicated = NamedSharding(mesh, PartitionSpec())
+        return state, jax.lax.with_sharding_constraint(metrics, replicated)
 
     return jax.jit(step, donate_argnums=0)
 
@@ -361,4 +367,60 @@ def make_eval_step(
         )
         return metrics["cross_entropy"]
 
-    return jax.jit(evaluate)
+    return jax.jit(evaluate, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def _is_staged_leaf(path, leaf) -> bool:
+    """A leaf under ``blocks.layers`` (of the model or of an optimizer moment) that carries
+    the staged ``(R, P, k)`` leading axes."""
+    return ".blocks.layers." in jax.tree_util.keystr(path) and len(leaf.shape) >= 3
+
+
+def _plain_spec(sharding: NamedSharding, rank: int) -> NamedSharding:
+    """The staged ``(R, P, k, ...)`` sharding's ``P`` entry moved to the merged layer axis."""
+    spec = tuple(sharding.spec) + (None,) * (rank - len(sharding.spec))
+    return NamedSharding(sharding.mesh, PartitionSpec(spec[1], *spec[3:]))
+
+
+def checkpoint_layout(state: TrainState) -> TrainState:
+    """The state with every staged ``(R, P, k, ...)`` array viewed as ``(L, ...)``, the layer
+    axis sharded over ``pp`` where ``P`` was: what checkpoints hold, so a checkpoint can be
+    restored with other ``pp`` or ``repeats`` (the layer order never changes)."""
+
+    def plain(path, leaf):
+        return leaf.reshape(-1, *leaf.shape[3:]) if _is_staged_leaf(path, leaf) else leaf
+
+    def plain_sharding(path, leaf):
+        return (
+            _plain_spec(leaf.sharding, leaf.ndim) if _is_staged_leaf(path, leaf) else leaf.sharding
+        )
+
+    shardings = jax.tree_util.tree_map_with_path(plain_sharding, state)
+    return jax.jit(lambda s: jax.tree_util.tree_map_with_path(plain, s), out_shardings=shardings)(
+        state
+    )
+
+
+def abstract_checkpoint_layout(target: TrainState) -> TrainState:
+    """`checkpoint_layout` of an abstract state (`abstract_train_state`): a restore target."""
+
+    def plain(path, leaf):
+        if not _is_staged_leaf(path, leaf):
+            return leaf
+        layers = leaf.shape[0] * leaf.shape[1] * leaf.shape[2]
+        return jax.ShapeDtypeStruct(
+            (layers, *leaf.shape[3:]),
+            leaf.dtype,
+            sharding=_plain_spec(leaf.sharding, len(leaf.shape)),
+        )
+
+    return jax.tree_util.tree_map_with_path(plain, target)
+
+
+def from_checkpoint_layout(state: TrainState, target: TrainState) -> TrainState:
+    """Inverse of `checkpoint_layout` onto ``target``'s shapes and shardings."""
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, target)
+    return jax.jit(
+        lambda s: jax.tree.map(lambda leaf, t: leaf.reshape(t.shape), s, target),
+        out_shardings=shardings,
+    )(state)

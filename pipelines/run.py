@@ -1,0 +1,138 @@
+"""Train a model from a TOML config.
+
+    python -m pipelines.run CONFIG.toml [--set section.key=value ...] [--steps N]
+        [--run-dir DIR] [--dry-run] [--profile START:STOP]
+
+``--steps N`` stops after step N (the schedule still spans ``run.steps``); ``--run-dir``
+defaults to ``runs/<run.name>``; a rerun with the same run directory resumes from its latest
+checkpoint. ``--dry-run`` validates the config, builds the mesh and compiles the step,
+prints parameter counts, shardings and per-device memory, and exits without training.
+``--profile START:STOP`` traces steps START..STOP into ``RUN_DIR/profile``.
+
+With no accelerator the mesh's devices are simulated on the CPU. Under a cluster launcher
+(SLURM, Open MPI, or JAX_COORDINATOR_ADDRESS set) or `pipelines.launch`, the processes
+join one global mesh through `jax.distributed.initialize`. A config, data, mesh or
+checkpoint problem is one ``error:`` line and exit code 2; repeated non-finite steps stop
+the run with exit code 3; a process of a multi-process run that loses a peer exits with code
+4, naming the lost process.
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+STARTED_AT = time.perf_counter()
+
+EXIT_USAGE = 2
+EXIT_STOPPED = 3
+EXIT_LOST_PEER = 4
+
+
+def parse_profile(text: str) -> tuple[int, int]:
+    try:
+        start, stop = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected START:STOP step numbers, got {text!r}"
+        ) from None
+    if not 1 <= start <= stop:
+        raise argparse.ArgumentTypeError(f"expected 1 <= START <= STOP, got {text!r}")
+    return start, stop
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipelines.run", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("config", type=Path, help="TOML run config (see configs/)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set mesh.dp=4 (repeatable)",
+    )
+    parser.add_argument("--steps", type=int, help="stop after this step")
+    parser.add_argument("--run-dir", type=Path, help="outputs and checkpoints (default runs/NAME)")
+    parser.add_argument("--dry-run", action="store_true", help="plan the run, do not train")
+    parser.add_argument("--profile", type=parse_profile, metavar="START:STOP")
+    args = parser.parse_args(argv)
+    if args.steps is not None and args.steps < 0:
+        parser.error(f"--steps must be >= 0, got {args.steps}")
+    return args
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Config errors are reported before JAX is imported, let alone initialised.
+    from eqxzoo.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as error:
+        return fail(str(error))
+
+    from eqxzoo.runtime import RuntimeSetupError, setup_runtime
+
+    try:
+        setup_runtime(config)
+    except RuntimeSetupError as error:
+        return fail(str(error))
+
+    from eqxzoo.data import DataError
+    from eqxzoo.parallel import MeshError
+    from eqxzoo.parallel.schedule import ScheduleError
+    from eqxzoo.train.checkpoint import CheckpointError
+    from eqxzoo.train.loop import RunOptions, RunStopped, train
+
+    run_dir = args.run_dir or Path("runs") / config.run.name
+    try:
+        if args.dry_run:
+            from eqxzoo.train.plan import dry_run
+
+            dry_run(config)
+            return 0
+        summary = train(
+            config,
+            RunOptions(
+                run_dir=run_dir,
+                stop_after=args.steps,
+                profile=args.profile,
+                started_at=STARTED_AT,
+            ),
+        )
+    except (DataError, MeshError, ScheduleError, CheckpointError) as error:
+        return fail(str(error))
+    except RunStopped as error:
+        return fail(str(error), EXIT_STOPPED)
+    except Exception as error:
+        import jax
+
+        if jax.process_count() == 1:
+            raise
+        from eqxzoo.runtime import lost_processes_message
+
+        return fail(lost_processes_message(error), EXIT_LOST_PEER)
+    import jax
+
+    if jax.process_index() == 0:
+        losses = f"final loss {summary.final_loss:.4f}" if summary.final_loss is not None else ""
+        if summary.val_loss is not None:
+            losses += f", validation loss {summary.val_loss:.4f}"
+        print(
+            f"done: steps {summary.first_step + 1}..{summary.last_step}, {losses}; outputs in {run_dir}/"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.exit(main())

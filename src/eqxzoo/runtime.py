@@ -1,0 +1,107 @@
+"""Process start-up for a run, before the first JAX computation: the persistent compilation
+cache, joining a multi-process run (`jax.distributed.initialize`), and simulated CPU devices
+when there is no accelerator."""
+
+import os
+from pathlib import Path
+
+import jax
+
+from eqxzoo.config import RunConfig, devices_needed
+
+# Set by `pipelines.launch` for each local process it starts.
+NUM_PROCESSES_ENV = "EQXZOO_NUM_PROCESSES"
+PROCESS_ID_ENV = "EQXZOO_PROCESS_ID"
+HEARTBEAT_ENV = "EQXZOO_HEARTBEAT_SECONDS"
+CLUSTER_ENVS = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+
+
+class RuntimeSetupError(RuntimeError):
+    """The process could not join its run (bad launcher environment, coordinator unreachable)."""
+
+
+def enable_compilation_cache(directory: str) -> Path | None:
+    """JAX's persistent compilation cache in ``directory`` ("" disables it): a rerun of the
+    same config loads its executables instead of compiling them."""
+    if not directory:
+        return None
+    path = Path(directory).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return path
+
+
+def _launched_processes() -> tuple[int, int] | None:
+    """``(process id, process count)`` from `pipelines.launch`'s environment, if set."""
+    if NUM_PROCESSES_ENV not in os.environ:
+        return None
+    try:
+        count = int(os.environ[NUM_PROCESSES_ENV])
+        index = int(os.environ[PROCESS_ID_ENV])
+    except (KeyError, ValueError):
+        raise RuntimeSetupError(
+            f"{NUM_PROCESSES_ENV} is set, so {PROCESS_ID_ENV} must be an integer too"
+        ) from None
+    return index, count
+
+
+def _cluster_processes() -> bool:
+    """Whether a cluster launcher started several processes (JAX auto-detects the rest)."""
+    if "JAX_COORDINATOR_ADDRESS" in os.environ:
+        return True
+    return any(int(os.environ.get(name, "1") or 1) > 1 for name in CLUSTER_ENVS[1:])
+
+
+def join_processes() -> int:
+    """Join the other processes of the run, if any; the number of processes."""
+    launched = _launched_processes()
+    if launched is None and not _cluster_processes():
+        return 1
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    heartbeat = int(os.environ.get(HEARTBEAT_ENV, "100"))
+    try:
+        if launched is None:
+            jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat)
+        else:
+            index, count = launched
+            jax.distributed.initialize(
+                num_processes=count,
+                process_id=index,
+                heartbeat_timeout_seconds=heartbeat,
+                initialization_timeout=120,
+            )
+    except (RuntimeError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        raise RuntimeSetupError(f"cannot join the run's processes: {first_line}") from None
+    from jax._src import distributed
+
+    return distributed.global_state.num_processes  # jax.process_count() would start backends
+
+
+def setup_runtime(config: RunConfig) -> None:
+    """Everything that must happen before the first JAX computation of a run."""
+    enable_compilation_cache(config.run.compilation_cache_dir)
+    processes = join_processes()
+    needed = devices_needed(config)
+    if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        # Only the CPU client reads this: on accelerators the mesh uses the real devices.
+        jax.config.update("jax_num_cpu_devices", max(1, needed // processes))
+
+
+def lost_processes_message(error: BaseException) -> str:
+    """One line for a failure in a multi-process run, naming the processes that are gone
+    (asked of JAX's coordination service; if that is gone too, the coordinator was lost)."""
+    from jax._src import distributed
+
+    count = jax.process_count()
+    client = distributed.global_state.client
+    try:
+        live = set(client.get_live_nodes(list(range(count))))
+        lost = [index for index in range(count) if index not in live]
+        peers = ", ".join(map(str, lost)) if lost else "none reported yet"
+        who = f"lost process(es) {peers} of {count}"
+    except Exception:  # noqa: BLE001 (the service lives in process 0)
+        who = f"lost the coordinator (process 0 of {count})"
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+    return f"{who}; this is process {jax.process_index()}: {first_line[:300]}"

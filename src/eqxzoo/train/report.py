@@ -1,0 +1,259 @@
+"""What a run reports: parameter counts, FLOPs and MFU, metrics files, progress, loss plot.
+
+Everything here runs on the host on values already fetched from the devices; only process 0
+writes (the loop decides), so none of it ever synchronises the processes.
+"""
+
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from eqxzoo.nn import logical_axes
+from models import DecoderConfig, DecoderLM
+
+METRICS_FILE = "metrics.jsonl"
+LOSS_PLOT_FILE = "loss.png"
+
+# Dense bf16 peak FLOP/s per chip, by a substring of `jax.Device.device_kind`.
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L4": 121e12,
+    "TPU v6": 918e12,
+    "TPU v5p": 459e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v4": 275e12,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterCounts:
+    """``total`` parameters; ``active`` per token (each token uses ``top_k`` of the routed
+    experts); ``embedding`` is the input embedding table (not a matmul)."""
+
+    total: int
+    active: int
+    embedding: int
+
+
+def parameter_counts(config: DecoderConfig) -> ParameterCounts:
+    """Counted from the model's shapes (`jax.eval_shape`: nothing is allocated)."""
+    shapes = eqx.filter_eval_shape(DecoderLM, config, key=jax.random.key(0))
+    leaves = jax.tree.leaves(shapes)
+    axes = jax.tree.leaves(logical_axes(shapes), is_leaf=lambda a: hasattr(a, "names"))
+    total = sum(math.prod(leaf.shape) for leaf in leaves)
+    routed = sum(
+        math.prod(leaf.shape) for leaf, a in zip(leaves, axes, strict=True) if "experts" in a.names
+    )
+    active = total
+    if config.moe is not None and routed:
+        active = total - routed + routed * config.moe.top_k // config.moe.n_experts
+    embedding = config.vocab_size * config.d_model
+    return ParameterCounts(total=total, active=active, embedding=embedding)
+
+
+def flops_per_token(config: DecoderConfig, seq_len: int) -> float:
+    """Training FLOPs per token: ``6 N`` over the active matmul parameters (the output head
+    included, tied or not; the input embedding lookup excluded) plus ``12 L H d_head T`` for
+    attention scores and values (PaLM's MFU convention)."""
+    counts = parameter_counts(config)
+    head = config.vocab_size * config.d_model if config.tie_embeddings else 0
+    matmul_params = counts.active - counts.embedding + head
+    attention = 12 * config.n_layers * config.n_heads * config.attention_head_dim * seq_len
+    return float(6 * matmul_params + attention)
+
+
+def measured_matmul_flops(repeats: int = 10, size: int = 2048) -> float:
+    """FLOP/s of a jitted fp32 ``size x size`` matmul on the first device: the peak used for
+    MFU where no table entry exists (CPUs). Simulated CPU devices share the host's cores,
+    so this is the whole host's peak, not one device's."""
+    a = jax.device_put(jax.random.normal(jax.random.key(0), (size, size)), jax.devices()[0])
+    b = jax.device_put(jax.random.normal(jax.random.key(1), (size, size)), jax.devices()[0])
+    matmul = jax.jit(jnp.matmul)
+    return 2 * size**3 / median_seconds(lambda: matmul(a, b), repeats=repeats)
+
+
+def median_seconds(fn: Callable[[], object], *, repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn`` (its outputs waited for) over ``repeats`` calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def peak_flops(devices: Sequence[jax.Device]) -> tuple[float, str]:
+    """The mesh's peak FLOP/s and where it came from (the table, or a measured matmul)."""
+    kind = devices[0].device_kind
+    for name, flops in PEAK_FLOPS.items():
+        if name in kind:
+            return flops * len(devices), f"{len(devices)} x {name} bf16 peak"
+    return (
+        measured_matmul_flops(),
+        f"measured {devices[0].platform} matmul peak (whole host)",
+    )
+
+
+# ----------------------------------------------------------------------------- writers
+
+
+class MetricsWriter:
+    """Appends one JSON line per record to ``metrics.jsonl`` and mirrors scalars to TensorBoard
+    (``tensorboard/``) and, if asked, Weights & Biases."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        tensorboard: bool,
+        wandb_project: str | None,
+        config: Mapping[str, Any],
+        resume_from_step: int,
+    ):
+        self.path = run_dir / METRICS_FILE
+        truncate_after(self.path, resume_from_step)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close)
+        self._tensorboard = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+        self._wandb = None
+        if wandb_project is not None:
+            try:
+                import wandb
+            except ImportError:
+                raise RuntimeError(
+                    "run.wandb is on but wandb is not installed (pip install wandb)"
+                ) from None
+            self._wandb = wandb.init(
+                project=wandb_project,
+                config=dict(config),
+                dir=str(run_dir),
+                resume="allow",
+            )
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        step = int(record["step"])
+        scalars = {k: v for k, v in record.items() if isinstance(v, int | float) and k != "step"}
+        if self._tensorboard is not None:
+            for name, value in scalars.items():
+                self._tensorboard.add_scalar(name, value, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Every record of a ``metrics.jsonl`` (a half-written last line is ignored)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop records past ``step``: a resumed run rewrites the steps after its checkpoint, so
+    the file holds one history, not the killed run's tail followed by its repeat."""
+    if not path.exists():
+        return
+    kept = [r for r in read_metrics(path) if r["step"] <= step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+
+
+class ProgressBar:
+    """One status line: step, loss, tokens/s and ETA; redrawn in place on a terminal, printed
+    every ``every`` steps otherwise (logs, CI); silent unless ``enabled`` (process 0)."""
+
+    def __init__(
+        self, total: int, *, every: int, stream: TextIO = sys.stderr, enabled: bool = True
+    ):
+        self.enabled = enabled
+        self.total = total
+        self.every = every
+        self.stream = stream
+        self.interactive = stream.isatty()
+
+    def update(self, step: int, *, loss: float, tokens_per_s: float, seconds_per_step: float):
+        if not self.enabled or (not self.interactive and step % self.every and step != self.total):
+            return
+        done = step / self.total
+        width = 24
+        bar = "#" * int(done * width) + "-" * (width - int(done * width))
+        eta = format_seconds(seconds_per_step * (self.total - step))
+        line = (
+            f"step {step}/{self.total} [{bar}] loss {loss:.4f} | "
+            f"{tokens_per_s:,.0f} tok/s | ETA {eta}"
+        )
+        if self.interactive:
+            self.stream.write("\r" + line + ("\n" if step == self.total else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.interactive:
+            self.stream.write("\r\033[K")
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def format_seconds(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def plot_losses(metrics_path: Path, png_path: Path, title: str) -> None:
+    """Training loss (per step) and validation loss (per evaluation) against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    train = [(r["step"], r.get("cross_entropy", r["loss"])) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    figure, axis = plt.subplots(figsize=(6, 3.6), dpi=120)
+    if train:
+        axis.plot(*zip(*train), label="train cross-entropy", linewidth=1)
+    if val:
+        axis.plot(*zip(*val), "o-", label="validation loss", markersize=3)
+    axis.set_xlabel("step")
+    axis.set_ylabel("cross-entropy (nats)")
+    axis.set_title(title)
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(png_path)
+    plt.close(figure)

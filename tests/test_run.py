@@ -1,0 +1,207 @@
+"""`python -m pipelines.run` end to end: exact resume after SIGKILL/SIGTERM, resume on another
+mesh, the same losses for pp = 1, 2, 4, non-finite stops, dry run, config errors.
+
+Runs `configs/tiny.toml` shrunk by ``--set`` overrides, as subprocesses (each with its own 8
+simulated CPU devices) sharing one compilation cache.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipelines.run import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.toml")
+SMALL = (
+    "model.d_model=32",
+    "model.moe.expert_mlp_dim=32",
+    "model.moe.shared_mlp_dim=32",
+    "data.seq_len=32",
+    "data.batch_size=4",
+    "pipeline.microbatches=2",
+    "run.steps=6",
+    "run.eval_every=3",
+    "run.eval_batches=1",
+    "run.log_every=1",
+    "run.tensorboard=false",
+    "run.plot=false",
+    "checkpoint.every=2",
+    "checkpoint.keep=2",
+)
+GPIPE = ("pipeline.schedule=gpipe", "pipeline.repeats=1")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("compilation-cache")
+
+
+def command(run_dir: Path, cache_dir: Path, overrides=(), extra=()) -> list[str]:
+    sets = [f"run.compilation_cache_dir={cache_dir}", *SMALL, *overrides]
+    args = [sys.executable, "-m", "pipelines.run", TINY, "--run-dir", str(run_dir)]
+    return args + [part for item in sets for part in ("--set", item)] + list(extra)
+
+
+def environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return env | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+
+
+def run(run_dir: Path, cache_dir: Path, overrides=(), extra=()) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        command(run_dir, cache_dir, overrides, extra),
+        env=environment(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in records(run_dir) if "loss" in r]
+
+
+def start_and_signal(run_dir: Path, cache_dir: Path, after_step: int, signum: int):
+    """Start a run, send ``signum`` once step ``after_step`` is logged; the finished process."""
+    process = subprocess.Popen(
+        command(run_dir, cache_dir),
+        env=environment(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 600
+    while not any(r.get("step", 0) >= after_step for r in records(run_dir)):
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    process.send_signal(signum)
+    out, err = process.communicate(timeout=600)
+    return process.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> list[dict]:
+    """An uninterrupted run of 6 steps."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    result = run(run_dir, cache_dir)
+    assert "done: steps 1..6" in result.stdout
+    assert (run_dir / "config.toml").exists()
+    return records(run_dir)
+
+
+def test_reference_run_reports_every_step(reference: list[dict]):
+    steps = [r for r in reference if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    for name in ("loss", "grad_norm", "lr", "tokens_per_s", "skipped", "expert_load", "mfu"):
+        assert all(name in r for r in steps), name
+    assert [r["step"] for r in reference if "val_loss" in r] == [3, 6]
+
+
+def test_sigkill_then_rerun_reproduces_the_losses_exactly(
+    reference: list[dict], tmp_path: Path, cache_dir: Path
+):
+    kill_after = random.Random(os.getpid()).randint(3, 5)
+    code, _, _ = start_and_signal(tmp_path, cache_dir, kill_after, signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    result = run(tmp_path, cache_dir)
+    assert "resumed from the checkpoint at step" in result.stdout
+    assert losses(tmp_path) == [r["loss"] for r in reference if "loss" in r]
+
+
+def test_sigterm_saves_and_exits_cleanly_then_resumes_exactly(
+    reference: list[dict], tmp_path: Path, cache_dir: Path
+):
+    code, _, err = start_and_signal(tmp_path, cache_dir, 3, signal.SIGTERM)
+    assert code == 0, err[-3000:]
+    assert "stopped by a signal: checkpoint saved at step" in err
+    run(tmp_path, cache_dir)
+    assert losses(tmp_path) == [r["loss"] for r in reference if "loss" in r]
+
+
+def test_resume_on_another_mesh(reference: list[dict], tmp_path: Path, cache_dir: Path):
+    """Saved on dp2 x pp2 x tp2 (circular, R=2), resumed on dp4 x pp1 x tp2."""
+    run(tmp_path, cache_dir, extra=("--steps", "4"))
+    result = run(tmp_path, cache_dir, overrides=("mesh.dp=4", "mesh.pp=1"))
+    assert "resumed from the checkpoint at step 4" in result.stdout
+    expected = [r["loss"] for r in reference if "loss" in r]
+    np.testing.assert_allclose(losses(tmp_path), expected, rtol=1e-5)
+
+
+def test_pp_1_2_4_give_the_same_losses(tmp_path: Path, cache_dir: Path):
+    curves = []
+    for pp, tp in ((1, 2), (2, 2), (4, 1)):
+        run_dir = tmp_path / f"pp{pp}"
+        overrides = (*GPIPE, f"mesh.pp={pp}", f"mesh.tp={tp}", "run.eval_every=0")
+        run(run_dir, cache_dir, overrides=overrides, extra=("--steps", "4"))
+        curves.append(losses(run_dir))
+    assert len(curves[0]) == 4
+    for curve in curves[1:]:
+        np.testing.assert_allclose(curve, curves[0], rtol=1e-5)
+
+
+def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path: Path, cache_dir: Path):
+    overrides = ("optimizer.learning_rate=1e30", "optimizer.warmup_steps=0", "run.max_nonfinite=2")
+    result = subprocess.run(
+        command(tmp_path, cache_dir, overrides),
+        env=environment(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "error: stopped: 2 steps in a row (up to step" in result.stderr
+    assert "had a non-finite loss or gradient and were skipped" in result.stderr
+    skipped = [r["skipped"] for r in records(tmp_path) if "loss" in r]
+    assert skipped[-2:] == [1, 1]
+
+
+def test_dry_run_plans_without_training(tmp_path: Path, cache_dir: Path):
+    result = run(tmp_path / "dry", cache_dir, extra=("--dry-run",))
+    assert "total" in result.stdout and "active per token" in result.stdout
+    assert "per-device memory of the compiled step" in result.stdout
+    assert "blocks.layers.attention.wq" in result.stdout
+    assert not (tmp_path / "dry" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "mesh.dp=two"], "error: mesh.dp: expected int, got 'two'"),
+        (["--set", "model.bogus=1"], "error: model.bogus: unknown key"),
+        (["--set", "nothing"], "error: --set nothing"),
+    ],
+)
+def test_config_errors_exit_2_with_one_line(args, message, capsys):
+    assert main([TINY, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message), err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_missing_config_file(capsys, tmp_path: Path):
+    assert main([str(tmp_path / "nope.toml")]) == 2
+    assert "nope.toml" in capsys.readouterr().err
