@@ -64,15 +64,13 @@ def train_batches(documents, sharding=None, seed=0, shape=SHAPE) -> loader.Batch
 
 
 def test_packing_loses_and_repeats_no_token(train_documents: loader.SplitDocuments):
+    """Every document once per epoch in the stream, and every window of the stream consumed
+    exactly once, in shuffled order."""
     docs = records(train_documents)
     eod = train_documents.eod_token_id
     epoch_tokens = train_documents.stream_tokens
-    steps = 2 * epoch_tokens // (SHAPE.windows * SHAPE.window_tokens) + 1
-    batches = train_batches(train_documents)
-    stream = take(batches, steps).reshape(-1)
-    batches.close()
-    assert len(stream) > 2 * epoch_tokens
-
+    width = SHAPE.window_tokens
+    stream = loader.TokenStream(train_documents, seed=0, shuffle=True).read(0, 2 * epoch_tokens)
     for epoch in range(2):
         tokens = stream[epoch * epoch_tokens : (epoch + 1) * epoch_tokens]
         assert tokens[-1] == eod
@@ -80,8 +78,16 @@ def test_packing_loses_and_repeats_no_token(train_documents: loader.SplitDocumen
         seen = sorted(tuple(piece[:-1].tolist()) for piece in pieces)
         assert seen == sorted(tuple(doc.tolist()) for doc in docs)
         assert np.sum(tokens == eod) == len(docs)
-    epoch_orders = [stream[e * epoch_tokens : (e + 1) * epoch_tokens] for e in range(2)]
-    assert not np.array_equal(epoch_orders[0], epoch_orders[1]), "each epoch reshuffles"
+    assert not np.array_equal(stream[:epoch_tokens], stream[epoch_tokens:]), "epochs reshuffle"
+
+    block_windows = epoch_tokens // width
+    steps = 2 * block_windows // SHAPE.windows + 1
+    batches = train_batches(train_documents)
+    consumed = take(batches, steps).reshape(-1, width)[: 2 * block_windows]
+    batches.close()
+    expected = stream[: 2 * block_windows * width].reshape(-1, width)
+    assert sorted(map(tuple, consumed.tolist())) == sorted(map(tuple, expected.tolist()))
+    assert not np.array_equal(consumed[:block_windows], expected[:block_windows])
 
 
 def test_same_seed_same_order_other_seed_other_order(

@@ -9,6 +9,10 @@ window length ``T + 1``:
 * the stream is cut into consecutive windows of ``T + 1`` tokens (inputs are a window's first
   ``T`` tokens, targets its last ``T``), so every token of every epoch lands in exactly one
   window: nothing lost at epoch ends, nothing repeated;
+* windows are consumed in blocks of one epoch's worth (``epoch tokens // (T + 1)`` windows),
+  each block in the order ``permutation(seed, block)``: a batch mixes windows from all over
+  the corpus instead of adjacent pieces of one long document, and every window is still
+  consumed exactly once;
 * optimizer step ``k`` takes the next ``G * M * B`` windows, laid out as ``(G, M, B)``.
 
 Because a window is addressed by its number alone, any process can read any window: a
@@ -55,9 +59,7 @@ class BatchShape:
     def __post_init__(self):
         for name in ("grad_accum", "microbatches", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
-                raise DataError(
-                    f"batch shape: {name} must be >= 1, got {getattr(self, name)}"
-                )
+                raise DataError(f"batch shape: {name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def windows(self) -> int:
@@ -92,9 +94,7 @@ class SplitDocuments:
         return int(self.lengths.sum()) + len(self.lengths)
 
 
-def open_split(
-    directory: Path | str, split: str, *, verify: bool = True
-) -> SplitDocuments:
+def open_split(directory: Path | str, split: str, *, verify: bool = True) -> SplitDocuments:
     """Open a prepared split, checking the shards against the manifest.
 
     ``verify`` compares every file's sha256 with the manifest (a truncated or corrupted shard);
@@ -113,14 +113,9 @@ def open_split(
     for shard in info.shards:
         path = directory / shard.file
         if not path.is_file():
-            raise DataError(
-                f"shard {path} is missing; re-run python -m pipelines.prepare"
-            )
+            raise DataError(f"shard {path} is missing; re-run python -m pipelines.prepare")
         shard_lengths = _record_lengths(path, manifest)
-        if (
-            len(shard_lengths) != shard.records
-            or int(shard_lengths.sum()) != shard.tokens
-        ):
+        if len(shard_lengths) != shard.records or int(shard_lengths.sum()) != shard.tokens:
             raise DataError(
                 f"shard {path} does not match the manifest: it holds {len(shard_lengths)} "
                 f"documents / {int(shard_lengths.sum())} tokens, the manifest says "
@@ -170,7 +165,10 @@ def check_vocab(documents: SplitDocuments, model_vocab_size: int) -> None:
 class TokenStream:
     """The endless stream of a split's documents, each followed by end-of-document, epoch after
     epoch; epoch ``e``'s document order is ``permutation(seed, e)`` (or file order if not
-    ``shuffle``). Reads are thread-safe, so grain's reader threads can share one stream."""
+    ``shuffle``). Reads are thread-safe, so grain's reader threads can share one stream.
+
+    `window` reads the windows of ``T + 1`` tokens that the stream is cut into, in the
+    shuffled consumption order (see the module doc)."""
 
     def __init__(self, documents: SplitDocuments, *, seed: int, shuffle: bool):
         self.documents = documents
@@ -178,6 +176,18 @@ class TokenStream:
         self.shuffle = shuffle
         self.epoch_tokens = documents.stream_tokens
         self._epoch = functools.lru_cache(maxsize=4)(self._order_and_ends)
+        self._block_order = functools.lru_cache(maxsize=4)(self._window_permutation)
+
+    def _window_permutation(self, block: int, block_windows: int) -> Int64[np.ndarray, " windows"]:
+        return np.random.default_rng([self.seed, block, 1]).permutation(block_windows)
+
+    def window(self, index: int, width: int) -> UInt32[np.ndarray, " width"]:
+        """The ``index``-th window of ``width`` tokens in consumption order."""
+        if self.shuffle:
+            block_windows = max(1, self.epoch_tokens // width)
+            block, offset = divmod(index, block_windows)
+            index = block * block_windows + int(self._block_order(block, block_windows)[offset])
+        return self.read(index * width, (index + 1) * width)
 
     def _order_and_ends(
         self, epoch: int
@@ -202,15 +212,11 @@ class TokenStream:
             position = epoch * self.epoch_tokens + end
         return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
 
-    def _read_in_epoch(
-        self, epoch: int, start: int, stop: int
-    ) -> UInt32[np.ndarray, " tokens"]:
+    def _read_in_epoch(self, epoch: int, start: int, stop: int) -> UInt32[np.ndarray, " tokens"]:
         order, ends = self._epoch(epoch)
         first = int(np.searchsorted(ends, start, side="right"))
         last = int(np.searchsorted(ends, stop - 1, side="right"))
-        records = self.documents.source.__getitems__(
-            [int(i) for i in order[first : last + 1]]
-        )
+        records = self.documents.source.__getitems__([int(i) for i in order[first : last + 1]])
         eod = np.array([self.documents.eod_token_id], dtype=np.uint32)
         pieces = []
         for record in records:
@@ -227,15 +233,11 @@ class TokenStream:
 def process_rows(sharding: Sharding, shape: BatchShape) -> tuple[int, int]:
     """The rows ``[lo, hi)`` of ``B`` that this process's devices hold under ``sharding``."""
     indices = sharding.addressable_devices_indices_map(shape.shape).values()
-    rows = sorted(
-        {index[BATCH_AXIS].indices(shape.batch_size)[:2] for index in indices}
-    )
+    rows = sorted({index[BATCH_AXIS].indices(shape.batch_size)[:2] for index in indices})
     lo, hi = rows[0][0], rows[-1][1]
     covered = sum(stop - start for start, stop in rows)
     if covered != hi - lo:
-        raise ValueError(
-            f"this process's batch rows {rows} are not one contiguous range"
-        )
+        raise ValueError(f"this process's batch rows {rows} are not one contiguous range")
     return lo, hi
 
 
@@ -266,15 +268,13 @@ class WindowReader:
         shape = self.shape
         lo, hi = self.rows
         width = shape.window_tokens
-        windows = np.empty(
-            (shape.grad_accum, shape.microbatches, hi - lo, width), np.int32
-        )
+        windows = np.empty((shape.grad_accum, shape.microbatches, hi - lo, width), np.int32)
         base = self.first_window + step * shape.windows
         for g in range(shape.grad_accum):
             for m in range(shape.microbatches):
                 start = base + (g * shape.microbatches + m) * shape.batch_size + lo
-                tokens = self.stream.read(start * width, (start + hi - lo) * width)
-                windows[g, m] = tokens.reshape(hi - lo, width)
+                for row in range(hi - lo):
+                    windows[g, m, row] = self.stream.window(start + row, width)
         return HostBatch(inputs=windows[..., :-1], targets=windows[..., 1:])
 
 
@@ -317,9 +317,7 @@ class Batches(grain.DatasetIterator):
         )
         return iter(dataset.to_iter_dataset(options))
 
-    def _produce(
-        self, first_window: int, stop: threading.Event, out: queue.Queue
-    ) -> None:
+    def _produce(self, first_window: int, stop: threading.Event, out: queue.Queue) -> None:
         try:
             host = self._host_batches(first_window)
             window = first_window
@@ -338,9 +336,7 @@ class Batches(grain.DatasetIterator):
             out.put(error)
 
     def _to_global(self, local: Int[np.ndarray, "g m rows t"]) -> Int[Array, "g m b t"]:
-        return jax.make_array_from_process_local_data(
-            self.sharding, local, self.shape.shape
-        )
+        return jax.make_array_from_process_local_data(self.sharding, local, self.shape.shape)
 
     def start_prefetch(self) -> None:
         if self._thread is None:
@@ -397,9 +393,7 @@ class Batches(grain.DatasetIterator):
         self._stop.set()
 
 
-def check_fits(
-    documents: SplitDocuments, shape: BatchShape, *, batches: int = 1
-) -> None:
+def check_fits(documents: SplitDocuments, shape: BatchShape, *, batches: int = 1) -> None:
     """One epoch of the split must hold ``batches`` whole batches: otherwise a batch would
     repeat tokens (and the validation set would not be a fixed set of distinct windows)."""
     needed = batches * shape.windows * shape.window_tokens
@@ -439,9 +433,7 @@ def validation_batches(
         host = reader(step)
         result.append(
             {
-                name: jax.make_array_from_process_local_data(
-                    sharding, part, shape.shape
-                )
+                name: jax.make_array_from_process_local_data(sharding, part, shape.shape)
                 for name, part in (("tokens", host.inputs), ("targets", host.targets))
             }
         )
