@@ -23,9 +23,7 @@ import subprocess
 import sys
 import time
 
-from eqxzoo.runtime import HEARTBEAT_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
-
-LOOPBACK = "127.0.0.1"
+from eqxzoo.runtime import HEARTBEAT_ENV, LOOPBACK, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 
 
 def free_port() -> int:

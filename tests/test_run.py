@@ -106,9 +106,10 @@ def start_and_signal(run_dir: Path, cache_dir: Path, after_step: int, signum: in
 def reference(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> list[dict]:
     """An uninterrupted run of 6 steps."""
     run_dir = tmp_path_factory.mktemp("reference")
-    result = run(run_dir, cache_dir)
+    result = run(run_dir, cache_dir, extra=("--profile", "2:3"))
     assert "done: steps 1..6" in result.stdout
     assert (run_dir / "config.toml").exists()
+    assert list((run_dir / "profile").rglob("*.xplane.pb")), "the --profile trace"
     return records(run_dir)
 
 

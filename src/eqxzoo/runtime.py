@@ -2,6 +2,7 @@
 cache, joining a multi-process run (`jax.distributed.initialize`), and simulated CPU devices
 when there is no accelerator."""
 
+import functools
 import os
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from eqxzoo.config import RunConfig, devices_needed
 NUM_PROCESSES_ENV = "EQXZOO_NUM_PROCESSES"
 PROCESS_ID_ENV = "EQXZOO_PROCESS_ID"
 HEARTBEAT_ENV = "EQXZOO_HEARTBEAT_SECONDS"
+LOOPBACK = "127.0.0.1"
 CLUSTER_ENVS = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 
 
@@ -53,12 +55,26 @@ def _cluster_processes() -> bool:
     return any(int(os.environ.get(name, "1") or 1) > 1 for name in CLUSTER_ENVS[1:])
 
 
+def _gloo_on_loopback() -> None:
+    """Local processes (`pipelines.launch`) talk over 127.0.0.1 only: JAX creates gloo's TCP
+    transport without a host name, which would listen on the machine's external address."""
+    from jax._src import xla_bridge
+
+    make_collectives = xla_bridge._jax.make_gloo_tcp_collectives
+    if not isinstance(make_collectives, functools.partial):
+        xla_bridge._jax.make_gloo_tcp_collectives = functools.partial(
+            make_collectives, hostname=LOOPBACK
+        )
+
+
 def join_processes() -> int:
     """Join the other processes of the run, if any; the number of processes."""
     launched = _launched_processes()
     if launched is None and not _cluster_processes():
         return 1
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if launched is not None:
+        _gloo_on_loopback()
     heartbeat = int(os.environ.get(HEARTBEAT_ENV, "100"))
     try:
         if launched is None:

@@ -424,9 +424,10 @@ def train_batches(
 def validation_batches(
     documents: SplitDocuments, shape: BatchShape, sharding: Sharding, *, batches: int
 ) -> list[dict[str, Int[Array, "grad_accum microbatches batch seq"]]]:
-    """The first ``batches`` batches of the split in file order: the same fixed set each call."""
+    """A fixed set of ``batches`` batches: the first of the split's stream shuffled with seed 0
+    (distinct windows drawn from the whole split, the same whatever the run's seed)."""
     check_fits(documents, shape, batches=batches)
-    stream = TokenStream(documents, seed=0, shuffle=False)
+    stream = TokenStream(documents, seed=0, shuffle=True)
     reader = WindowReader(stream, shape, process_rows(sharding, shape), 0)
     result = []
     for step in range(batches):
