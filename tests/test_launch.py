@@ -56,7 +56,8 @@ def listening_addresses(pid: int) -> set[str]:
     return addresses
 
 
-LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
+# 127.0.0.1, ::1, ::ffff:127.0.0.1 as /proc/net/tcp{,6} write them.
+LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +80,7 @@ def test_two_processes_equal_one_and_resume_as_one(tmp_path: Path, cache_dir: Pa
 
     multi = tmp_path / "multi"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "pipelines.launch", "--processes", "2"]
-        + run_args(multi, cache_dir),
+        [sys.executable, "-m", "pipelines.launch", "--processes", "2"] + run_args(multi, cache_dir),
         env=environment() | {"XLA_FLAGS": ""},
         cwd=ROOT,
         stdout=subprocess.PIPE,
