@@ -113,14 +113,17 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(error))
     except RunStopped as error:
         return fail(str(error), EXIT_STOPPED)
-    except Exception as error:
+    except BaseException as error:
         import jax
 
         if jax.process_count() == 1:
             raise
         from eqxzoo.runtime import lost_processes_message
 
-        return fail(lost_processes_message(error), EXIT_LOST_PEER)
+        # Exit now: the interpreter's exit hooks (jax.distributed.shutdown's barrier) would
+        # wait minutes for peers that are gone or stuck.
+        fail(lost_processes_message(error), EXIT_LOST_PEER)
+        os._exit(EXIT_LOST_PEER)
     import jax
 
     if jax.process_index() == 0:

@@ -83,24 +83,35 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in records(run_dir) if "loss" in r]
 
 
-def start_and_signal(run_dir: Path, cache_dir: Path, after_step: int, signum: int):
-    """Start a run, send ``signum`` once step ``after_step`` is logged; the finished process."""
-    process = subprocess.Popen(
-        command(run_dir, cache_dir),
-        env=environment(),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``args`` with stdout and stderr going to ``log`` (a pipe nobody reads while the
+    test waits could fill up and stall the run)."""
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            args, env=env or environment(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+        )
+
+
+def wait_for_step(run_dir: Path, step: int, processes: list[subprocess.Popen], log: Path):
     deadline = time.monotonic() + 600
-    while not any(r.get("step", 0) >= after_step for r in records(run_dir)):
-        assert process.poll() is None, process.communicate()[1][-3000:]
+    while not any(r.get("step", 0) >= step for r in records(run_dir)):
+        for process in processes:
+            assert process.poll() is None, log.read_text()[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    process.send_signal(signum)
-    out, err = process.communicate(timeout=600)
-    return process.returncode, out, err
+
+
+def start_and_signal(run_dir: Path, cache_dir: Path, after_step: int, signum: int):
+    """Start a run, send ``signum`` once step ``after_step`` is logged; its exit code and output."""
+    log = run_dir.parent / f"{run_dir.name}.log"
+    process = spawn(command(run_dir, cache_dir), log)
+    try:
+        wait_for_step(run_dir, after_step, [process], log)
+        process.send_signal(signum)
+        process.wait(timeout=600)
+    finally:
+        process.kill()
+    return process.returncode, log.read_text()
 
 
 @pytest.fixture(scope="module")
@@ -126,21 +137,21 @@ def test_sigkill_then_rerun_reproduces_the_losses_exactly(
     reference: list[dict], tmp_path: Path, cache_dir: Path
 ):
     kill_after = random.Random(os.getpid()).randint(3, 5)
-    code, _, _ = start_and_signal(tmp_path, cache_dir, kill_after, signal.SIGKILL)
+    code, _ = start_and_signal(tmp_path / "run", cache_dir, kill_after, signal.SIGKILL)
     assert code == -signal.SIGKILL
-    result = run(tmp_path, cache_dir)
+    result = run(tmp_path / "run", cache_dir)
     assert "resumed from the checkpoint at step" in result.stdout
-    assert losses(tmp_path) == [r["loss"] for r in reference if "loss" in r]
+    assert losses(tmp_path / "run") == [r["loss"] for r in reference if "loss" in r]
 
 
 def test_sigterm_saves_and_exits_cleanly_then_resumes_exactly(
     reference: list[dict], tmp_path: Path, cache_dir: Path
 ):
-    code, _, err = start_and_signal(tmp_path, cache_dir, 3, signal.SIGTERM)
-    assert code == 0, err[-3000:]
-    assert "stopped by a signal: checkpoint saved at step" in err
-    run(tmp_path, cache_dir)
-    assert losses(tmp_path) == [r["loss"] for r in reference if "loss" in r]
+    code, output = start_and_signal(tmp_path / "run", cache_dir, 3, signal.SIGTERM)
+    assert code == 0, output[-3000:]
+    assert "stopped by a signal: checkpoint saved at step" in output
+    run(tmp_path / "run", cache_dir)
+    assert losses(tmp_path / "run") == [r["loss"] for r in reference if "loss" in r]
 
 
 def test_resume_on_another_mesh(reference: list[dict], tmp_path: Path, cache_dir: Path):

@@ -278,9 +278,19 @@ class _Trainer:
                 self.save(force=True)
                 if stopped_by_signal:
                     progress.message(f"stopped by a signal: checkpoint saved at step {self.step}")
+        except BaseException:
+            if jax.process_count() > 1:
+                # The other processes may be waiting for this one inside a collective: a
+                # cooperative clean-up (orbax's barriers) would wait for them forever. Leave at
+                # once; their coordination service notices this process is gone.
+                self.batches.close()
+                raise
+            self.checkpointer.close()
+            raise
+        else:
+            self.checkpointer.close()
         finally:
             self.batches.close()
-            self.checkpointer.close()
             if writer is not None:
                 writer.close()
         if self.is_main and self.config.run.plot:
