@@ -59,7 +59,15 @@ def make_batch(shape: tuple[int, ...], vocab: int) -> dict[str, jax.Array]:
 class StepRunner:
     """A sharded train state and its compiled step on ``mesh_config``, for timing."""
 
-    def __init__(self, model_config, mesh_config: MeshConfig, schedule: Schedule, batch_shape, *, remat_stages=True):
+    def __init__(
+        self,
+        model_config,
+        mesh_config: MeshConfig,
+        schedule: Schedule,
+        batch_shape,
+        *,
+        remat_stages=True,
+    ):
         devices = jax.devices()[: mesh_config.size]
         self.mesh = make_mesh(mesh_config, devices)
         self.config = StepConfig(
@@ -67,8 +75,12 @@ class StepRunner:
             optimizer=OptimizerConfig(warmup_steps=10, decay_steps=1000),
             remat_stages=remat_stages,
         )
-        self.state = init_train_state(model_config, jax.random.key(0), config=self.config, mesh=self.mesh)
-        self.batch = jax.device_put(make_batch(batch_shape, model_config.vocab_size), batch_sharding(self.mesh))
+        self.state = init_train_state(
+            model_config, jax.random.key(0), config=self.config, mesh=self.mesh
+        )
+        self.batch = jax.device_put(
+            make_batch(batch_shape, model_config.vocab_size), batch_sharding(self.mesh)
+        )
         self.step_fn = make_train_step(self.config, self.mesh)
         start = time.perf_counter()
         self.compiled = self.step_fn.lower(self.state, self.batch).compile()
@@ -119,10 +131,15 @@ def pipeline_efficiency(repeats: int, quick: bool) -> dict:
     """
     batch, seq = _sizes(quick)
     config = reference_config(n_layers=8, quick=quick)
-    data_parallel = StepRunner(config, MeshConfig(dp=8), Schedule("gpipe", 1, 1, 1), (1, 1, 8 * batch, seq))
+    data_parallel = StepRunner(
+        config, MeshConfig(dp=8), Schedule("gpipe", 1, 1, 1), (1, 1, 8 * batch, seq)
+    )
     baseline = data_parallel.tokens_per_second(repeats)
     result = {"dp8_tokens_per_s": baseline}
-    for name, schedule in (("gpipe", Schedule("gpipe", 4, 8, 1)), ("circular", Schedule("circular", 4, 8, 2))):
+    for name, schedule in (
+        ("gpipe", Schedule("gpipe", 4, 8, 1)),
+        ("circular", Schedule("circular", 4, 8, 2)),
+    ):
         runner = StepRunner(config, MeshConfig(dp=2, pp=4), schedule, (1, 8, batch, seq))
         result[f"pp_efficiency_{name}"] = runner.tokens_per_second(repeats) / baseline
     return result
@@ -172,16 +189,31 @@ def loader_throughput(repeats: int, quick: bool) -> dict:
     from eqxzoo.data import TokenStream, open_split, train_batches
     from eqxzoo.train.loop import batch_shape, data_directory
 
-    config = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml")
+    quick_overrides = (
+        "model.d_model=32",
+        "model.moe.expert_mlp_dim=32",
+        "model.moe.shared_mlp_dim=32",
+        "data.seq_len=32",
+        "data.batch_size=4",
+    )
+    config = load_config(
+        Path(__file__).resolve().parents[1] / "configs" / "tiny.toml",
+        quick_overrides if quick else (),
+    )
     shape = batch_shape(config)
     documents = open_split(data_directory(config), "train")
     mesh = make_mesh(config.mesh, jax.devices()[: config.mesh.size])
     sharding = batch_sharding(mesh)
-    steps = 20 if quick else 200
+    steps = 5 if quick else 200
     tokens_per_step = shape.windows * shape.seq_len
 
     batches = train_batches(
-        documents, shape, sharding, seed=0, prefetch=config.data.prefetch, num_threads=config.data.num_threads
+        documents,
+        shape,
+        sharding,
+        seed=0,
+        prefetch=config.data.prefetch,
+        num_threads=config.data.num_threads,
     )
     jax.block_until_ready(next(batches))
     start = time.perf_counter()
@@ -201,7 +233,9 @@ def loader_throughput(repeats: int, quick: bool) -> dict:
             windows = np.asarray(memmap[step * window_tokens : (step + 1) * window_tokens])
             windows = windows.reshape(*shape.shape[:3], shape.window_tokens)
             for part in (windows[..., :-1], windows[..., 1:]):
-                jax.block_until_ready(jax.make_array_from_process_local_data(sharding, part, shape.shape))
+                jax.block_until_ready(
+                    jax.make_array_from_process_local_data(sharding, part, shape.shape)
+                )
         memmap_rate = steps * tokens_per_step / (time.perf_counter() - start)
 
     train_config = step_config(config)
@@ -227,11 +261,21 @@ def loader_throughput(repeats: int, quick: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m pipelines.bench", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the figures as one JSON object")
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per measurement (median)")
-    parser.add_argument("--only", choices=["single", "pipeline", "compile", "memory", "torch", "loader"], action="append")
-    parser.add_argument("--quick", action="store_true", help="a toy model: checks the command, not speed")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed steps per measurement (median)"
+    )
+    parser.add_argument(
+        "--only",
+        choices=["single", "pipeline", "compile", "memory", "torch", "loader"],
+        action="append",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a toy model: checks the command, not speed"
+    )
     args = parser.parse_args(argv)
     parts = set(args.only or ["single", "pipeline", "compile", "memory", "torch", "loader"])
 
@@ -241,7 +285,9 @@ def main(argv: list[str] | None = None) -> dict:
     if "single" in parts or "torch" in parts:
         figures.update(single_device(args.repeats, args.quick))
         figures["mfu_vs_matmul"] = figures["model_flops_per_s"] / peak
-        print(f"single device: {figures['tokens_per_s']:.0f} tokens/s, {figures['mfu_vs_matmul']:.2f} of matmul peak ({peak / 1e9:.1f} GFLOP/s)")
+        print(
+            f"single device: {figures['tokens_per_s']:.0f} tokens/s, {figures['mfu_vs_matmul']:.2f} of matmul peak ({peak / 1e9:.1f} GFLOP/s)"
+        )
     if "torch" in parts:
         torch_figures = pytorch_reference(args.quick)
         if torch_figures is None:
@@ -250,13 +296,20 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             figures["pytorch_tokens_per_s"] = torch_figures["tokens_per_s"]
             figures["vs_pytorch"] = figures["tokens_per_s"] / torch_figures["tokens_per_s"]
-            print(f"pytorch eager: {torch_figures['tokens_per_s']:.0f} tokens/s; ours / pytorch = {figures['vs_pytorch']:.2f}")
+            print(
+                f"pytorch eager: {torch_figures['tokens_per_s']:.0f} tokens/s; ours / pytorch = {figures['vs_pytorch']:.2f}"
+            )
     if "pipeline" in parts:
         figures.update(pipeline_efficiency(args.repeats, args.quick))
-        print(f"pipeline efficiency (dp2 x pp4 / dp8): gpipe {figures['pp_efficiency_gpipe']:.2f}, circular {figures['pp_efficiency_circular']:.2f}")
+        print(
+            f"pipeline efficiency (dp2 x pp4 / dp8): gpipe {figures['pp_efficiency_gpipe']:.2f}, circular {figures['pp_efficiency_circular']:.2f}"
+        )
     if "compile" in parts:
         figures["compile_s_by_layers"] = compile_times(args.quick)
-        print("compile seconds by layers:", {k: round(v, 2) for k, v in figures["compile_s_by_layers"].items()})
+        print(
+            "compile seconds by layers:",
+            {k: round(v, 2) for k, v in figures["compile_s_by_layers"].items()},
+        )
     if "memory" in parts:
         figures["memory_bytes_by_pp"] = memory_by_pp(args.quick)
         print("per-device bytes by pp:", figures["memory_bytes_by_pp"])

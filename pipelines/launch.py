@@ -108,7 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     if first_failure is None:
         codes = [process.returncode for process in processes]
         return next((code for code in codes if code), 0)
-    return first_failure[1] if first_failure[1] > 0 else 1
+    index, code = first_failure
+    print(
+        f"launch: the run failed: process {index} was lost first ({describe_exit(code)}); "
+        + ", ".join(f"process {i}: {describe_exit(p.returncode)}" for i, p in enumerate(processes)),
+        file=sys.stderr,
+        flush=True,
+    )
+    return code if code > 0 else 1
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ KEYS = {
     "pp_efficiency_circular": float,
     "compile_s_by_layers": dict,
     "memory_bytes_by_pp": dict,
+    "loader_tokens_per_s": float,
+    "memmap_tokens_per_s": float,
+    "tiny_step_tokens_per_s": float,
+    "loader_vs_tiny_step": float,
 }
 
 
@@ -37,3 +41,4 @@ def test_bench_json_has_every_key(tmp_path):
     memory = figures["memory_bytes_by_pp"]
     assert memory["4"] < memory["1"]
     assert "pipeline efficiency" in result.stdout
+    assert "data loader (tiny.toml batches)" in result.stdout

@@ -116,7 +116,7 @@ def test_two_processes_equal_one_survive_a_lost_peer_and_resume_as_one(
     output = log.read_text()
     assert elapsed < LOST_PEER_BOUND_S, output[-3000:]
     assert launcher.returncode != 0
-    assert "launch: process 1 exited with code -9" in output
+    assert "launch: the run failed: process 1 was lost first (killed by SIGKILL)" in output
     named = re.search(r"lost process\(es\) 1 of 2", output) or re.search(
         r"stopped sending heartbeats\):\s*1\b", output
     )

@@ -45,6 +45,7 @@ from eqxzoo.data.prepare import (
 
 BATCH_AXIS = 2  # B in (G, M, B, T)
 STATE_VERSION = 1
+DOCUMENT_CACHE = 2048  # decoded documents kept per stream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +178,11 @@ class TokenStream:
         self.epoch_tokens = documents.stream_tokens
         self._epoch = functools.lru_cache(maxsize=4)(self._order_and_ends)
         self._block_order = functools.lru_cache(maxsize=4)(self._window_permutation)
+        # Shuffled windows revisit each document about length / (T + 1) times per epoch.
+        self._document = functools.lru_cache(maxsize=DOCUMENT_CACHE)(self._read_document)
+
+    def _read_document(self, index: int) -> UInt32[np.ndarray, " tokens"]:
+        return decode_record(self.documents.source[index])
 
     def _window_permutation(self, block: int, block_windows: int) -> Int64[np.ndarray, " windows"]:
         return np.random.default_rng([self.seed, block, 1]).permutation(block_windows)
@@ -216,11 +222,10 @@ class TokenStream:
         order, ends = self._epoch(epoch)
         first = int(np.searchsorted(ends, start, side="right"))
         last = int(np.searchsorted(ends, stop - 1, side="right"))
-        records = self.documents.source.__getitems__([int(i) for i in order[first : last + 1]])
         eod = np.array([self.documents.eod_token_id], dtype=np.uint32)
         pieces = []
-        for record in records:
-            pieces.append(decode_record(record))
+        for index in order[first : last + 1]:
+            pieces.append(self._document(int(index)))
             pieces.append(eod)
         tokens = np.concatenate(pieces)
         begin = int(ends[first - 1]) if first > 0 else 0
