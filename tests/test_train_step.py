@@ -43,9 +43,7 @@ MOE = models.MixtralConfig(
     n_kv_heads=2,
     moe=models.MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=16),
 )
-DENSE = models.LlamaConfig(
-    vocab_size=VOCAB, d_model=32, n_layers=4, n_heads=4, mlp_dim=48
-)
+DENSE = models.LlamaConfig(vocab_size=VOCAB, d_model=32, n_layers=4, n_heads=4, mlp_dim=48)
 SHAPE = (2, 4, 4, 8)  # (G, M, B, T)
 
 
@@ -58,9 +56,7 @@ def make_batch(seed=0):
 
 
 def step_config(stages, optimizer, repeats=1):
-    schedule = Schedule(
-        "circular" if repeats > 1 else "gpipe", stages, SHAPE[1], repeats
-    )
+    schedule = Schedule("circular" if repeats > 1 else "gpipe", stages, SHAPE[1], repeats)
     return StepConfig(schedule=schedule, optimizer=optimizer)
 
 
@@ -103,9 +99,7 @@ def test_three_steps_on_a_mesh_equal_one_device(model_config, mesh_config, repea
     for one, many in zip(one_history, mesh_history, strict=True):
         np.testing.assert_allclose(many["loss"], one["loss"], rtol=1e-5)
         np.testing.assert_allclose(many["grad_norm"], one["grad_norm"], rtol=1e-5)
-    assert_close(
-        from_pipeline_layout(mesh_state.model), from_pipeline_layout(one_state.model)
-    )
+    assert_close(from_pipeline_layout(mesh_state.model), from_pipeline_layout(one_state.model))
     assert one_history[2]["loss"] < one_history[0]["loss"] + 1.0
 
 
@@ -122,9 +116,7 @@ def test_metrics_of_a_moe_step():
     ):
         assert np.shape(metrics[name]) == (), name
     assert metrics["expert_fraction"].shape == (4, 4)
-    np.testing.assert_allclose(
-        metrics["expert_fraction"].sum(-1), np.ones(4), rtol=1e-5
-    )
+    np.testing.assert_allclose(metrics["expert_fraction"].sum(-1), np.ones(4), rtol=1e-5)
     assert int(metrics["tokens"]) == np.prod(SHAPE)
     assert float(metrics["learning_rate"]) == 0.0  # warmup starts at zero
 
@@ -136,9 +128,7 @@ def test_clipping_uses_the_global_norm():
     sequentially computed gradient, clipped by its true global norm.
     """
     optimizer = dataclasses.replace(ADAM, eps=1.0, clip_norm=1e-3, weight_decay=0.0)
-    mesh_state, (metrics,) = run_steps(
-        DENSE, MeshConfig(dp=2, pp=2, tp=2), 2, optimizer, 1
-    )
+    mesh_state, (metrics,) = run_steps(DENSE, MeshConfig(dp=2, pp=2, tp=2), 2, optimizer, 1)
 
     model = models.DecoderLM(DENSE, key=jax.random.key(0))
     config = step_config(1, optimizer)
@@ -146,9 +136,7 @@ def test_clipping_uses_the_global_norm():
 
     def loss(model):
         losses = [
-            sequential_loss(
-                model, batch["tokens"][g], batch["targets"][g], config=config
-            )[0]
+            sequential_loss(model, batch["tokens"][g], batch["targets"][g], config=config)[0]
             for g in range(SHAPE[0])
         ]
         return sum(losses) / len(losses)
@@ -164,9 +152,9 @@ def test_clipping_uses_the_global_norm():
 
     # Both sides take their first optimizer step at learning rate 0; compare the second.
     mesh_state, _ = (
-        make_train_step(
-            step_config(2, optimizer), make_mesh(MeshConfig(dp=2, pp=2, tp=2))
-        )(mesh_state, batch),
+        make_train_step(step_config(2, optimizer), make_mesh(MeshConfig(dp=2, pp=2, tp=2)))(
+            mesh_state, batch
+        ),
         None,
     )
     mesh_state = mesh_state[0]
@@ -201,20 +189,25 @@ def test_frozen_parameters_never_change_and_have_no_optimizer_state():
     trainable_before = np.asarray(initial.model.blocks.layers.attention.wk)
     adam_state = initial.opt_state[1][0]
     assert (
-        adam_state.mu.embedding.weight is None
-        and adam_state.mu.blocks.layers.attention.wq is None
+        adam_state.mu.embedding.weight is None and adam_state.mu.blocks.layers.attention.wq is None
     )
     state, _ = make_train_step(config, mesh)(initial, make_batch(0))
     state, _ = make_train_step(config, mesh)(state, make_batch(1))
-    np.testing.assert_array_equal(
-        np.asarray(state.model.embedding.weight), frozen_before[0]
-    )
+    np.testing.assert_array_equal(np.asarray(state.model.embedding.weight), frozen_before[0])
     np.testing.assert_array_equal(
         np.asarray(state.model.blocks.layers.attention.wq), frozen_before[1]
     )
-    assert not np.array_equal(
-        np.asarray(state.model.blocks.layers.attention.wk), trainable_before
-    )
+    assert not np.array_equal(np.asarray(state.model.blocks.layers.attention.wk), trainable_before)
+
+
+def test_init_on_a_mesh_is_the_plain_model_in_the_pipeline_layout():
+    """Blocks are created staged (so their RNG splits over pp) but hold the same values as
+    `DecoderLM(config, key)` viewed in the pipeline layout."""
+    config = step_config(2, ADAM, repeats=2)
+    mesh = make_mesh(MeshConfig(dp=2, pp=2, ep=2))
+    state = init_train_state(MOE, jax.random.key(3), config=config, mesh=mesh)
+    plain = models.DecoderLM(MOE, key=jax.random.key(3))
+    assert_close(from_pipeline_layout(state.model), plain, rtol=1e-6)
 
 
 def test_non_finite_step_is_skipped_and_counted():
@@ -225,9 +218,7 @@ def test_non_finite_step_is_skipped_and_counted():
     state = init_train_state(DENSE, jax.random.key(0), config=config, mesh=mesh)
 
     def poisoned_loss(model, tokens, targets):
-        loss, metrics = sequential_loss(
-            from_pipeline_layout(model), tokens, targets, config=config
-        )
+        loss, metrics = sequential_loss(from_pipeline_layout(model), tokens, targets, config=config)
         return jnp.where(tokens[0, 0, 0] == 0, jnp.nan, loss), metrics
 
     step = jax.jit(lambda s, b: train_step(s, b, config=config, loss_fn=poisoned_loss))
@@ -242,9 +233,7 @@ def test_non_finite_step_is_skipped_and_counted():
     updated, metrics = step(after, clean)
     assert int(metrics["skipped"]) == 0 and np.isfinite(float(metrics["loss"]))
     after, updated = updated, step(updated, clean)[0]  # the first update has warmup lr 0
-    changed = [
-        not np.array_equal(a, b) for a, b in zip(host(updated.model), host(after.model))
-    ]
+    changed = [not np.array_equal(a, b) for a, b in zip(host(updated.model), host(after.model))]
     assert any(changed) and int(updated.step) == 2
 
 
@@ -253,9 +242,7 @@ def test_bfloat16_compute_keeps_float32_master_weights():
     mesh = make_mesh(MeshConfig(dp=2, pp=2), jax.devices()[:4])
     losses = {}
     for compute in ("float32", "bfloat16"):
-        config = dataclasses.replace(
-            step_config(2, ADAM), precision=Precision(compute=compute)
-        )
+        config = dataclasses.replace(step_config(2, ADAM), precision=Precision(compute=compute))
         state = init_train_state(MOE, jax.random.key(0), config=config, mesh=mesh)
         state, metrics = make_train_step(config, mesh)(state, make_batch(0))
         losses[compute] = float(metrics["loss"])
@@ -272,15 +259,10 @@ def test_adafactor_is_selectable_and_matches_one_device():
 
 
 def test_decay_mask_excludes_norms_and_biases():
-    model = models.DecoderLM(
-        dataclasses.replace(DENSE, qkv_bias=True), key=jax.random.key(0)
-    )
+    model = models.DecoderLM(dataclasses.replace(DENSE, qkv_bias=True), key=jax.random.key(0))
     mask = decay_mask(eqx.filter(model, eqx.is_array))
     assert mask.blocks.layers.attention.wq and mask.embedding.weight
-    assert (
-        not mask.blocks.layers.attention.bq
-        and not mask.blocks.layers.attention_norm.weight
-    )
+    assert not mask.blocks.layers.attention.bq and not mask.blocks.layers.attention_norm.weight
     assert not mask.final_norm.weight
 
 
@@ -310,12 +292,8 @@ def test_mesh_that_does_not_fit_the_model(kwargs, message):
 def test_init_checks_the_mesh_against_the_model():
     config = step_config(2, ADAM)
     with pytest.raises(MeshError, match=r"n_heads=4 is not divisible by tp=8"):
-        init_train_state(
-            DENSE, jax.random.key(0), config=config, mesh=make_mesh(MeshConfig(tp=8))
-        )
-    with pytest.raises(
-        MeshError, match=r"the schedule has 2 stages but the mesh has pp=4"
-    ):
+        init_train_state(DENSE, jax.random.key(0), config=config, mesh=make_mesh(MeshConfig(tp=8)))
+    with pytest.raises(MeshError, match=r"the schedule has 2 stages but the mesh has pp=4"):
         init_train_state(
             DENSE,
             jax.random.key(0),
@@ -354,7 +332,5 @@ def test_optimizer_config_errors():
         match=r"optimizer.warmup_steps must be in \[0, decay_steps=10\), got 20",
     ):
         OptimizerConfig(warmup_steps=20, decay_steps=10)
-    with pytest.raises(
-        OptimizerConfigError, match=r"optimizer.freeze: bad pattern '\('"
-    ):
+    with pytest.raises(OptimizerConfigError, match=r"optimizer.freeze: bad pattern '\('"):
         OptimizerConfig(freeze=("(",))

@@ -97,12 +97,38 @@ def join_processes() -> int:
 
 def setup_runtime(config: RunConfig) -> None:
     """Everything that must happen before the first JAX computation of a run."""
+    use_memory_minimizing_cpu_flags()
     enable_compilation_cache(config.run.compilation_cache_dir)
     processes = join_processes()
     needed = devices_needed(config)
     if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # Only the CPU client reads this: on accelerators the mesh uses the real devices.
         jax.config.update("jax_num_cpu_devices", max(1, needed // processes))
+
+
+# XLA:CPU reads these only from XLA_FLAGS (not from per-jit compiler options), before the first
+# compilation; other backends ignore them.
+MEMORY_MINIMIZING_CPU_FLAGS = {
+    # The default, concurrency-optimised scheduler starts independent work as early as it can:
+    # zeroed gradient accumulators and optimizer-state copies are made before the forward pass
+    # and live through it.
+    "--xla_cpu_enable_concurrency_optimized_scheduler": "false",
+    # Without region analysis, copy insertion cannot see that the in-place (donated) update
+    # of Adam's moments may follow the parameter update that still reads them, and copies
+    # every moment at the start of the step.
+    "--xla_cpu_copy_insertion_use_region_analysis": "true",
+}
+
+
+def use_memory_minimizing_cpu_flags() -> None:
+    """Simulated devices share the host's memory: make XLA:CPU schedule and copy for memory
+    (moe_1b on 8 simulated devices: 4.3 -> 2.6 GiB per device, with the layout fixes). An
+    explicit setting in ``XLA_FLAGS`` is kept."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    for flag, value in MEMORY_MINIMIZING_CPU_FLAGS.items():
+        if flag not in flags:
+            flags = f"{flags} {flag}={value}"
+    os.environ["XLA_FLAGS"] = flags.strip()
 
 
 def lost_processes_message(error: BaseException) -> str:

@@ -318,7 +318,8 @@ class Batches(grain.DatasetIterator):
         reader = WindowReader(self.stream, self.shape, self.rows, first_window)
         dataset = grain.MapDataset.range(0, 1 << 62).map(reader)
         options = grain.ReadOptions(
-            num_threads=self.num_threads, prefetch_buffer_size=self.prefetch
+            num_threads=self.num_threads,
+            prefetch_buffer_size=max(self.prefetch, self.num_threads),
         )
         return iter(dataset.to_iter_dataset(options))
 

@@ -129,13 +129,17 @@ def run_pipeline(
             if n_repeats > 1:
                 first_input = jnp.where(repeat == 0, first_input, returning[microbatch])
             h_in = jnp.where(stage == 0, first_input, received)
-            repeat_params = jax.tree.map(lambda p: p[repeat], stage_params)
-            def stage_or_bubble(w, h):
+
+            # The repeat's weights are picked inside the checkpoint: what it saves for the
+            # backward pass is then the whole (loop-invariant) stage and a scalar, not a copy
+            # of the picked weights for every tick.
+            def stage_or_bubble(w, r, h):
+                w = jax.tree.map(lambda p: p[r], w)
                 return jax.lax.cond(active, run_stage, skip_stage, w, h)
 
             if remat_stages:
                 stage_or_bubble = jax.checkpoint(stage_or_bubble, prevent_cse=False)
-            h_out, aux = stage_or_bubble(repeat_params, h_in)
+            h_out, aux = stage_or_bubble(stage_params, repeat, h_in)
             aux_sums = jax.tree.map(lambda acc, v: acc.at[repeat].add(v), aux_sums, aux)
             is_output = active & (stage == last_stage) & (repeat == n_repeats - 1)
             outputs = outputs.at[microbatch].set(jnp.where(is_output, h_out, outputs[microbatch]))
@@ -185,11 +189,8 @@ def run_pipeline(
             check_vma=True,
         )(params, microbatches)
     # aux_sums: (stages, repeats, layers_per_stage, ...) -> layer order (repeats, stages, k).
-    layer_aux = jax.tree.map(
-        lambda v: jnp.swapaxes(v, 0, 1).reshape(-1, *v.shape[3:]), aux_sums
-    )
+    layer_aux = jax.tree.map(lambda v: jnp.swapaxes(v, 0, 1).reshape(-1, *v.shape[3:]), aux_sums)
     return outputs[last_stage].astype(compute_dtype), layer_aux
-
 
 
 def _varying_over_pp(tree: PyTree, manual: bool = True) -> PyTree:

@@ -11,13 +11,16 @@ from eqxzoo.nn import Axes
 MeshAxes = str | tuple[str, ...] | None
 
 # FSDP over dp on the model dimension, Megatron tensor parallelism over tp, experts over ep,
-# the pipeline stage axis over pp.
+# the pipeline stage axis over pp. Arrays that no other rule splits over ep or pp would be
+# whole on each of those devices: the model dimension also takes ep where the experts have
+# not (attention, norms, router, embeddings: FSDP over dp x ep), and the vocabulary takes pp
+# (the embeddings live outside the pipeline stages).
 DEFAULT_RULES: Mapping[str, MeshAxes] = {
     "stages": "pp",
     "repeats": None,
     "layers": None,
-    "embed": "dp",
-    "vocab": "tp",
+    "embed": ("dp", "ep"),
+    "vocab": ("tp", "pp"),
     "heads": "tp",
     "kv_heads": "tp",
     "head_dim": None,

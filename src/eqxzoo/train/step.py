@@ -39,7 +39,7 @@ from eqxzoo.parallel import (
     tree_shardings,
     unstage_layers,
 )
-from models import DecoderLM, summarize_layer_aux
+from models import DecoderBlock, DecoderLM, summarize_layer_aux
 
 Batch = dict[str, Int[Array, "grad_accum microbatches batch seq"]]
 
@@ -159,9 +159,31 @@ def _check_mesh(model_config, config: StepConfig, mesh: Mesh) -> None:
         )
 
 
+def _init_pipeline_model(model_config, schedule: Schedule, key: PRNGKeyArray) -> DecoderLM:
+    """``to_pipeline_layout(DecoderLM(model_config, key=key), schedule)``, value for value, with
+    the blocks built from the per-layer keys viewed as ``(R, P, k)``.
+
+    Every block array is then created with its stage axis, so XLA splits the random-number
+    generation over ``pp`` as the output sharding asks. Reshaping the plain ``(L, ...)``
+    stack cannot carry that split back (``P`` is not a block of ``L``): every pp device
+    would generate all L layers, twice its share, plus threefry's temporaries.
+    """
+    model = DecoderLM(model_config, key=key)  # its plain blocks are dead code under jit
+    _, blocks_key, _ = jax.random.split(key, 3)  # as DecoderLM.__init__ splits its key
+    layer_keys = stage_layers(
+        jax.random.split(blocks_key, model_config.n_layers), schedule.stages, schedule.repeats
+    )
+
+    def make_block(layer_key):
+        return DecoderBlock(model_config, key=layer_key)
+
+    layers = eqx.filter_vmap(eqx.filter_vmap(eqx.filter_vmap(make_block)))(layer_keys)
+    return eqx.tree_at(lambda m: m.blocks.layers, model, layers)
+
+
 def _build_state(model_config, config: StepConfig, key: PRNGKeyArray) -> TrainState:
-    model = _cast(DecoderLM(model_config, key=key), DTYPES[config.precision.params])
-    model = to_pipeline_layout(model, config.schedule)
+    model = _init_pipeline_model(model_config, config.schedule, key)
+    model = _cast(model, DTYPES[config.precision.params])
     trainable, _ = split_trainable(model, config.optimizer)
     opt_state = build_optimizer(config.optimizer).init(trainable)
     return TrainState(step=jnp.zeros((), jnp.int32), model=model, opt_state=opt_state)
