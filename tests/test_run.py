@@ -115,14 +115,19 @@ def start_and_signal(run_dir: Path, cache_dir: Path, after_step: int, signum: in
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> list[dict]:
-    """An uninterrupted run of 6 steps."""
+def reference_dir(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
+    """An uninterrupted run of 6 steps, traced at steps 2..3."""
     run_dir = tmp_path_factory.mktemp("reference")
     result = run(run_dir, cache_dir, extra=("--profile", "2:3"))
     assert "done: steps 1..6" in result.stdout
     assert (run_dir / "config.toml").exists()
     assert list((run_dir / "profile").rglob("*.xplane.pb")), "the --profile trace"
-    return records(run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def reference(reference_dir: Path) -> list[dict]:
+    return records(reference_dir)
 
 
 def test_reference_run_reports_every_step(reference: list[dict]):
@@ -216,3 +221,29 @@ def test_config_errors_exit_2_with_one_line(args, message, capsys):
 def test_missing_config_file(capsys, tmp_path: Path):
     assert main([str(tmp_path / "nope.toml")]) == 2
     assert "nope.toml" in capsys.readouterr().err
+
+
+def test_generate_samples_from_the_latest_checkpoint(reference_dir: Path):
+    command = [sys.executable, "-m", "pipelines.generate", str(reference_dir)]
+    options = ["--prompt", "def main(", "--max-new-tokens", "8", "--temperature", "0"]
+    results = [
+        subprocess.run(
+            command + options, env=environment(), cwd=ROOT, capture_output=True, text=True
+        )
+        for _ in range(2)
+    ]
+    assert results[0].returncode == 0, results[0].stderr[-3000:]
+    assert results[0].stdout.startswith("(step 6) def main(")
+    assert results[0].stdout == results[1].stdout, "greedy decoding is deterministic"
+
+
+def test_generate_needs_a_run_directory(tmp_path: Path):
+    result = subprocess.run(
+        [sys.executable, "-m", "pipelines.generate", str(tmp_path), "--prompt", "x"],
+        env=environment(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert result.stderr == f"error: {tmp_path} has no config.toml: not a pipelines.run directory\n"
