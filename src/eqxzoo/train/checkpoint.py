@@ -35,6 +35,8 @@ from jax.sharding import Sharding
 from jaxtyping import PyTree
 
 ITEMS = ("state", "data", "meta")
+ASYNC_SAVE_GB = 96  # orbax's default
+SYNC_SAVE_GB = 1
 STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
 _DATA_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
@@ -177,7 +179,17 @@ class Checkpointer:
             cleanup_tmp_directories=True,
             create=True,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        # Synchronous saves write at most SYNC_SAVE_GB at a time, not a host copy of everything.
+        handlers = {
+            "state": ocp.StandardCheckpointHandler(
+                save_concurrent_gb=ASYNC_SAVE_GB if async_save else SYNC_SAVE_GB
+            ),
+            "data": DataStateHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+        }
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=handlers
+        )
         self._stale_steps: tuple[int, ...] = ()
 
     def maybe_save(

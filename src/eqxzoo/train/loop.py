@@ -106,6 +106,7 @@ class _Trainer:
         self.say = say if self.is_main else (lambda text: None)
         self.run_dir = options.run_dir
         self.mesh = make_mesh(config.mesh)
+        self.on_cpu = self.mesh.devices.flat[0].platform == "cpu"
         self.step_config = step_config(config)
         self.total_steps = config.run.steps
         if options.stop_after is not None:
@@ -143,7 +144,9 @@ class _Trainer:
             self.run_dir / CHECKPOINT_DIR,
             every=self.config.checkpoint.every,
             keep=self.config.checkpoint.keep,
-            async_save=self.config.checkpoint.async_save,
+            # Simulated CPU devices already live in host memory: an asynchronous save would
+            # first copy the whole state there again.
+            async_save=self.config.checkpoint.async_save and not self.on_cpu,
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", CheckpointWarning)
@@ -160,7 +163,7 @@ class _Trainer:
             self.step = 0
             self.skipped_total = 0
             return
-        self.state = from_checkpoint_layout(restored.state, self.target)
+        self.state = from_checkpoint_layout(restored.state, self.target, consume=True)
         self.step = restored.step
         self.skipped_total = int(restored.meta.get("skipped_total", 0))
         self.say(f"resumed from the checkpoint at step {self.step}")
@@ -173,9 +176,13 @@ class _Trainer:
             "skipped_total": self.skipped_total,
             "config": config_to_dict(self.config),
         }
-        return self.checkpointer.maybe_save(
-            self.step, checkpoint_layout(self.state), self.batches, meta, force=force
-        )
+        # The state is converted to the checkpoint layout array by array, in place, and back
+        # after the save: a second copy of a state that fills the host would not fit.
+        plain = checkpoint_layout(self.state, consume=True)
+        try:
+            return self.checkpointer.maybe_save(self.step, plain, self.batches, meta, force=force)
+        finally:
+            self.state = from_checkpoint_layout(plain, self.target, consume=True)
 
     def evaluate(self) -> float:
         losses = [self.eval_step(self.state.model, batch) for batch in self.val_batches]

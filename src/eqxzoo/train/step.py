@@ -404,23 +404,39 @@ def _plain_spec(sharding: NamedSharding, rank: int) -> NamedSharding:
     return NamedSharding(sharding.mesh, PartitionSpec(spec[1], *spec[3:]))
 
 
-def checkpoint_layout(state: TrainState) -> TrainState:
+@functools.lru_cache(maxsize=64)
+def _reshape_to(shape: tuple[int, ...], sharding: NamedSharding):
+    return jax.jit(lambda leaf: leaf.reshape(shape), out_shardings=sharding)
+
+
+def _relayout(state: TrainState, target: TrainState, *, consume: bool) -> TrainState:
+    """``state``'s arrays reshaped to ``target``'s shapes and shardings, one array at a time;
+    with ``consume``, each reshaped source array is deleted at once, so the conversion never
+    holds more than the state plus its largest array (moe_1b on CPU has no room for two
+    states). Arrays already in their target form are passed through."""
+
+    def convert(leaf, goal):
+        if leaf.shape == goal.shape and leaf.sharding == goal.sharding:
+            return leaf
+        # One conversion at a time: XLA:CPU's in-process collectives can starve each other
+        # of threads when many small resharding programs run at once.
+        converted = jax.block_until_ready(_reshape_to(goal.shape, goal.sharding)(leaf))
+        if consume:
+            leaf.delete()
+        return converted
+
+    return jax.tree.map(convert, jax.block_until_ready(state), target)
+
+
+def checkpoint_layout(state: TrainState, *, consume: bool = False) -> TrainState:
     """The state with every staged ``(R, P, k, ...)`` array viewed as ``(L, ...)``, the layer
     axis sharded over ``pp`` where ``P`` was: what checkpoints hold, so a checkpoint can be
-    restored with other ``pp`` or ``repeats`` (the layer order never changes)."""
-
-    def plain(path, leaf):
-        return leaf.reshape(-1, *leaf.shape[3:]) if _is_staged_leaf(path, leaf) else leaf
-
-    def plain_sharding(path, leaf):
-        return (
-            _plain_spec(leaf.sharding, leaf.ndim) if _is_staged_leaf(path, leaf) else leaf.sharding
-        )
-
-    shardings = jax.tree_util.tree_map_with_path(plain_sharding, state)
-    return jax.jit(lambda s: jax.tree_util.tree_map_with_path(plain, s), out_shardings=shardings)(
-        state
+    restored with other ``pp`` or ``repeats`` (the layer order never changes). With
+    ``consume`` the staged arrays of ``state`` are deleted as they are converted."""
+    target = abstract_checkpoint_layout(
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     )
+    return _relayout(state, target, consume=consume)
 
 
 def abstract_checkpoint_layout(target: TrainState) -> TrainState:
@@ -439,10 +455,9 @@ def abstract_checkpoint_layout(target: TrainState) -> TrainState:
     return jax.tree_util.tree_map_with_path(plain, target)
 
 
-def from_checkpoint_layout(state: TrainState, target: TrainState) -> TrainState:
-    """Inverse of `checkpoint_layout` onto ``target``'s shapes and shardings."""
-    shardings = jax.tree.map(lambda leaf: leaf.sharding, target)
-    return jax.jit(
-        lambda s: jax.tree.map(lambda leaf, t: leaf.reshape(t.shape), s, target),
-        out_shardings=shardings,
-    )(state)
+def from_checkpoint_layout(
+    state: TrainState, target: TrainState, *, consume: bool = False
+) -> TrainState:
+    """Inverse of `checkpoint_layout` onto ``target``'s shapes and shardings (``consume``:
+    delete each converted array of ``state``)."""
+    return _relayout(state, target, consume=consume)
