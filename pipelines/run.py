@@ -72,7 +72,7 @@ def fail(message: str, code: int = EXIT_USAGE) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # Config errors are reported before JAX is imported, let alone initialised.
+    # Config errors are reported before any JAX work (no backend is started yet).
     from eqxzoo.config import ConfigError, load_config
 
     try:
