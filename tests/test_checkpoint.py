@@ -24,9 +24,14 @@ from eqxzoo.train.checkpoint import (
     CheckpointError,
     CheckpointWarning,
     StopSignal,
-    abstract_state,
 )
-from eqxzoo.train.step import StepConfig, TrainState, init_train_state, state_shardings
+from eqxzoo.train.step import (
+    StepConfig,
+    TrainState,
+    abstract_state,
+    init_train_state,
+    state_shardings,
+)
 
 MODEL = models.LlamaConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, mlp_dim=16)
 STEP_CONFIG = StepConfig(
@@ -53,7 +58,9 @@ def small_state(seed: int = 0) -> dict:
 
 
 def small_abstract() -> dict:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=ONE_DEVICE), small_state())
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=ONE_DEVICE), small_state()
+    )
 
 
 def train_state_on(mesh_config: MeshConfig) -> tuple[TrainState, jax.sharding.Mesh]:
@@ -63,7 +70,12 @@ def train_state_on(mesh_config: MeshConfig) -> tuple[TrainState, jax.sharding.Me
 
 def train_state_shapes():
     return eqx.filter_eval_shape(
-        lambda: init_train_state(MODEL, jax.random.key(0), config=STEP_CONFIG, mesh=make_mesh(MeshConfig(pp=2), jax.devices()[:2]))
+        lambda: init_train_state(
+            MODEL,
+            jax.random.key(0),
+            config=STEP_CONFIG,
+            mesh=make_mesh(MeshConfig(pp=2), jax.devices()[:2]),
+        )
     )
 
 
@@ -84,7 +96,9 @@ def assert_bitwise_equal(actual, expected):
 def save_steps(directory, steps, *, keep=5):
     with Checkpointer(directory, every=1, keep=keep, async_save=False) as checkpointer:
         for step in steps:
-            assert checkpointer.maybe_save(step, small_state(step), data_iterator(10 * step), {"step": step})
+            assert checkpointer.maybe_save(
+                step, small_state(step), data_iterator(10 * step), {"step": step}
+            )
 
 
 def test_round_trip_is_bitwise_on_the_same_mesh(tmp_path, mesh_state):
@@ -107,7 +121,9 @@ def test_round_trip_is_bitwise_on_the_same_mesh(tmp_path, mesh_state):
     assert (restored.step, restored.meta, restored.skipped) == (3, META, ())
     assert isinstance(restored.state, TrainState)
     assert_bitwise_equal(restored.state, expected)
-    for leaf, sharding in zip(jax.tree.leaves(restored.state), jax.tree.leaves(target), strict=True):
+    for leaf, sharding in zip(
+        jax.tree.leaves(restored.state), jax.tree.leaves(target), strict=True
+    ):
         assert leaf.sharding == sharding.sharding
     assert restored.state.model.blocks.layers.attention.wq.sharding.mesh == mesh
     assert next(resumed_iterator) == 5
@@ -120,16 +136,25 @@ def test_restore_onto_another_mesh(tmp_path, mesh_state, target):
 
     shapes = train_state_shapes()
     if target == "dp4-pp2":
-        shardings = state_shardings(shapes, MODEL, config=STEP_CONFIG, mesh=make_mesh(MeshConfig(dp=4, pp=2)))
+        shardings = state_shardings(
+            shapes, MODEL, config=STEP_CONFIG, mesh=make_mesh(MeshConfig(dp=4, pp=2))
+        )
     else:
         shardings = jax.tree.map(lambda _: ONE_DEVICE, shapes)
     with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
         restored = checkpointer.restore_latest(abstract_state(shapes, shardings), data_iterator())
     assert_bitwise_equal(restored.state, jax.device_get(mesh_state))
-    for leaf, sharding in zip(jax.tree.leaves(restored.state), jax.tree.leaves(shardings), strict=True):
+    for leaf, sharding in zip(
+        jax.tree.leaves(restored.state), jax.tree.leaves(shardings), strict=True
+    ):
         assert leaf.sharding == sharding
     if target == "dp4-pp2":
-        assert dict(restored.state.model.blocks.layers.attention.wq.sharding.mesh.shape) == {"dp": 4, "pp": 2, "tp": 1, "ep": 1}
+        assert dict(restored.state.model.blocks.layers.attention.wq.sharding.mesh.shape) == {
+            "dp": 4,
+            "pp": 2,
+            "tp": 1,
+            "ep": 1,
+        }
 
 
 def test_saves_every_n_steps_and_keeps_the_last_n(tmp_path):
@@ -137,7 +162,9 @@ def test_saves_every_n_steps_and_keeps_the_last_n(tmp_path):
         saved = [
             step
             for step in range(1, 10)
-            if checkpointer.maybe_save(step, small_state(step), data_iterator(step), {}, force=step == 9)
+            if checkpointer.maybe_save(
+                step, small_state(step), data_iterator(step), {}, force=step == 9
+            )
         ]
         assert not checkpointer.maybe_save(9, small_state(9), data_iterator(9), {}, force=True)
         checkpointer.wait()
@@ -162,9 +189,18 @@ def _delete_array_files(step_dir):
 DAMAGES = {
     "truncated-array": (_truncate_array_files, r"state: OUT_OF_RANGE: Error reading \"w/0\.0\""),
     "deleted-array": (_delete_array_files, r"state: .*w/0\.0"),
-    "missing-metadata": (lambda d: (d / "_CHECKPOINT_METADATA").unlink(), r"its metadata file _CHECKPOINT_METADATA is missing"),
-    "truncated-meta": (lambda d: (d / "meta" / "metadata").write_text("{\"st"), r"meta: Unterminated string"),
-    "deleted-data-state": (lambda d: (d / "data" / "process_0-of-1.json").unlink(), r"data: no data iterator state"),
+    "missing-metadata": (
+        lambda d: (d / "_CHECKPOINT_METADATA").unlink(),
+        r"its metadata file _CHECKPOINT_METADATA is missing",
+    ),
+    "truncated-meta": (
+        lambda d: (d / "meta" / "metadata").write_text('{"st'),
+        r"meta: Unterminated string",
+    ),
+    "deleted-data-state": (
+        lambda d: (d / "data" / "process_0-of-1.json").unlink(),
+        r"data: no data iterator state",
+    ),
 }
 
 
@@ -178,7 +214,10 @@ def test_unusable_latest_falls_back_to_the_previous(tmp_path, damage):
 
     iterator = data_iterator()
     checkpointer = Checkpointer(tmp_path, every=1, keep=5)
-    with pytest.warns(CheckpointWarning, match=rf"^checkpoint at step 2 is unusable \({reason}.*\); trying an older one$"):
+    with pytest.warns(
+        CheckpointWarning,
+        match=rf"^checkpoint at step 2 is unusable \({reason}.*\); trying an older one$",
+    ):
         restored = checkpointer.restore_latest(small_abstract(), iterator)
     assert restored.step == 1 and [u.step for u in restored.skipped] == [2]
     assert_bitwise_equal(restored.state, small_state(1))
@@ -189,7 +228,12 @@ def test_unusable_latest_falls_back_to_the_previous(tmp_path, damage):
     checkpointer.close()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert Checkpointer(tmp_path, every=1, keep=5).restore_latest(small_abstract(), data_iterator()).step == 2
+        assert (
+            Checkpointer(tmp_path, every=1, keep=5)
+            .restore_latest(small_abstract(), data_iterator())
+            .step
+            == 2
+        )
 
 
 def test_no_usable_checkpoint_is_an_error(tmp_path):
@@ -205,7 +249,12 @@ def test_no_usable_checkpoint_is_an_error(tmp_path):
 
 
 def test_no_checkpoint_restores_nothing(tmp_path):
-    assert Checkpointer(tmp_path / "new", every=1, keep=1).restore_latest(small_abstract(), data_iterator()) is None
+    assert (
+        Checkpointer(tmp_path / "new", every=1, keep=1).restore_latest(
+            small_abstract(), data_iterator()
+        )
+        is None
+    )
 
 
 def test_half_written_checkpoint_is_never_picked(tmp_path):
@@ -215,7 +264,9 @@ def test_half_written_checkpoint_is_never_picked(tmp_path):
     _truncate_array_files(killed_save)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        restored = Checkpointer(tmp_path, every=1, keep=5).restore_latest(small_abstract(), data_iterator())
+        restored = Checkpointer(tmp_path, every=1, keep=5).restore_latest(
+            small_abstract(), data_iterator()
+        )
     assert restored.step == 1 and restored.skipped == ()
 
 
@@ -224,7 +275,10 @@ def test_refuses_to_save_non_finite_values(tmp_path):
     state["w"] = state["w"].at[3, 4].set(jnp.nan)
     state["b"] = state["b"].at[0].set(jnp.inf)
     with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
-        with pytest.raises(CheckpointError, match=r"^refusing to save step 4: non-finite values in \['b'\] \(and 1 more\)$"):
+        with pytest.raises(
+            CheckpointError,
+            match=r"^refusing to save step 4: non-finite values in \['b'\] \(and 1 more\)$",
+        ):
             checkpointer.maybe_save(4, state, data_iterator(), {})
         assert checkpointer.all_steps() == []
 
@@ -234,7 +288,9 @@ def test_refuses_to_save_non_finite_values(tmp_path):
     [((0, 2), (0, 1)), ((0, 1), (1, 2)), ((1, 4), (0, 3))],
     ids=["2-to-1", "1-to-2", "4-to-3"],
 )
-def test_data_state_restores_with_another_process_count(tmp_path, monkeypatch, saved_by, restored_by):
+def test_data_state_restores_with_another_process_count(
+    tmp_path, monkeypatch, saved_by, restored_by
+):
     monkeypatch.setattr(checkpoint, "process_index_and_count", lambda: saved_by)
     with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
         checkpointer.maybe_save(1, small_state(), data_iterator(7), {})
@@ -242,11 +298,16 @@ def test_data_state_restores_with_another_process_count(tmp_path, monkeypatch, s
     data_dir = tmp_path / "1" / "data"
     for other in range(count):  # the files the other processes would have written
         if other != index:
-            shutil.copy(data_dir / f"process_{index}-of-{count}.json", data_dir / f"process_{other}-of-{count}.json")
+            shutil.copy(
+                data_dir / f"process_{index}-of-{count}.json",
+                data_dir / f"process_{other}-of-{count}.json",
+            )
 
     monkeypatch.setattr(checkpoint, "process_index_and_count", lambda: restored_by)
     iterator = data_iterator()
-    assert Checkpointer(tmp_path, every=1, keep=1).restore_latest(small_abstract(), iterator).step == 1
+    assert (
+        Checkpointer(tmp_path, every=1, keep=1).restore_latest(small_abstract(), iterator).step == 1
+    )
     assert next(iterator) == 7
 
 
@@ -254,8 +315,12 @@ def test_data_state_of_this_process_missing_with_the_same_count(tmp_path, monkey
     monkeypatch.setattr(checkpoint, "process_index_and_count", lambda: (0, 2))
     save_steps(tmp_path, [1])
     monkeypatch.setattr(checkpoint, "process_index_and_count", lambda: (1, 2))
-    with pytest.warns(CheckpointWarning), pytest.raises(
-        CheckpointError, match=r"step 1: data: data iterator state process_1-of-2\.json is missing$"
+    with (
+        pytest.warns(CheckpointWarning),
+        pytest.raises(
+            CheckpointError,
+            match=r"step 1: data: data iterator state process_1-of-2\.json is missing$",
+        ),
     ):
         Checkpointer(tmp_path, every=1, keep=1).restore_latest(small_abstract(), data_iterator())
 
@@ -266,7 +331,9 @@ def test_sigterm_forces_a_save(tmp_path):
         assert not stop.should_stop(1)
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.should_stop(2)
-        assert checkpointer.maybe_save(2, small_state(), data_iterator(), {}, force=stop.should_stop(2))
+        assert checkpointer.maybe_save(
+            2, small_state(), data_iterator(), {}, force=stop.should_stop(2)
+        )
     assert signal.getsignal(signal.SIGTERM) is previous
     assert (tmp_path / "2" / "state").is_dir()
 
@@ -277,5 +344,8 @@ def test_bad_settings_and_meta(tmp_path):
     with pytest.raises(CheckpointError, match=r"^checkpoint.keep must be >= 1, got 0$"):
         Checkpointer(tmp_path, every=1, keep=0)
     meta_error = r"^step 1: meta is not JSON-serialisable: .*ndarray"
-    with Checkpointer(tmp_path, every=1, keep=1) as checkpointer, pytest.raises(CheckpointError, match=meta_error):
+    with (
+        Checkpointer(tmp_path, every=1, keep=1) as checkpointer,
+        pytest.raises(CheckpointError, match=meta_error),
+    ):
         checkpointer.maybe_save(1, small_state(), data_iterator(), {"loss": np.zeros(2)})

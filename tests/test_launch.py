@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_run import SMALL, environment, losses, spawn, wait_for_step
+from test_run import SMALL, environment, losses, run_command, spawn, wait_for_step
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.toml")
@@ -69,13 +69,8 @@ def test_two_processes_equal_one_survive_a_lost_peer_and_resume_as_one(
     must exit on its own, naming it); then the run resumed as 1 process. Same losses."""
     same_schedule = ("--set", "optimizer.decay_steps=6")
     single = tmp_path / "single"
-    subprocess.run(
-        [sys.executable, "-m", "pipelines.run", *run_args(single, cache_dir, *same_schedule)],
-        env=environment(),
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=600,
+    run_command(
+        [sys.executable, "-m", "pipelines.run", *run_args(single, cache_dir, *same_schedule)]
     )
     expected = losses(single)
     assert len(expected) == 6
@@ -125,14 +120,6 @@ def test_two_processes_equal_one_survive_a_lost_peer_and_resume_as_one(
     np.testing.assert_allclose(before, expected[: len(before)], rtol=1e-5)
     assert len(list((multi / "checkpoints").glob("*/data/process_*-of-2.json"))) >= 2
 
-    resumed = subprocess.run(
-        [sys.executable, "-m", "pipelines.run", *endless, "--steps", "6"],
-        env=environment(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = run_command([sys.executable, "-m", "pipelines.run", *endless, "--steps", "6"])
     assert re.search(r"resumed from the checkpoint at step [24]\b", resumed.stdout), resumed.stdout
     np.testing.assert_allclose(losses(multi), expected, rtol=1e-5)

@@ -59,17 +59,19 @@ def environment() -> dict[str, str]:
     return env | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
 
 
-def run(run_dir: Path, cache_dir: Path, overrides=(), extra=()) -> subprocess.CompletedProcess:
+def run_command(args: list[str], expect: int = 0) -> subprocess.CompletedProcess:
+    """Run ``args`` to the end; its exit code must be ``expect``."""
     result = subprocess.run(
-        command(run_dir, cache_dir, overrides, extra),
-        env=environment(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        args, env=environment(), cwd=ROOT, capture_output=True, text=True, timeout=600
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == expect, result.stderr[-3000:]
     return result
+
+
+def run(
+    run_dir: Path, cache_dir: Path, overrides=(), extra=(), expect: int = 0
+) -> subprocess.CompletedProcess:
+    return run_command(command(run_dir, cache_dir, overrides, extra), expect)
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -180,15 +182,7 @@ def test_pp_1_2_4_give_the_same_losses(reference: list[dict], tmp_path: Path, ca
 
 def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path: Path, cache_dir: Path):
     overrides = ("optimizer.learning_rate=1e30", "optimizer.warmup_steps=0", "run.max_nonfinite=2")
-    result = subprocess.run(
-        command(tmp_path, cache_dir, overrides),
-        env=environment(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 3, result.stderr[-3000:]
+    result = run(tmp_path, cache_dir, overrides, expect=3)
     assert "error: stopped: 2 steps in a row (up to step" in result.stderr
     assert "had a non-finite loss or gradient and were skipped" in result.stderr
     skipped = [r["skipped"] for r in records(tmp_path) if "loss" in r]
@@ -226,24 +220,13 @@ def test_missing_config_file(capsys, tmp_path: Path):
 def test_generate_samples_from_the_latest_checkpoint(reference_dir: Path):
     command = [sys.executable, "-m", "pipelines.generate", str(reference_dir)]
     options = ["--prompt", "def main(", "--max-new-tokens", "8", "--temperature", "0"]
-    results = [
-        subprocess.run(
-            command + options, env=environment(), cwd=ROOT, capture_output=True, text=True
-        )
-        for _ in range(2)
-    ]
-    assert results[0].returncode == 0, results[0].stderr[-3000:]
+    results = [run_command(command + options) for _ in range(2)]
     assert results[0].stdout.startswith("(step 6) def main(")
     assert results[0].stdout == results[1].stdout, "greedy decoding is deterministic"
 
 
 def test_generate_needs_a_run_directory(tmp_path: Path):
-    result = subprocess.run(
-        [sys.executable, "-m", "pipelines.generate", str(tmp_path), "--prompt", "x"],
-        env=environment(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    result = run_command(
+        [sys.executable, "-m", "pipelines.generate", str(tmp_path), "--prompt", "x"], expect=2
     )
-    assert result.returncode == 2
     assert result.stderr == f"error: {tmp_path} has no config.toml: not a pipelines.run directory\n"

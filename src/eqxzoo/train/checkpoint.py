@@ -31,7 +31,6 @@ import orbax.checkpoint as ocp
 from etils import epath
 from grain import DatasetIterator
 from jax.experimental import multihost_utils
-from jax.sharding import Sharding
 from jaxtyping import PyTree
 
 ITEMS = ("state", "data", "meta")
@@ -136,19 +135,6 @@ class Restored:
     state: PyTree
     meta: dict
     skipped: tuple[Unusable, ...]
-
-
-def abstract_state(shapes: PyTree, shardings: PyTree[Sharding]) -> PyTree[jax.ShapeDtypeStruct]:
-    """Restore targets: each array's shape and dtype with the sharding it should land on.
-
-    ``shapes`` is e.g. ``eqx.filter_eval_shape`` of the state constructor and ``shardings``
-    the matching tree from `state_shardings` for the mesh the run resumes on.
-    """
-    return jax.tree.map(
-        lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
-        shapes,
-        shardings,
-    )
 
 
 class Checkpointer:

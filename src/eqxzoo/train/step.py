@@ -15,7 +15,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from eqxzoo.nn import logical_axes
@@ -189,6 +189,16 @@ def _build_state(model_config, config: StepConfig, key: PRNGKeyArray) -> TrainSt
     return TrainState(step=jnp.zeros((), jnp.int32), model=model, opt_state=opt_state)
 
 
+def abstract_state(shapes: PyTree, shardings: PyTree[Sharding]) -> PyTree:
+    """``shapes``' arrays (or shape structs) as `jax.ShapeDtypeStruct`s placed on
+    ``shardings``: targets for restoring and for ahead-of-time compilation."""
+    return jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        shapes,
+        shardings,
+    )
+
+
 def abstract_train_state(
     model_config,
     *,
@@ -201,11 +211,7 @@ def abstract_train_state(
     _check_mesh(model_config, config, mesh)
     state_shape = eqx.filter_eval_shape(_build_state, model_config, config, jax.random.key(0))
     shardings = state_shardings(state_shape, model_config, config=config, mesh=mesh, rules=rules)
-    return jax.tree.map(
-        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-        state_shape,
-        shardings,
-    )
+    return abstract_state(state_shape, shardings)
 
 
 def init_train_state(
@@ -433,9 +439,8 @@ def checkpoint_layout(state: TrainState, *, consume: bool = False) -> TrainState
     axis sharded over ``pp`` where ``P`` was: what checkpoints hold, so a checkpoint can be
     restored with other ``pp`` or ``repeats`` (the layer order never changes). With
     ``consume`` the staged arrays of ``state`` are deleted as they are converted."""
-    target = abstract_checkpoint_layout(
-        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    )
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
+    target = abstract_checkpoint_layout(abstract_state(state, shardings))
     return _relayout(state, target, consume=consume)
 
 
