@@ -1,9 +1,9 @@
 """The eqxzoo model zoo: dense and Mixture-of-Experts decoder LMs as plain Equinox modules.
 
-    import jax, models
-    model = models.DecoderLM(models.LlamaConfig(vocab_size=1000, d_model=64, n_layers=2,
-                                                n_heads=4, mlp_dim=128), key=jax.random.key(0))
-    logits, aux = model(jax.numpy.arange(16))
+import jax, models
+model = models.DecoderLM(models.LlamaConfig(vocab_size=1000, d_model=64, n_layers=2,
+                                            n_heads=4, mlp_dim=128), key=jax.random.key(0))
+logits, aux = model(jax.numpy.arange(16))
 """
 
 from models.config import (

@@ -44,7 +44,9 @@ class MoEConfig:
         if self.expert_mlp_dim < 1:
             _fail("expert_mlp_dim", f"must be >= 1, got {self.expert_mlp_dim}")
         if self.shared_mlp_dim < 0:
-            _fail("shared_mlp_dim", f"must be >= 0 (0: no shared experts), got {self.shared_mlp_dim}")
+            _fail(
+                "shared_mlp_dim", f"must be >= 0 (0: no shared experts), got {self.shared_mlp_dim}"
+            )
         if self.shared_gate and self.shared_mlp_dim == 0:
             _fail("shared_gate", "needs shared experts: set shared_mlp_dim > 0")
         if self.routing not in ("dropless", "capacity", "dense"):
@@ -90,7 +92,10 @@ class DecoderConfig:
         if self.n_heads % self.kv_heads != 0:
             _fail("n_kv_heads", f"must divide n_heads={self.n_heads}, got {self.kv_heads}")
         if self.head_dim is None and self.d_model % self.n_heads != 0:
-            _fail("head_dim", f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: set head_dim")
+            _fail(
+                "head_dim",
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: set head_dim",
+            )
         if self.attention_head_dim % 2 != 0:
             _fail("head_dim", f"must be even for rotary embeddings, got {self.attention_head_dim}")
         if self.activation not in ("swiglu", "gelu"):
@@ -217,7 +222,9 @@ def _matches(value: Any, hint: Any) -> bool:
         return value is None
     item = _tuple_item(hint)
     if item is not None:
-        return isinstance(value, (list, tuple)) and all(_matches(element, item) for element in value)
+        return isinstance(value, (list, tuple)) and all(
+            _matches(element, item) for element in value
+        )
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is int:

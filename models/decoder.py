@@ -154,7 +154,9 @@ class DecoderLM(eqx.Module):
 
     def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray):
         embed_key, blocks_key, head_key = jax.random.split(key, 3)
-        self.embedding = Embedding(config.vocab_size, config.d_model, init_std=config.init_std, key=embed_key)
+        self.embedding = Embedding(
+            config.vocab_size, config.d_model, init_std=config.init_std, key=embed_key
+        )
         self.blocks = Stack(
             lambda layer_key: DecoderBlock(config, key=layer_key),
             config.n_layers,
@@ -229,7 +231,9 @@ class DecoderLM(eqx.Module):
             h, keys, values = block.cached_forward(h, keys, values, position)
             return h, (keys, values)
 
-        h, (keys, values) = jax.lax.scan(one_layer, self.embed(tokens), (params, cache.keys, cache.values))
+        h, (keys, values) = jax.lax.scan(
+            one_layer, self.embed(tokens), (params, cache.keys, cache.values)
+        )
         cache = KVCache(keys=keys, values=values, position=position + tokens.shape[0])
         return self.head(h), cache
 

@@ -107,7 +107,9 @@ def config_from_hf(hf_config: Mapping[str, Any], *, where: str = CONFIG_NAME) ->
         raise _config_error(where, "quantization_config", "quantized checkpoints are not supported")
     if get("hidden_act", "silu") != "silu":
         raise _config_error(
-            where, "hidden_act", f"{hf_config['hidden_act']!r} is not supported: the zoo's SwiGLU uses 'silu'"
+            where,
+            "hidden_act",
+            f"{hf_config['hidden_act']!r} is not supported: the zoo's SwiGLU uses 'silu'",
         )
     n_heads = get("num_attention_heads")
     d_model = get("hidden_size")
@@ -132,8 +134,13 @@ def config_from_hf(hf_config: Mapping[str, Any], *, where: str = CONFIG_NAME) ->
 
     if model_type == "llama":
         if hf_config.get("mlp_bias"):
-            raise _config_error(where, "mlp_bias", "MLP biases are not supported: the zoo's MLP has none")
-        config_class, extra = LlamaConfig, dict(qkv_bias=bool(hf_config.get("attention_bias", False)))
+            raise _config_error(
+                where, "mlp_bias", "MLP biases are not supported: the zoo's MLP has none"
+            )
+        config_class, extra = (
+            LlamaConfig,
+            dict(qkv_bias=bool(hf_config.get("attention_bias", False))),
+        )
     elif model_type == "mixtral":
         if hf_config.get("sliding_window") is not None:
             raise _config_error(
@@ -226,12 +233,16 @@ def _model_type(hf_config: Mapping[str, Any], where: str) -> str:
         known = [name for name in architectures if name in ARCHITECTURES]
         if len(known) != 1:
             raise _config_error(
-                where, "architectures", f"{list(architectures)} is not supported; supported: {supported}"
+                where,
+                "architectures",
+                f"{list(architectures)} is not supported; supported: {supported}",
             )
         model_type = ARCHITECTURES[known[0]][0]
         if hf_config.get("model_type", model_type) != model_type:
             raise _config_error(
-                where, "model_type", f"{hf_config['model_type']!r} does not match architecture {known[0]}"
+                where,
+                "model_type",
+                f"{hf_config['model_type']!r} does not match architecture {known[0]}",
             )
         return model_type
     model_type = hf_config.get("model_type")
@@ -251,8 +262,12 @@ def _rope_theta(hf_config: Mapping[str, Any], default: float, where: str) -> flo
     """
     for field in ("rope_parameters", "rope_scaling"):
         table = hf_config.get(field) or {}
-        if not isinstance(table, Mapping) or any(isinstance(value, Mapping) for value in table.values()):
-            raise _config_error(where, field, f"{table!r}: per-layer rotary settings are not supported")
+        if not isinstance(table, Mapping) or any(
+            isinstance(value, Mapping) for value in table.values()
+        ):
+            raise _config_error(
+                where, field, f"{table!r}: per-layer rotary settings are not supported"
+            )
         rope_type = table.get("rope_type", table.get("type", "default"))
         if rope_type != "default":
             raise _config_error(
@@ -262,10 +277,14 @@ def _rope_theta(hf_config: Mapping[str, Any], default: float, where: str) -> flo
             )
         if table.get("partial_rotary_factor", 1.0) != 1.0:
             raise _config_error(
-                where, f"{field}.partial_rotary_factor", "partial rotary embeddings are not supported"
+                where,
+                f"{field}.partial_rotary_factor",
+                "partial rotary embeddings are not supported",
             )
     if hf_config.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _config_error(where, "partial_rotary_factor", "partial rotary embeddings are not supported")
+        raise _config_error(
+            where, "partial_rotary_factor", "partial rotary embeddings are not supported"
+        )
     parameters = hf_config.get("rope_parameters") or {}
     theta = parameters.get("rope_theta", hf_config.get("rope_theta"))
     return float(default if theta is None else theta)
@@ -287,7 +306,9 @@ def _check_qwen_moe_layers(hf_config: Mapping[str, Any], n_layers: int, where: s
         )
     if hf_config.get("use_sliding_window"):
         raise _config_error(
-            where, "use_sliding_window", "sliding-window attention is not supported; set it to false"
+            where,
+            "use_sliding_window",
+            "sliding-window attention is not supported; set it to false",
         )
     layer_types = hf_config.get("layer_types") or ["full_attention"] * n_layers
     if any(layer_type != "full_attention" for layer_type in layer_types):
@@ -298,7 +319,9 @@ def _check_qwen_moe_layers(hf_config: Mapping[str, Any], n_layers: int, where: s
 
 def _check_representable(config: DecoderConfig) -> str:
     """The Hugging Face architecture for ``config``, or `ConfigError` naming what has none."""
-    architecture = {config_class: name for name, (_, config_class) in ARCHITECTURES.items()}.get(type(config))
+    architecture = {config_class: name for name, (_, config_class) in ARCHITECTURES.items()}.get(
+        type(config)
+    )
     if architecture is None:
         raise ConfigError(
             f"family: {config.family!r} has no Hugging Face architecture; "
@@ -315,9 +338,13 @@ def _check_representable(config: DecoderConfig) -> str:
     moe = config.moe
     if architecture == "MixtralForCausalLM":
         if config.qkv_bias:
-            raise ConfigError("qkv_bias: MixtralForCausalLM has no attention biases; set qkv_bias=False")
+            raise ConfigError(
+                "qkv_bias: MixtralForCausalLM has no attention biases; set qkv_bias=False"
+            )
         if not moe.normalize_topk:
-            raise ConfigError("moe.normalize_topk: MixtralForCausalLM always renormalises; set it to True")
+            raise ConfigError(
+                "moe.normalize_topk: MixtralForCausalLM always renormalises; set it to True"
+            )
     if architecture == "Qwen2MoeForCausalLM" and not (moe.shared_mlp_dim > 0 and moe.shared_gate):
         raise ConfigError(
             "moe.shared_mlp_dim: Qwen2MoeForCausalLM always has a gated shared expert; "
@@ -363,7 +390,9 @@ class _Checkpoint:
             self.entries = {key: (directory / file, key) for key, file in weight_map.items()}
             for file in sorted({file for file, _ in self.entries.values()}):
                 if not file.is_file():
-                    raise HFCheckpointError(f"{index}: lists shard {file.name}, which does not exist")
+                    raise HFCheckpointError(
+                        f"{index}: lists shard {file.name}, which does not exist"
+                    )
         else:
             raise HFCheckpointError(
                 f"{directory}: no {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} "
@@ -391,9 +420,13 @@ class _Checkpoint:
                 with self.safetensors.safe_open(file, framework="flax") as flax_handle:
                     array = np.asarray(flax_handle.get_tensor(name))
         if not jnp.issubdtype(array.dtype, jnp.floating):
-            raise HFCheckpointError(f"tensor {name} has dtype {array.dtype}; expected a float tensor")
+            raise HFCheckpointError(
+                f"tensor {name} has dtype {array.dtype}; expected a float tensor"
+            )
         if shape is not None and tuple(array.shape) != tuple(shape):
-            raise HFCheckpointError(f"tensor {name} has shape {tuple(array.shape)}; expected {tuple(shape)}")
+            raise HFCheckpointError(
+                f"tensor {name} has shape {tuple(array.shape)}; expected {tuple(shape)}"
+            )
         self.used.add(key)
         return array
 
@@ -549,10 +582,20 @@ def _tensors(config: DecoderConfig) -> list[_Tensor]:
     ]
     if model_type == "qwen2_moe":
         tensors += [
-            _linear(lambda m: m.blocks.layers.mlp.shared.gate.weight, "mlp.shared_expert.gate_proj.weight"),
-            _linear(lambda m: m.blocks.layers.mlp.shared.up.weight, "mlp.shared_expert.up_proj.weight"),
-            _linear(lambda m: m.blocks.layers.mlp.shared.down.weight, "mlp.shared_expert.down_proj.weight"),
-            _linear(lambda m: m.blocks.layers.mlp.shared_gate.weight, "mlp.shared_expert_gate.weight"),
+            _linear(
+                lambda m: m.blocks.layers.mlp.shared.gate.weight,
+                "mlp.shared_expert.gate_proj.weight",
+            ),
+            _linear(
+                lambda m: m.blocks.layers.mlp.shared.up.weight, "mlp.shared_expert.up_proj.weight"
+            ),
+            _linear(
+                lambda m: m.blocks.layers.mlp.shared.down.weight,
+                "mlp.shared_expert.down_proj.weight",
+            ),
+            _linear(
+                lambda m: m.blocks.layers.mlp.shared_gate.weight, "mlp.shared_expert_gate.weight"
+            ),
         ]
     return tensors
 
@@ -633,10 +676,14 @@ def load_hf(path: str | os.PathLike) -> DecoderLM:
             ]
             arrays.append(jnp.asarray(np.stack(layers)))
         else:
-            arrays.append(jnp.asarray(tensor.from_hf(_LayerReader(checkpoint, "", expected), shape)))
+            arrays.append(
+                jnp.asarray(tensor.from_hf(_LayerReader(checkpoint, "", expected), shape))
+            )
     for name in _zero_output_biases(config):
         if np.any(checkpoint.read(name, (config.d_model,))):
-            raise HFCheckpointError(f"tensor {name} is non-zero: the zoo's attention has no output bias")
+            raise HFCheckpointError(
+                f"tensor {name} is non-zero: the zoo's attention has no output bias"
+            )
 
     unused = [key for key in checkpoint.unused() if not _ignorable(key, config)]
     if unused:
@@ -645,15 +692,17 @@ def load_hf(path: str | os.PathLike) -> DecoderLM:
             f"{directory}: unexpected tensor(s) {', '.join(unused[:3])}{more} for {type(config).__name__}"
         )
     model = eqx.tree_at(lambda m: [tensor.where(m) for tensor in tensors], skeleton, arrays)
-    assert not any(
-        isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(model)
-    ), "every array of the model must come from the checkpoint"
+    assert not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(model)), (
+        "every array of the model must come from the checkpoint"
+    )
     return model
 
 
 def _ignorable(key: str, config: DecoderConfig) -> bool:
     """Tensors Hugging Face itself ignores: cached rotary tables, a tied head's copy."""
-    return key.endswith("rotary_emb.inv_freq") or (config.tie_embeddings and key == "lm_head.weight")
+    return key.endswith("rotary_emb.inv_freq") or (
+        config.tie_embeddings and key == "lm_head.weight"
+    )
 
 
 def save_hf(model: DecoderLM, path: str | os.PathLike) -> None:
@@ -672,10 +721,13 @@ def save_hf(model: DecoderLM, path: str | os.PathLike) -> None:
     hf_config = config_to_hf(config, dtype)
     host_model = jax.tree.map(np.asarray, model)
     hf_tensors = {
-        name: np.ascontiguousarray(value) for name, value in _hf_tensors(host_model, tensors).items()
+        name: np.ascontiguousarray(value)
+        for name, value in _hf_tensors(host_model, tensors).items()
     }
 
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    safetensors.numpy.save_file(hf_tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    safetensors.numpy.save_file(
+        hf_tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"}
+    )

@@ -70,11 +70,21 @@ class Block(nn.Module):
 class ReferenceModel(nn.Module):
     """Token ids `(batch, seq)` to logits `(batch, seq, vocab)`."""
 
-    def __init__(self, *, vocab_size: int, d_model: int, n_layers: int, n_heads: int,
-                 mlp_dim: int, seq_len: int):
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        d_model: int,
+        n_layers: int,
+        n_heads: int,
+        mlp_dim: int,
+        seq_len: int,
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads, mlp_dim, seq_len) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(
+            Block(d_model, n_heads, mlp_dim, seq_len) for _ in range(n_layers)
+        )
         self.final_norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
@@ -85,8 +95,19 @@ class ReferenceModel(nn.Module):
         return self.head(self.final_norm(hidden))
 
 
-def torch_train_throughput(*, vocab_size: int, d_model: int, n_layers: int, n_heads: int, mlp_dim: int,
-                           batch: int, seq_len: int, steps: int = 5, warmup: int = 2, seed: int = 0) -> dict[str, float]:
+def torch_train_throughput(
+    *,
+    vocab_size: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    mlp_dim: int,
+    batch: int,
+    seq_len: int,
+    steps: int = 5,
+    warmup: int = 2,
+    seed: int = 0,
+) -> dict[str, float]:
     """Tokens/s of a training step of the reference model in PyTorch eager, fp32, AdamW.
 
     One step is `zero_grad`, forward, cross-entropy over `(batch*seq, vocab)`, backward,
@@ -94,8 +115,14 @@ def torch_train_throughput(*, vocab_size: int, d_model: int, n_layers: int, n_he
     (after `warmup` untimed ones) keeps one slow step from skewing the figure.
     """
     torch.manual_seed(seed)
-    model = ReferenceModel(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
-                           n_heads=n_heads, mlp_dim=mlp_dim, seq_len=seq_len)
+    model = ReferenceModel(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        mlp_dim=mlp_dim,
+        seq_len=seq_len,
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     generator = torch.Generator().manual_seed(seed)
     token_ids = torch.randint(vocab_size, (batch, seq_len), generator=generator)
@@ -115,10 +142,16 @@ def torch_train_throughput(*, vocab_size: int, d_model: int, n_layers: int, n_he
         train_step()
         step_seconds.append(time.perf_counter() - start)
     median_step_s = statistics.median(step_seconds)
-    return {"tokens_per_s": batch * seq_len / median_step_s, "step_s": median_step_s,
-            "threads": torch.get_num_threads()}
+    return {
+        "tokens_per_s": batch * seq_len / median_step_s,
+        "step_s": median_step_s,
+        "threads": torch.get_num_threads(),
+    }
 
 
 if __name__ == "__main__":
-    print(torch_train_throughput(vocab_size=1024, d_model=256, n_layers=4, n_heads=4, mlp_dim=1024,
-                                 batch=8, seq_len=256))
+    print(
+        torch_train_throughput(
+            vocab_size=1024, d_model=256, n_layers=4, n_heads=4, mlp_dim=1024, batch=8, seq_len=256
+        )
+    )

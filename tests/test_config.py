@@ -50,7 +50,9 @@ def parameter_counts(model_config: models.DecoderConfig) -> tuple[int, int]:
     total = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(shape))
     if model_config.moe is None:
         return total, total
-    experts = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(shape.blocks.layers.mlp.experts))
+    experts = sum(
+        math.prod(leaf.shape) for leaf in jax.tree.leaves(shape.blocks.layers.mlp.experts)
+    )
     moe = model_config.moe
     return total, total - experts * (moe.n_experts - moe.top_k) // moe.n_experts
 
@@ -104,7 +106,9 @@ def test_overrides_apply():
     assert config.optimizer.weight_decay == 0.0 and isinstance(config.optimizer.weight_decay, float)
     assert config.data.path == "/tmp/corpus" and not config.data.is_stdlib
     assert config.run.name == "quoted name" and config.run.wandb is True
-    assert config.model.moe.n_experts == 4 and config.model.moe.shared_gate  # rest of [model.moe] kept
+    assert (
+        config.model.moe.n_experts == 4 and config.model.moe.shared_gate
+    )  # rest of [model.moe] kept
     assert config.schedule == Schedule("gpipe", stages=2, microbatches=2, repeats=1)
     assert config.optimizer.freeze == ("embedding",)
     assert devices_needed(config) == 16
@@ -173,7 +177,10 @@ def error_for(overrides, path=TINY) -> str:
         (["data.seq_len=1.5"], r"^data\.seq_len: expected int, got 1\.5$"),
         (["run.wandb=yes"], r"^run\.wandb: expected bool, got 'yes'$"),
         (["data.path=3"], r"^data\.path: expected str, got 3$"),
-        (["pipeline.schedule=1f1b"], r"^pipeline\.schedule: expected 'gpipe' or 'circular', got '1f1b'$"),
+        (
+            ["pipeline.schedule=1f1b"],
+            r"^pipeline\.schedule: expected 'gpipe' or 'circular', got '1f1b'$",
+        ),
         (["optimizer.freeze=[1]"], r"^optimizer\.freeze: expected a list of str, got \[1\]$"),
         (["mesh.dp=0"], r"^mesh\.dp: must be >= 1, got 0$"),
         (["data.batch_size=0"], r"^data\.batch_size: must be >= 1, got 0$"),
@@ -184,9 +191,15 @@ def error_for(overrides, path=TINY) -> str:
         (["checkpoint.keep=0"], r"^checkpoint\.keep: must be >= 1, got 0$"),
         (["checkpoint.every=0"], r"^checkpoint\.every: must be >= 1, got 0$"),
         (["data.vocab_size=100"], r"^data\.vocab_size: must be >= 257, got 100$"),
-        (["loss.router_z_weight=-1"], r"^loss\.router_z_weight: must be a finite number >= 0, got -1\.0$"),
+        (
+            ["loss.router_z_weight=-1"],
+            r"^loss\.router_z_weight: must be a finite number >= 0, got -1\.0$",
+        ),
         (["run.name=''"], r"^run\.name: must not be empty$"),
-        (["run.wandb=true", "run.wandb_project=''"], r"^run\.wandb_project: must not be empty when wandb"),
+        (
+            ["run.wandb=true", "run.wandb_project=''"],
+            r"^run\.wandb_project: must not be empty when wandb",
+        ),
         (["optimizer.learning_rate=0"], r"^optimizer\.learning_rate: must be > 0, got 0\.0$"),
         (
             ["optimizer.warmup_steps=300"],
@@ -201,7 +214,10 @@ def error_for(overrides, path=TINY) -> str:
             r"^precision\.compute: must be one of \['bfloat16', 'float16', 'float32'\], got 'fp8'$",
         ),
         (["model.moe.top_k=9"], r"^model\.moe\.top_k: must be between 1 and n_experts=8, got 9$"),
-        (["model.family=llama"], r"^model\.moe: llama is dense: use family 'mixtral' or 'qwen_moe'"),
+        (
+            ["model.family=llama"],
+            r"^model\.moe: llama is dense: use family 'mixtral' or 'qwen_moe'",
+        ),
         (
             ["mesh.pp=4", "pipeline.microbatches=4"],
             r"^mesh\.pp: n_layers=4 is not divisible by pp \* repeats = 4 \* 2; choose mesh\.pp and ",
@@ -214,7 +230,10 @@ def error_for(overrides, path=TINY) -> str:
             ["model.n_heads=12", "model.n_kv_heads=6", "mesh.tp=4"],
             r"^mesh\.tp: model\.n_kv_heads=6 must be a multiple of tp=4 \(kv heads split over tp\) or divide it",
         ),
-        (["mesh.ep=3"], r"^mesh\.ep: n_experts=8 is not divisible by ep=3; choose a mesh\.ep that divides"),
+        (
+            ["mesh.ep=3"],
+            r"^mesh\.ep: n_experts=8 is not divisible by ep=3; choose a mesh\.ep that divides",
+        ),
         (
             ["pipeline.schedule=gpipe"],
             r"^pipeline\.repeats: the gpipe schedule has one repeat per stage, got repeats=2: use schedule 'circular'",

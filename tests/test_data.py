@@ -23,9 +23,7 @@ SHAPE = loader.BatchShape(grad_accum=2, microbatches=2, batch_size=4, seq_len=15
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("corpus")
     files = write_text_files(root / "text", make_documents(120))
-    options = prep.PrepareOptions(
-        vocab_size=300, val_fraction=0.2, records_per_shard=16
-    )
+    options = prep.PrepareOptions(vocab_size=300, val_fraction=0.2, records_per_shard=16)
     return prep.prepare_corpus(files, root / "prepared", options).out_dir
 
 
@@ -40,9 +38,7 @@ def one_device_sharding() -> NamedSharding:
 
 def records(documents: loader.SplitDocuments) -> list[np.ndarray]:
     source = documents.source
-    return [
-        prep.decode_record(record) for record in source.__getitems__(range(len(source)))
-    ]
+    return [prep.decode_record(record) for record in source.__getitems__(range(len(source)))]
 
 
 def take(batches: loader.Batches, count: int) -> np.ndarray:
@@ -58,9 +54,7 @@ def take(batches: loader.Batches, count: int) -> np.ndarray:
 
 def train_batches(documents, sharding=None, seed=0, shape=SHAPE) -> loader.Batches:
     sharding = one_device_sharding() if sharding is None else sharding
-    return loader.train_batches(
-        documents, shape, sharding, seed=seed, prefetch=2, num_threads=1
-    )
+    return loader.train_batches(documents, shape, sharding, seed=seed, prefetch=2, num_threads=1)
 
 
 def test_packing_loses_and_repeats_no_token(train_documents: loader.SplitDocuments):
@@ -117,9 +111,7 @@ def test_order_is_the_same_for_any_number_of_processes(
         expected = whole(step)
         pieces = [part(step) for part in parts]
         for name in ("inputs", "targets"):
-            assembled = np.concatenate(
-                [getattr(piece, name) for piece in pieces], axis=2
-            )
+            assembled = np.concatenate([getattr(piece, name) for piece in pieces], axis=2)
             np.testing.assert_array_equal(assembled, getattr(expected, name))
 
 
@@ -160,9 +152,9 @@ def test_restore_mid_epoch_continues_with_exactly_the_next_batch(
     take(resumed, 1)  # a fresh iterator that has already moved on is put back in place
     handler.restore(tmp_path, args=grain.checkpoint.CheckpointRestore(resumed))
     np.testing.assert_array_equal(take(resumed, 4), expected)
-    assert json.loads(next(tmp_path.glob("process_*.json")).read_text())[
-        "next_window"
-    ] == (3 * SHAPE.windows)
+    assert json.loads(next(tmp_path.glob("process_*.json")).read_text())["next_window"] == (
+        3 * SHAPE.windows
+    )
     resumed.close()
 
 
@@ -182,9 +174,7 @@ def test_resume_with_another_batch_size_takes_the_next_unseen_windows(
     stream = take(reference, 3).reshape(-1)
     reference.close()
     np.testing.assert_array_equal(stream[: first.size], first.reshape(-1))
-    np.testing.assert_array_equal(
-        stream[first.size : first.size + continued.size], continued
-    )
+    np.testing.assert_array_equal(stream[first.size : first.size + continued.size], continued)
 
 
 def test_validation_batches_are_a_fixed_set(corpus: Path):
@@ -192,9 +182,7 @@ def test_validation_batches_are_a_fixed_set(corpus: Path):
     sharding = batch_sharding(make_mesh(MeshConfig(dp=2, pp=2, tp=2)))
     shape = loader.BatchShape(grad_accum=1, microbatches=2, batch_size=2, seq_len=15)
     first = loader.validation_batches(documents, shape, sharding, batches=2)
-    again = loader.validation_batches(
-        documents, shape, one_device_sharding(), batches=2
-    )
+    again = loader.validation_batches(documents, shape, one_device_sharding(), batches=2)
     assert len(first) == 2
     for a, b in zip(first, again):
         for name in ("tokens", "targets"):
@@ -219,9 +207,7 @@ def copy_corpus(corpus: Path, tmp_path: Path) -> Path:
 def test_tokenizer_larger_than_the_model_vocabulary(
     train_documents: loader.SplitDocuments,
 ):
-    with pytest.raises(
-        DataError, match=r"tokenizer has \d+ tokens but model.vocab_size is 100"
-    ):
+    with pytest.raises(DataError, match=r"tokenizer has \d+ tokens but model.vocab_size is 100"):
         loader.check_vocab(train_documents, 100)
     loader.check_vocab(train_documents, train_documents.vocab_size)
 
@@ -230,9 +216,7 @@ def test_truncated_shard_is_reported_by_its_checksum(corpus: Path, tmp_path: Pat
     copy = copy_corpus(corpus, tmp_path)
     shard = copy / "train-00001.array_record"
     shard.write_bytes(shard.read_bytes()[:-100])
-    with pytest.raises(
-        DataError, match=r"shard .*train-00001.array_record is corrupt: sha256"
-    ):
+    with pytest.raises(DataError, match=r"shard .*train-00001.array_record is corrupt: sha256"):
         loader.open_split(copy, "train")
 
 
@@ -258,12 +242,8 @@ def test_missing_shard(corpus: Path, tmp_path: Path):
 def test_sequence_longer_than_the_split_can_fill(
     train_documents: loader.SplitDocuments,
 ):
-    shape = loader.BatchShape(
-        grad_accum=1, microbatches=1, batch_size=1, seq_len=100_000
-    )
-    with pytest.raises(
-        DataError, match=r"data.seq_len 100000: 1 batch\(es\) of 1 sequences need"
-    ):
+    shape = loader.BatchShape(grad_accum=1, microbatches=1, batch_size=1, seq_len=100_000)
+    with pytest.raises(DataError, match=r"data.seq_len 100000: 1 batch\(es\) of 1 sequences need"):
         loader.train_batches(train_documents, shape, one_device_sharding(), seed=0)
 
 

@@ -34,7 +34,8 @@ def build(config, seed=0):
     params, static = eqx.partition(model, eqx.is_inexact_array)
     rng = np.random.default_rng(seed)
     params = jax.tree.map(
-        lambda p: jnp.asarray(np.asarray(p) + 0.2 * rng.standard_normal(p.shape, np.float32)), params
+        lambda p: jnp.asarray(np.asarray(p) + 0.2 * rng.standard_normal(p.shape, np.float32)),
+        params,
     )
     return eqx.combine(params, static)
 
@@ -51,7 +52,9 @@ def cached_and_full_logits(model):
     starts mid-cache), then one `decode_step` per generated token.
     """
     start = prompt()
-    new_tokens = models.generate(model, start, max_new_tokens=NEW, temperature=0.0, key=jax.random.key(0))
+    new_tokens = models.generate(
+        model, start, max_new_tokens=NEW, temperature=0.0, key=jax.random.key(0)
+    )
     full_logits, _ = model(jnp.concatenate([start, new_tokens]))
 
     cache = model.init_cache(PROMPT_LEN + NEW)
@@ -85,7 +88,9 @@ def test_capacity_routing_decodes_dropless():
         cached, _ = dropping.cached_forward(tokens, dropping.init_cache(tokens.shape[0]))
         return dropping(tokens)[1]["dropped_fraction"], cached, dropless(tokens)[0]
 
-    dropped_fraction, cached, dropless_logits = run(build(capacity), build(CONFIGS["mixtral"]), prompt(10))
+    dropped_fraction, cached, dropless_logits = run(
+        build(capacity), build(CONFIGS["mixtral"]), prompt(10)
+    )
     assert float(dropped_fraction) > 0
     np.testing.assert_allclose(cached, dropless_logits, rtol=1e-5, atol=1e-5)
 
@@ -98,7 +103,9 @@ def test_greedy_is_deterministic_and_top_k_1_is_greedy():
         for seed in (0, 1)
     )
     np.testing.assert_array_equal(first, second)
-    top_1 = models.generate(model, start, max_new_tokens=NEW, temperature=1.5, top_k=1, key=jax.random.key(7))
+    top_1 = models.generate(
+        model, start, max_new_tokens=NEW, temperature=1.5, top_k=1, key=jax.random.key(7)
+    )
     np.testing.assert_array_equal(top_1, first)
 
 
@@ -139,13 +146,21 @@ def test_generate_compiles_once():
     run(model, prompt(seed=4), jax.random.key(1))
     assert len(traces) == 1
     assert "while" in run.lower(model, prompt(), jax.random.key(0)).as_text()
-    np.testing.assert_array_equal(first, models.generate(model, prompt(seed=3), **SAMPLING, key=jax.random.key(0)))
+    np.testing.assert_array_equal(
+        first, models.generate(model, prompt(seed=3), **SAMPLING, key=jax.random.key(0))
+    )
 
 
 def test_top_p_keeps_the_smallest_set_with_enough_mass():
     probs = jnp.array([0.05, 0.3, 0.5, 0.15])
     logits = jnp.log(probs)
-    for p, expected in [(0.4, {2}), (0.75, {1, 2}), (0.85, {1, 2, 3}), (0.97, {0, 1, 2, 3}), (1.0, {0, 1, 2, 3})]:
+    for p, expected in [
+        (0.4, {2}),
+        (0.75, {1, 2}),
+        (0.85, {1, 2, 3}),
+        (0.97, {0, 1, 2, 3}),
+        (1.0, {0, 1, 2, 3}),
+    ]:
         kept = set(np.flatnonzero(np.isfinite(np.asarray(models.top_p_filter(logits, p)))).tolist())
         assert kept == expected, (p, kept)
         assert np.asarray(probs)[sorted(kept)].sum() >= p - 1e-6
@@ -166,7 +181,9 @@ def test_top_k_filter_and_sampling_errors():
     kept = np.flatnonzero(np.isfinite(np.asarray(models.top_k_filter(logits, 2))))
     np.testing.assert_array_equal(kept, [1, 3])
     key = jax.random.key(0)
-    samples = jax.vmap(lambda k: models.sample_token(logits, k, temperature=1.0, top_k=2))(jax.random.split(key, 64))
+    samples = jax.vmap(lambda k: models.sample_token(logits, k, temperature=1.0, top_k=2))(
+        jax.random.split(key, 64)
+    )
     assert set(np.asarray(samples).tolist()) == {1, 3}
     assert int(models.sample_token(logits, key, temperature=0.0)) == 1
     for settings, message in [

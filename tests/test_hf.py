@@ -239,7 +239,9 @@ def test_logits_match_transformers(hf_checkpoint):
     model = load_hf(directory)
     assert type(model.config) is ZOO_FAMILY[HF_CASES[case][0]]
     tokens = tokens_for(case)
-    np.testing.assert_allclose(zoo_logits(model, tokens), hf_logits(hf_model, tokens), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        zoo_logits(model, tokens), hf_logits(hf_model, tokens), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_save_hf_writes_what_save_pretrained_writes(hf_checkpoint, tmp_path):
@@ -256,7 +258,11 @@ def test_save_hf_writes_what_save_pretrained_writes(hf_checkpoint, tmp_path):
     reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "zoo", attn_implementation="eager", output_loading_info=True
     )
-    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (
+        set(),
+        set(),
+        set(),
+    )
     assert type(reloaded) is type(hf_model)
     tokens = tokens_for(case)
     np.testing.assert_allclose(
@@ -266,7 +272,13 @@ def test_save_hf_writes_what_save_pretrained_writes(hf_checkpoint, tmp_path):
 
 ZOO_CONFIGS = {
     "llama": LlamaConfig(
-        vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=48, rope_theta=1000.0
+        vocab_size=VOCAB,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        mlp_dim=48,
+        rope_theta=1000.0,
     ),
     "llama_tied_bias_head_dim": LlamaConfig(
         vocab_size=VOCAB,
@@ -296,7 +308,12 @@ ZOO_CONFIGS = {
         n_kv_heads=2,
         mlp_dim=64,
         moe=MoEConfig(
-            n_experts=5, top_k=2, expert_mlp_dim=16, normalize_topk=False, shared_mlp_dim=24, shared_gate=True
+            n_experts=5,
+            top_k=2,
+            expert_mlp_dim=16,
+            normalize_topk=False,
+            shared_mlp_dim=24,
+            shared_gate=True,
         ),
     ),
 }
@@ -312,7 +329,9 @@ def random_zoo_model(config, seed=0):
 
     def draw(path, leaf):
         noise = 0.1 * rng.standard_normal(leaf.shape)
-        return jnp.asarray(1.0 + noise if "norm" in jax.tree_util.keystr(path) else noise, leaf.dtype)
+        return jnp.asarray(
+            1.0 + noise if "norm" in jax.tree_util.keystr(path) else noise, leaf.dtype
+        )
 
     skeleton = eqx.filter_eval_shape(DecoderLM, config, key=jax.random.key(0))
     return jax.tree_util.tree_map_with_path(draw, skeleton)
@@ -327,7 +346,11 @@ def test_zoo_round_trip_is_exact_and_loads_in_transformers(name, tmp_path):
     hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, attn_implementation="eager", output_loading_info=True
     )
-    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (
+        set(),
+        set(),
+        set(),
+    )
     tokens = np.random.default_rng(1).integers(0, VOCAB, 10)
     np.testing.assert_allclose(
         hf_logits(hf_model.eval(), tokens), zoo_logits(model, tokens), rtol=1e-4, atol=1e-4
@@ -343,7 +366,9 @@ def test_fused_expert_layout_loads(case, tmp_path):
     assert any(name.endswith("mlp.experts.gate_up_proj") for name in state)
     (tmp_path / "fused").mkdir()
     shutil.copy(tmp_path / "hub" / "config.json", tmp_path / "fused" / "config.json")
-    safetensors.torch.save_file(state, tmp_path / "fused" / "model.safetensors", metadata={"format": "pt"})
+    safetensors.torch.save_file(
+        state, tmp_path / "fused" / "model.safetensors", metadata={"format": "pt"}
+    )
     assert_models_equal(load_hf(tmp_path / "fused"), load_hf(tmp_path / "hub"))
 
 
@@ -418,13 +443,17 @@ def test_unknown_architecture(tmp_path):
 
 
 def test_missing_config_json(tmp_path):
-    with pytest.raises(HFCheckpointError, match=r"no config\.json \(expected a Hugging Face checkpoint"):
+    with pytest.raises(
+        HFCheckpointError, match=r"no config\.json \(expected a Hugging Face checkpoint"
+    ):
         load_hf(tmp_path)
 
 
 def test_missing_safetensors(tmp_path, llama_dir):
     shutil.copy(llama_dir / "config.json", tmp_path / "config.json")
-    with pytest.raises(HFCheckpointError, match=r"no model\.safetensors or model\.safetensors\.index\.json"):
+    with pytest.raises(
+        HFCheckpointError, match=r"no model\.safetensors or model\.safetensors\.index\.json"
+    ):
         load_hf(tmp_path)
 
 
@@ -440,8 +469,12 @@ def test_missing_tensor(tmp_path, llama_dir):
     directory = copy_checkpoint(llama_dir, tmp_path / "ckpt")
     tensors = read_tensors(directory)
     del tensors["model.layers.1.mlp.up_proj.weight"]
-    safetensors.numpy.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(HFCheckpointError, match=r"tensor model\.layers\.1\.mlp\.up_proj\.weight is missing"):
+    safetensors.numpy.save_file(
+        tensors, str(directory / "model.safetensors"), metadata={"format": "pt"}
+    )
+    with pytest.raises(
+        HFCheckpointError, match=r"tensor model\.layers\.1\.mlp\.up_proj\.weight is missing"
+    ):
         load_hf(directory)
 
 
@@ -449,7 +482,9 @@ def test_misshaped_tensor(tmp_path, llama_dir):
     directory = copy_checkpoint(llama_dir, tmp_path / "ckpt")
     tensors = read_tensors(directory)
     tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((48, 48), np.float32)
-    safetensors.numpy.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    safetensors.numpy.save_file(
+        tensors, str(directory / "model.safetensors"), metadata={"format": "pt"}
+    )
     with pytest.raises(
         HFCheckpointError,
         match=r"tensor model\.layers\.0\.self_attn\.k_proj\.weight has shape \(48, 48\); expected \(32, 48\)",
@@ -461,7 +496,9 @@ def test_unexpected_tensor(tmp_path, llama_dir):
     directory = copy_checkpoint(llama_dir, tmp_path / "ckpt")
     tensors = read_tensors(directory)
     tensors["model.layers.0.mlp.gate_proj.bias"] = np.zeros((64,), np.float32)
-    safetensors.numpy.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    safetensors.numpy.save_file(
+        tensors, str(directory / "model.safetensors"), metadata={"format": "pt"}
+    )
     with pytest.raises(
         HFCheckpointError,
         match=r"unexpected tensor\(s\) model\.layers\.0\.mlp\.gate_proj\.bias for LlamaConfig",
@@ -492,15 +529,27 @@ def test_llama_output_bias_must_be_zero(tmp_path):
         ),
         (
             "llama_mha",
-            {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}, "rope_theta": 1e4},
+            {
+                "rope_parameters": None,
+                "rope_scaling": {"type": "dynamic", "factor": 2.0},
+                "rope_theta": 1e4,
+            },
             r"rope_scaling\.rope_type: 'dynamic': only unscaled \('default'\) rotary embeddings",
         ),
         ("llama_mha", {"hidden_act": "gelu"}, r"hidden_act: 'gelu' is not supported"),
         ("llama_mha", {"mlp_bias": True}, r"mlp_bias: MLP biases are not supported"),
-        ("mixtral_top2_of_4", {"sliding_window": 4096}, r"sliding_window: 4096: sliding-window attention"),
+        (
+            "mixtral_top2_of_4",
+            {"sliding_window": 4096},
+            r"sliding_window: 4096: sliding-window attention",
+        ),
         ("qwen_moe_gqa", {"mlp_only_layers": [1]}, r"mlp_only_layers: \[1\]: dense layers"),
         ("qwen_moe_gqa", {"decoder_sparse_step": 2}, r"decoder_sparse_step: 2: only 1"),
-        ("qwen_moe_gqa", {"use_sliding_window": True}, r"use_sliding_window: sliding-window attention"),
+        (
+            "qwen_moe_gqa",
+            {"use_sliding_window": True},
+            r"use_sliding_window: sliding-window attention",
+        ),
         ("llama_mha", {"num_key_value_heads": 3}, r"n_kv_heads: must divide n_heads=4, got 3"),
     ],
 )
@@ -520,7 +569,10 @@ TINY_MOE = MoEConfig(n_experts=2, top_k=1, expert_mlp_dim=8)
     ("config", "message"),
     [
         (LlamaConfig(**TINY, norm="layer"), r"norm: 'layer' has no LlamaForCausalLM counterpart"),
-        (LlamaConfig(**TINY, activation="gelu"), r"activation: 'gelu' has no LlamaForCausalLM counterpart"),
+        (
+            LlamaConfig(**TINY, activation="gelu"),
+            r"activation: 'gelu' has no LlamaForCausalLM counterpart",
+        ),
         (LlamaConfig(**TINY, qk_norm=True), r"qk_norm: LlamaForCausalLM has no QK-norm"),
         (DecoderConfig(**TINY), r"family: 'decoder' has no Hugging Face architecture"),
         (
@@ -531,7 +583,10 @@ TINY_MOE = MoEConfig(n_experts=2, top_k=1, expert_mlp_dim=8)
             MixtralConfig(**TINY, moe=dataclasses.replace(TINY_MOE, normalize_topk=False)),
             r"moe\.normalize_topk: MixtralForCausalLM always renormalises",
         ),
-        (QwenMoeConfig(**TINY, moe=TINY_MOE), r"moe\.shared_mlp_dim: Qwen2MoeForCausalLM always has a gated"),
+        (
+            QwenMoeConfig(**TINY, moe=TINY_MOE),
+            r"moe\.shared_mlp_dim: Qwen2MoeForCausalLM always has a gated",
+        ),
     ],
 )
 def test_save_rejects_configs_hf_cannot_represent(config, message, tmp_path):

@@ -47,7 +47,12 @@ def test_shapes_dtypes_and_aux(name):
     if model.config.moe is None:
         assert aux == {}
     else:
-        assert set(aux) == {"load_balance_loss", "router_z_loss", "expert_fraction", "dropped_fraction"}
+        assert set(aux) == {
+            "load_balance_loss",
+            "router_z_loss",
+            "expert_fraction",
+            "dropped_fraction",
+        }
         assert aux["expert_fraction"].shape == (3, 4)
         np.testing.assert_allclose(jnp.sum(aux["expert_fraction"], -1), np.ones(3), rtol=1e-6)
         assert aux["load_balance_loss"].shape == ()
@@ -97,10 +102,14 @@ def test_grad_vmap_and_jit(name):
     assert all(np.isfinite(np.asarray(g)).all() for g in grad_leaves)
     assert float(jnp.abs(grads.blocks.layers.attention.wq).sum()) > 0
     np.testing.assert_allclose(eqx.filter_jit(_loss)(model, batch), loss, rtol=1e-6)
-    raw_grads = jax.grad(lambda params: _loss(eqx.combine(params, eqx.filter(model, eqx.is_array, inverse=True)), batch))(
-        eqx.filter(model, eqx.is_array)
+    raw_grads = jax.grad(
+        lambda params: _loss(
+            eqx.combine(params, eqx.filter(model, eqx.is_array, inverse=True)), batch
+        )
+    )(eqx.filter(model, eqx.is_array))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), raw_grads, grads
     )
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), raw_grads, grads)
 
 
 def test_every_parameter_has_logical_axes():
@@ -150,7 +159,13 @@ def test_config_from_table_builds_each_family():
     table = {
         "family": "qwen_moe",
         **SMALL,
-        "moe": {"n_experts": 4, "top_k": 2, "expert_mlp_dim": 24, "shared_mlp_dim": 16, "shared_gate": True},
+        "moe": {
+            "n_experts": 4,
+            "top_k": 2,
+            "expert_mlp_dim": 24,
+            "shared_mlp_dim": 16,
+            "shared_gate": True,
+        },
     }
     config = models.config_from_table(table)
     assert isinstance(config, models.QwenMoeConfig) and config.moe.shared_gate
@@ -165,16 +180,40 @@ def test_config_from_table_builds_each_family():
         ({"family": "llama", "d_modle": 8}, r"model\.d_modle: unknown key; valid keys are"),
         ({"family": "llama", "d_model": "big"}, r"model\.d_model: expected int, got 'big'"),
         ({"family": "llama", "n_layers": 2.5}, r"model\.n_layers: expected int, got 2\.5"),
-        ({"family": "llama", "norm": "batch"}, r"model\.norm: expected 'rms' or 'layer', got 'batch'"),
-        ({"family": "llama", "n_heads": 8, "n_kv_heads": 3}, r"model\.n_kv_heads: must divide n_heads=8, got 3"),
-        ({"family": "llama", "d_model": 30, "n_heads": 4}, r"model\.head_dim: d_model=30 is not divisible by n_heads=4"),
+        (
+            {"family": "llama", "norm": "batch"},
+            r"model\.norm: expected 'rms' or 'layer', got 'batch'",
+        ),
+        (
+            {"family": "llama", "n_heads": 8, "n_kv_heads": 3},
+            r"model\.n_kv_heads: must divide n_heads=8, got 3",
+        ),
+        (
+            {"family": "llama", "d_model": 30, "n_heads": 4},
+            r"model\.head_dim: d_model=30 is not divisible by n_heads=4",
+        ),
         ({"family": "llama", "moe": {}}, r"model\.moe: llama is dense"),
-        ({"family": "mixtral", "moe": {"top_k": 9}}, r"model\.moe\.top_k: must be between 1 and n_experts=8, got 9"),
-        ({"family": "mixtral", "moe": {"routing": "lossy"}}, r"model\.moe\.routing: expected 'dropless' or 'capacity' or 'dense'"),
-        ({"family": "mixtral", "moe": {"shared_mlp_dim": 64}}, r"model\.moe\.shared_mlp_dim: mixtral has no shared experts"),
-        ({"family": "qwen_moe", "moe": {"shared_gate": True}}, r"model\.moe\.shared_gate: needs shared experts"),
+        (
+            {"family": "mixtral", "moe": {"top_k": 9}},
+            r"model\.moe\.top_k: must be between 1 and n_experts=8, got 9",
+        ),
+        (
+            {"family": "mixtral", "moe": {"routing": "lossy"}},
+            r"model\.moe\.routing: expected 'dropless' or 'capacity' or 'dense'",
+        ),
+        (
+            {"family": "mixtral", "moe": {"shared_mlp_dim": 64}},
+            r"model\.moe\.shared_mlp_dim: mixtral has no shared experts",
+        ),
+        (
+            {"family": "qwen_moe", "moe": {"shared_gate": True}},
+            r"model\.moe\.shared_gate: needs shared experts",
+        ),
         ({"family": "mixtral", "moe": 3}, r"model\.moe: must be a table, got int"),
-        ({"family": "llama", "remat": "most"}, r"model\.remat: expected 'none' or 'full' or 'dots', got 'most'"),
+        (
+            {"family": "llama", "remat": "most"},
+            r"model\.remat: expected 'none' or 'full' or 'dots', got 'most'",
+        ),
     ],
 )
 def test_config_errors_name_the_field(table, message):

@@ -175,7 +175,9 @@ def test_router_topk_and_renormalisation():
     np.testing.assert_allclose(routing.probs, probs, rtol=1e-6)
     np.testing.assert_allclose(routing.weights, np.sort(probs, axis=-1)[:, ::-1][:, :2], rtol=1e-6)
     normalized = eqx.tree_at(
-        lambda r: r.weight, Router(8, 5, 2, normalize_topk=True, key=jax.random.key(0)), router.weight
+        lambda r: r.weight,
+        Router(8, 5, 2, normalize_topk=True, key=jax.random.key(0)),
+        router.weight,
     )(x)
     np.testing.assert_allclose(jnp.sum(normalized.weights, -1), np.ones(6), rtol=1e-6)
     np.testing.assert_array_equal(normalized.experts, routing.experts)

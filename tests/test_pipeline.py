@@ -1,6 +1,5 @@
 """Pipelined training equals single-device training (fp32, rtol 1e-5), on many meshes."""
 
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -18,14 +17,18 @@ from eqxzoo.train.step import (
 )
 
 VOCAB = 53
-DENSE = models.LlamaConfig(vocab_size=VOCAB, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, mlp_dim=48)
+DENSE = models.LlamaConfig(
+    vocab_size=VOCAB, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, mlp_dim=48
+)
 MOE = models.QwenMoeConfig(
     vocab_size=VOCAB,
     d_model=32,
     n_layers=8,
     n_heads=4,
     n_kv_heads=2,
-    moe=models.MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=16, shared_mlp_dim=16, shared_gate=True),
+    moe=models.MoEConfig(
+        n_experts=4, top_k=2, expert_mlp_dim=16, shared_mlp_dim=16, shared_gate=True
+    ),
 )
 
 
@@ -45,9 +48,13 @@ def assert_trees_close(actual, expected, rtol=1e-5, atol=0.0):
         np.testing.assert_allclose(a, e, rtol=rtol, atol=atol + rtol * scale)
 
 
-def loss_and_grads(model_config, mesh_config, stages, microbatches, repeats, *, batch=4, bubble_fill=0.0):
+def loss_and_grads(
+    model_config, mesh_config, stages, microbatches, repeats, *, batch=4, bubble_fill=0.0
+):
     schedule = Schedule("circular" if repeats > 1 else "gpipe", stages, microbatches, repeats)
-    config = StepConfig(schedule=schedule, bubble_fill=bubble_fill, load_balance_weight=0.1, router_z_weight=0.01)
+    config = StepConfig(
+        schedule=schedule, bubble_fill=bubble_fill, load_balance_weight=0.1, router_z_weight=0.01
+    )
     mesh = make_mesh(mesh_config, jax.devices()[: mesh_config.size])
     model = models.DecoderLM(model_config, key=jax.random.key(0))
     data = make_batch((microbatches, batch, 8))
@@ -89,7 +96,9 @@ GRID = [
     GRID,
     ids=[f"{f}-{m.describe().replace(' x ', ',')}-P{p}-M{mb}-R{r}" for f, m, p, mb, r in GRID],
 )
-def test_pipelined_loss_and_gradients_equal_sequential(family, mesh_config, stages, microbatches, repeats):
+def test_pipelined_loss_and_gradients_equal_sequential(
+    family, mesh_config, stages, microbatches, repeats
+):
     model_config = DENSE if family == "dense" else MOE
     ((loss, aux), grads), ((pp_loss, pp_aux), pp_grads) = loss_and_grads(
         model_config, mesh_config, stages, microbatches, repeats
@@ -103,8 +112,12 @@ def test_pipelined_loss_and_gradients_equal_sequential(family, mesh_config, stag
 
 def test_bubbles_filled_with_nan_change_nothing():
     (loss, aux), grads = loss_and_grads(DENSE, MeshConfig(pp=4), 4, 5, 2)[1]
-    (nan_loss, nan_aux), nan_grads = loss_and_grads(DENSE, MeshConfig(pp=4), 4, 5, 2, bubble_fill=jnp.nan)[1]
+    (nan_loss, nan_aux), nan_grads = loss_and_grads(
+        DENSE, MeshConfig(pp=4), 4, 5, 2, bubble_fill=jnp.nan
+    )[1]
     assert np.isfinite(float(nan_loss))
     np.testing.assert_array_equal(nan_loss, loss)
-    for a, b in zip(jax.tree.leaves((nan_aux, nan_grads)), jax.tree.leaves((aux, grads)), strict=True):
+    for a, b in zip(
+        jax.tree.leaves((nan_aux, nan_grads)), jax.tree.leaves((aux, grads)), strict=True
+    ):
         np.testing.assert_array_equal(a, b)

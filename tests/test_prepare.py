@@ -361,4 +361,6 @@ def test_unwritable_out_is_one_line(tmp_path: Path, capsys):
     code, _, stderr = run_cli([str(good), "--out", str(good)], capsys)
     assert code == 2 and "exists and is not a directory" in stderr
     code, _, stderr = run_cli([str(good), "--out", str(good / "out")], capsys)
-    assert code == 2 and stderr.startswith("error: cannot write --out") and "Traceback" not in stderr
+    assert (
+        code == 2 and stderr.startswith("error: cannot write --out") and "Traceback" not in stderr
+    )

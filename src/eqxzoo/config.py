@@ -390,7 +390,9 @@ def apply_overrides(document: Mapping[str, Any], overrides: Sequence[str]) -> di
         if not equals or not all(parts):
             raise ConfigError(f"--set {override!r}: expected section.key=value, e.g. mesh.dp=4")
         if len(parts) < 2:
-            raise ConfigError(f"--set {override!r}: name the section too, e.g. run.{parts[0]}={text.strip()}")
+            raise ConfigError(
+                f"--set {override!r}: name the section too, e.g. run.{parts[0]}={text.strip()}"
+            )
         table = document
         for depth, part in enumerate(parts[:-1]):
             child = table.setdefault(part, {})

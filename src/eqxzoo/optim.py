@@ -45,21 +45,29 @@ class OptimizerConfig:
 
     def __post_init__(self):
         if self.name not in ("adamw", "adafactor"):
-            raise OptimizerConfigError(f"optimizer.name must be 'adamw' or 'adafactor', got {self.name!r}")
+            raise OptimizerConfigError(
+                f"optimizer.name must be 'adamw' or 'adafactor', got {self.name!r}"
+            )
         if self.learning_rate <= 0:
-            raise OptimizerConfigError(f"optimizer.learning_rate must be > 0, got {self.learning_rate}")
+            raise OptimizerConfigError(
+                f"optimizer.learning_rate must be > 0, got {self.learning_rate}"
+            )
         if not 0 <= self.warmup_steps < self.decay_steps:
             raise OptimizerConfigError(
                 f"optimizer.warmup_steps must be in [0, decay_steps={self.decay_steps}), "
                 f"got {self.warmup_steps}"
             )
         if self.clip_norm < 0:
-            raise OptimizerConfigError(f"optimizer.clip_norm must be >= 0 (0: off), got {self.clip_norm}")
+            raise OptimizerConfigError(
+                f"optimizer.clip_norm must be >= 0 (0: off), got {self.clip_norm}"
+            )
         for pattern in self.freeze:
             try:
                 re.compile(pattern)
             except re.error as error:
-                raise OptimizerConfigError(f"optimizer.freeze: bad pattern {pattern!r}: {error}") from None
+                raise OptimizerConfigError(
+                    f"optimizer.freeze: bad pattern {pattern!r}: {error}"
+                ) from None
 
 
 def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:

@@ -99,13 +99,9 @@ class PrepareOptions:
                 f"got {self.vocab_size}"
             )
         if not 0.0 <= self.val_fraction < 1.0:
-            raise DataError(
-                f"--val-fraction must be in [0, 1), got {self.val_fraction}"
-            )
+            raise DataError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         if self.records_per_shard < 1:
-            raise DataError(
-                f"--records-per-shard must be >= 1, got {self.records_per_shard}"
-            )
+            raise DataError(f"--records-per-shard must be >= 1, got {self.records_per_shard}")
         if not self.text_field:
             raise DataError("--text-field must not be empty")
 
@@ -243,9 +239,7 @@ def verify_shards(directory: Path | str) -> Manifest:
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
-    _check_file(
-        directory / manifest.tokenizer.file, manifest.tokenizer.sha256, "tokenizer"
-    )
+    _check_file(directory / manifest.tokenizer.file, manifest.tokenizer.sha256, "tokenizer")
     for split in manifest.splits.values():
         for shard in split.shards:
             _check_file(directory / shard.file, shard.sha256, "shard")
@@ -287,9 +281,7 @@ def _walk_files(root: Path, skip_dir: Callable[[Path], bool]) -> list[Path]:
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         dirnames[:] = [
-            name
-            for name in dirnames
-            if not name.startswith(".") and not skip_dir(here / name)
+            name for name in dirnames if not name.startswith(".") and not skip_dir(here / name)
         ]
         files.extend(
             here / name
@@ -325,9 +317,7 @@ def inputs_record(sources: Sequence[SourceFile]) -> tuple[InputFileInfo, ...]:
     infos = []
     for source in sources:
         stat = source.path.stat()
-        infos.append(
-            InputFileInfo(str(source.path.resolve()), stat.st_size, stat.st_mtime_ns)
-        )
+        infos.append(InputFileInfo(str(source.path.resolve()), stat.st_size, stat.st_mtime_ns))
     return tuple(infos)
 
 
@@ -372,9 +362,7 @@ def _decode_utf8(data: bytes, where: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise _NotTextError(
-            f"{where}: not UTF-8 text (bad byte at offset {error.start})"
-        ) from None
+        raise _NotTextError(f"{where}: not UTF-8 text (bad byte at offset {error.start})") from None
 
 
 def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
@@ -390,9 +378,7 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
             raise DataError(f"{where}: no field {text_field!r} (set --text-field)")
         text = value[text_field]
         if not isinstance(text, str):
-            raise DataError(
-                f"{where}: field {text_field!r} is {type(text).__name__}, not a string"
-            )
+            raise DataError(f"{where}: field {text_field!r} is {type(text).__name__}, not a string")
         if text:
             yield text
 
@@ -452,9 +438,7 @@ def scan_corpus(sources: Sequence[SourceFile], text_field: str) -> CorpusScan:
     files, skipped, scores = [], [], []
     for source in sources:
         try:
-            file_scores = [
-                document_score(text) for text in read_documents(source.path, text_field)
-            ]
+            file_scores = [document_score(text) for text in read_documents(source.path, text_field)]
         except _NotTextError:
             if not source.walked:
                 raise
@@ -462,9 +446,7 @@ def scan_corpus(sources: Sequence[SourceFile], text_field: str) -> CorpusScan:
             continue
         files.append(source.path)
         scores.extend(file_scores)
-    return CorpusScan(
-        tuple(files), tuple(skipped), np.asarray(scores, dtype=np.float64)
-    )
+    return CorpusScan(tuple(files), tuple(skipped), np.asarray(scores, dtype=np.float64))
 
 
 # ----------------------------------------------------------------------------- shards
@@ -558,9 +540,7 @@ def write_shards(
     records_per_shard: int,
 ) -> dict[str, SplitInfo]:
     """Tokenise ``documents`` and write each to its split's shards; the splits' summaries."""
-    writers = {
-        split: ShardWriter(directory, split, records_per_shard) for split in SPLITS
-    }
+    writers = {split: ShardWriter(directory, split, records_per_shard) for split in SPLITS}
     index = 0
     for batch in _batched(documents, ENCODE_BATCH_DOCUMENTS):
         for token_ids in encode_documents(tokenizer, batch):
@@ -607,9 +587,7 @@ def options_record(options: PrepareOptions) -> dict[str, object]:
     return json.loads(json.dumps(record))
 
 
-def is_up_to_date(
-    out_dir: Path, inputs_fingerprint: str, options: dict[str, object]
-) -> bool:
+def is_up_to_date(out_dir: Path, inputs_fingerprint: str, options: dict[str, object]) -> bool:
     """True when ``out_dir`` was prepared from these inputs with these options and is whole.
 
     Files are checked by presence and size, not checksum: `verify_shards` is the full check.
@@ -623,8 +601,7 @@ def is_up_to_date(
     shards = [shard for split in manifest.splits.values() for shard in split.shards]
     tokenizer_path = out_dir / manifest.tokenizer.file
     return tokenizer_path.is_file() and all(
-        (out_dir / shard.file).is_file()
-        and (out_dir / shard.file).stat().st_size == shard.bytes
+        (out_dir / shard.file).is_file() and (out_dir / shard.file).stat().st_size == shard.bytes
         for shard in shards
     )
 
@@ -716,11 +693,7 @@ def prepare_corpus(
     sources += collect_source_files(inputs, exclude=out_dir)
     if not sources:
         raise DataError("no usable documents: the inputs hold no files")
-    tokenizer = (
-        None
-        if options.tokenizer_file is None
-        else load_tokenizer(options.tokenizer_file)
-    )
+    tokenizer = None if options.tokenizer_file is None else load_tokenizer(options.tokenizer_file)
     inputs_info = inputs_record(sources)
     inputs_fingerprint = fingerprint(inputs_info)
     options_info = options_record(options)
@@ -729,18 +702,14 @@ def prepare_corpus(
         with _exclusive_lock(out_dir):
             if is_up_to_date(out_dir, inputs_fingerprint, options_info):
                 manifest = read_manifest(out_dir)
-                return PrepareResult(
-                    out_dir, manifest, True, (), 0.0, time.perf_counter() - start
-                )
+                return PrepareResult(out_dir, manifest, True, (), 0.0, time.perf_counter() - start)
             _check_replaceable(out_dir)
             _remove_stale_staging(out_dir)
 
             progress(f"reading {len(sources)} input files")
             scan = scan_corpus(sources, options.text_field)
             if len(scan.scores) == 0:
-                raise DataError(
-                    "no usable documents: the inputs hold no non-empty UTF-8 text"
-                )
+                raise DataError("no usable documents: the inputs hold no non-empty UTF-8 text")
             is_val = assign_validation(scan.scores, options.val_fraction)
 
             tokenizer_start = time.perf_counter()
@@ -762,9 +731,7 @@ def prepare_corpus(
                 options=options_info,
             )
     except OSError as error:
-        raise DataError(
-            f"cannot write --out {out_dir}: {error.strerror or error}"
-        ) from None
+        raise DataError(f"cannot write --out {out_dir}: {error.strerror or error}") from None
     return PrepareResult(
         out_dir,
         manifest,
@@ -835,10 +802,6 @@ def prepare_stdlib_corpus(
 
     Later calls find the manifest and return at once; a changed stdlib is re-prepared.
     """
-    out_dir = (
-        Path(cache_dir)
-        if cache_dir is not None
-        else default_stdlib_cache_dir(vocab_size)
-    )
+    out_dir = Path(cache_dir) if cache_dir is not None else default_stdlib_cache_dir(vocab_size)
     options = PrepareOptions(vocab_size=vocab_size)
     return prepare_corpus([], out_dir, options, include_stdlib=True).out_dir

@@ -56,9 +56,7 @@ class CausalSelfAttention(AbstractAxesOwner):
         key: PRNGKeyArray,
     ):
         if n_heads % n_kv_heads != 0:
-            raise ValueError(
-                f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})"
-            )
+            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         kq, kk, kv, ko = jax.random.split(key, 4)
         self.wq = normal_init(kq, (d_model, n_heads, head_dim), init_std)
         self.wk = normal_init(kk, (d_model, n_kv_heads, head_dim), init_std)

@@ -78,8 +78,7 @@ def _axes_at(root, path, leaf) -> Axes:
     names = prefix + tuple(own)
     if hasattr(leaf, "ndim") and leaf.ndim != len(names):
         raise ValueError(
-            f"array at {jax.tree_util.keystr(path)} has rank {leaf.ndim} "
-            f"but logical axes {names}"
+            f"array at {jax.tree_util.keystr(path)} has rank {leaf.ndim} but logical axes {names}"
         )
     return Axes(names)
 

@@ -27,7 +27,9 @@ def _broadcast_batch(value, batched: bool, axis_size: int):
     return value if batched else jnp.broadcast_to(value, (axis_size, *value.shape))
 
 
-def _group_of_rows(group_sizes: Int[Array, "*batch groups"], n_rows: int) -> Int[Array, "*batch rows"]:
+def _group_of_rows(
+    group_sizes: Int[Array, "*batch groups"], n_rows: int
+) -> Int[Array, "*batch rows"]:
     ends = jnp.cumsum(group_sizes, axis=-1)
     rows = jnp.arange(n_rows)
     return jnp.sum(rows[..., None, :] >= ends[..., :, None], axis=-2)

@@ -11,7 +11,9 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
 
 
-def dense(x: Float[Array, "..."], w: Float[Array, "..."], n_contract: int = 1) -> Float[Array, "..."]:
+def dense(
+    x: Float[Array, "..."], w: Float[Array, "..."], n_contract: int = 1
+) -> Float[Array, "..."]:
     """Contract the last ``n_contract`` axes of ``x`` with the first ``n_contract`` of ``w``.
 
     Every leading axis of ``x`` (batch, sequence) is flattened into one token axis, so both

@@ -84,7 +84,13 @@ class Experts(AbstractAxesOwner):
     down: Float[Array, "experts mlp embed"]
 
     def __init__(
-        self, d_model: int, hidden_dim: int, n_experts: int, *, init_std: float = 0.02, key: PRNGKeyArray
+        self,
+        d_model: int,
+        hidden_dim: int,
+        n_experts: int,
+        *,
+        init_std: float = 0.02,
+        key: PRNGKeyArray,
     ):
         kg, ku, kd = jax.random.split(key, 3)
         self.gate = normal_init(kg, (n_experts, d_model, hidden_dim), init_std)
@@ -144,7 +150,9 @@ class Experts(AbstractAxesOwner):
         output = jnp.einsum("ktd,tk->td", gathered, routing.weights.astype(x.dtype))
         return output, 1.0 - jnp.mean(kept.astype(jnp.float32))
 
-    def dense(self, x: Float[Array, "tokens embed"], routing: Routing) -> Float[Array, "tokens embed"]:
+    def dense(
+        self, x: Float[Array, "tokens embed"], routing: Routing
+    ) -> Float[Array, "tokens embed"]:
         """Every expert on every token, combined with the routing weights (zero if unchosen)."""
         n_tokens = x.shape[0]
         combine = jnp.zeros((n_tokens, self.n_experts), x.dtype)

@@ -95,6 +95,7 @@ def apply_layers(
 
     one_layer = remat(one_layer, remat_policy)
     if scan:
+
         def body(h, xs):
             layer_params, layer_key = xs
             return one_layer(h, layer_params, layer_key)

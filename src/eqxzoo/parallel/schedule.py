@@ -33,7 +33,9 @@ class Schedule:
 
     def __post_init__(self):
         if self.name not in ("gpipe", "circular"):
-            raise ScheduleError(f"pipeline.schedule must be 'gpipe' or 'circular', got {self.name!r}")
+            raise ScheduleError(
+                f"pipeline.schedule must be 'gpipe' or 'circular', got {self.name!r}"
+            )
         if self.stages < 1 or self.microbatches < 1 or self.repeats < 1:
             raise ScheduleError(
                 f"stages, microbatches and repeats must be >= 1, got "
