@@ -12,8 +12,12 @@ Bad input is one ``error:`` line on stderr and exit code 2.
 """
 
 import argparse
+import io
 import sys
 from pathlib import Path
+
+from rich.status import Status
+from rich.text import Text
 
 from eqxzoo.data.prepare import (
     DEFAULT_VOCAB_SIZE,
@@ -22,6 +26,7 @@ from eqxzoo.data.prepare import (
     PrepareResult,
     prepare_corpus,
 )
+from eqxzoo.progress import terminal_console
 
 EXIT_DATA_ERROR = 2
 
@@ -65,6 +70,46 @@ def options_from_args(args: argparse.Namespace) -> PrepareOptions:
     )
 
 
+class PhaseProgress:
+    """Shows the phases of `prepare_corpus` as they start; pass it as ``progress=``.
+
+    On a terminal the current phase has a spinner until the next one starts, then stays as a
+    line; elsewhere each phase is one line printed when it starts: the same text either way.
+    Use it as a context manager, so that the spinner stops however the preparation ends.
+    """
+
+    def __init__(self, stream: io.TextIOBase):
+        self.stream = stream
+        self.console = terminal_console(stream)
+        self._status: Status | None = None
+        self._phase = ""
+
+    def __call__(self, phase: str) -> None:
+        if self.console is None:
+            print(phase, file=self.stream, flush=True)
+            return
+        if self._status is None:
+            self._status = self.console.status(Text(phase))
+            self._status.start()
+        else:
+            self.console.print(self._phase)
+            self._status.update(Text(phase))
+        self._phase = phase
+
+    def close(self) -> None:
+        """Stop the spinner, leaving the last phase as a line; safe to call again."""
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+            self.console.print(self._phase)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
 def describe(result: PrepareResult) -> str:
     """The summary printed after a run: where, how long, and what each split holds."""
     manifest = result.manifest
@@ -92,13 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.inputs and not args.stdlib:
             raise DataError("no inputs: give files or directories, or --stdlib")
-        result = prepare_corpus(
-            args.inputs,
-            args.out,
-            options_from_args(args),
-            include_stdlib=args.stdlib,
-            progress=lambda message: print(message, flush=True),
-        )
+        with PhaseProgress(sys.stdout) as progress:
+            result = prepare_corpus(
+                args.inputs,
+                args.out,
+                options_from_args(args),
+                include_stdlib=args.stdlib,
+                progress=progress,
+            )
     except DataError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_DATA_ERROR

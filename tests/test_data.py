@@ -12,6 +12,7 @@ from test_prepare import make_documents, write_text_files
 
 from eqxzoo.data import loader
 from eqxzoo.data import prepare as prep
+from eqxzoo.data.manifest import decode_record
 from eqxzoo.data.prepare import DataError
 from eqxzoo.parallel import MeshConfig, make_mesh
 from eqxzoo.train.step import batch_sharding
@@ -38,7 +39,7 @@ def one_device_sharding() -> NamedSharding:
 
 def records(documents: loader.SplitDocuments) -> list[np.ndarray]:
     source = documents.source
-    return [prep.decode_record(record) for record in source.__getitems__(range(len(source)))]
+    return [decode_record(record) for record in source.__getitems__(range(len(source)))]
 
 
 def take(batches: loader.Batches, count: int) -> np.ndarray:

@@ -12,6 +12,9 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordReader
 
 from eqxzoo.data import prepare as prep
+from eqxzoo.data.manifest import Manifest, decode_record, read_manifest, verify_shards
+from eqxzoo.data.shards import ShardWriter
+from eqxzoo.data.sources import assign_validation, stdlib_source_files
 from eqxzoo.data.tokenizer import EOD_TOKEN, decode_document, encode_documents
 from pipelines.prepare import main
 
@@ -41,12 +44,12 @@ def write_text_files(directory: Path, documents: list[str]) -> list[Path]:
     return paths
 
 
-def read_split(out_dir: Path, manifest: prep.Manifest, split: str) -> list[list[int]]:
+def read_split(out_dir: Path, manifest: Manifest, split: str) -> list[list[int]]:
     """Every record of a split's shards, in shard order, as token-id lists."""
     documents = []
     for shard in manifest.splits[split].shards:
         reader = ArrayRecordReader(str(out_dir / shard.file))
-        documents.extend(prep.decode_record(record).tolist() for record in reader.read_all())
+        documents.extend(decode_record(record).tolist() for record in reader.read_all())
         reader.close()
     return documents
 
@@ -68,7 +71,7 @@ def test_round_trip_splits_and_counts(tmp_path: Path):
     out_dir = tmp_path / "out"
     result = prepare(files, out_dir, val_fraction=0.1)
 
-    manifest = prep.read_manifest(out_dir)
+    manifest = read_manifest(out_dir)
     assert manifest == result.manifest
     tokenizer = prep.load_tokenizer(out_dir / "tokenizer.json")
     assert manifest.tokenizer.eod_token_id == tokenizer.token_to_id(EOD_TOKEN)
@@ -83,7 +86,7 @@ def test_round_trip_splits_and_counts(tmp_path: Path):
         assert info.tokens == sum(len(ids) for ids in split_documents)
         for shard in info.shards:
             reader = ArrayRecordReader(str(out_dir / shard.file))
-            records = [prep.decode_record(record) for record in reader.read_all()]
+            records = [decode_record(record) for record in reader.read_all()]
             reader.close()
             assert shard.records == len(records)
             assert shard.tokens == sum(len(ids) for ids in records)
@@ -97,7 +100,7 @@ def test_round_trip_splits_and_counts(tmp_path: Path):
     assert set(seen) == set(documents)
     assert 1 <= manifest.splits["val"].documents < len(documents) // 2
     assert manifest.token_dtype == "<u4"
-    prep.verify_shards(out_dir)
+    verify_shards(out_dir)
 
 
 def test_jsonl_custom_field_gzip_and_literal_eod(tmp_path: Path):
@@ -177,7 +180,7 @@ def test_rerun_is_a_no_op_until_inputs_or_options_change(tmp_path: Path, capsys)
     files[0].write_text("changed content\n", encoding="utf-8")
     code, stdout, _ = run_cli([*argv, "--val-fraction", "0.5"], capsys)
     assert code == 0 and "up to date" not in stdout
-    assert prep.read_manifest(out_dir).options["val_fraction"] == 0.5
+    assert read_manifest(out_dir).options["val_fraction"] == 0.5
 
 
 def test_partial_output_is_not_taken_as_finished(tmp_path: Path):
@@ -191,12 +194,12 @@ def test_partial_output_is_not_taken_as_finished(tmp_path: Path):
     for path in finished.iterdir():
         (staging / path.name).write_bytes(path.read_bytes())
     with pytest.raises(prep.DataError, match="no manifest.json"):
-        prep.read_manifest(out_dir)
+        read_manifest(out_dir)
 
     result = prepare(files, out_dir)
     assert not result.up_to_date
     assert not staging.exists()  # the stale staging directory was cleaned up
-    prep.verify_shards(out_dir)
+    verify_shards(out_dir)
     assert not list(tmp_path.glob(".out.partial-*"))
 
 
@@ -218,24 +221,24 @@ def test_verify_shards_names_the_corrupt_shard(tmp_path: Path):
     files = write_text_files(tmp_path / "corpus", make_documents(12))
     out_dir = tmp_path / "out"
     manifest = prepare(files, out_dir, records_per_shard=3).manifest
-    assert prep.verify_shards(out_dir) == manifest
+    assert verify_shards(out_dir) == manifest
     shard = out_dir / manifest.splits["train"].shards[1].file
     data = bytearray(shard.read_bytes())
     data[len(data) // 3] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(prep.DataError, match="train-00001.array_record is corrupt"):
-        prep.verify_shards(out_dir)
+        verify_shards(out_dir)
     shard.unlink()
     with pytest.raises(prep.DataError, match="train-00001.array_record is missing"):
-        prep.verify_shards(out_dir)
+        verify_shards(out_dir)
 
 
 def test_assign_validation_bounds():
     scores = np.asarray([0.9, 0.5, 0.7], dtype=np.float64)
-    assert prep.assign_validation(scores, 0.01).tolist() == [False, True, False]
-    assert prep.assign_validation(scores, 0.0).tolist() == [False, False, False]
-    assert prep.assign_validation(scores, 0.99).tolist() == [False, True, True]
-    assert prep.assign_validation(np.asarray([0.001]), 0.5).tolist() == [False]
+    assert assign_validation(scores, 0.01).tolist() == [False, True, False]
+    assert assign_validation(scores, 0.0).tolist() == [False, False, False]
+    assert assign_validation(scores, 0.99).tolist() == [False, True, True]
+    assert assign_validation(np.asarray([0.001]), 0.5).tolist() == [False]
 
 
 def bad_jsonl(tmp_path: Path, lines: list[str]) -> Path:
@@ -318,7 +321,7 @@ def test_refuses_to_replace_a_foreign_directory(tmp_path: Path, capsys):
 
 
 def test_stdlib_corpus_enumerator():
-    files = prep.stdlib_source_files()
+    files = stdlib_source_files()
     root = Path(sysconfig.get_paths()["stdlib"])
     assert len(files) > 300
     assert files == sorted(files, key=lambda path: path.relative_to(root).parts)
@@ -343,14 +346,14 @@ def test_interrupted_run_leaves_earlier_output_intact(tmp_path: Path, monkeypatc
     out_dir = tmp_path / "out"
     earlier = prepare(files, out_dir).manifest
 
-    def interrupt(self: prep.ShardWriter, token_ids: object) -> None:
+    def interrupt(self: ShardWriter, token_ids: object) -> None:
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(prep.ShardWriter, "write", interrupt)
+        patch.setattr(ShardWriter, "write", interrupt)
         with pytest.raises(KeyboardInterrupt):
             prepare(files, out_dir, val_fraction=0.5)
-    assert prep.verify_shards(out_dir) == earlier  # the old output is untouched
+    assert verify_shards(out_dir) == earlier  # the old output is untouched
     assert not list(tmp_path.glob(".out.partial-*"))
     assert prepare(files, out_dir, val_fraction=0.5).manifest.options["val_fraction"] == 0.5
 

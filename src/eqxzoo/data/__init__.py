@@ -12,24 +12,26 @@ from eqxzoo.data.loader import (
     train_batches,
     validation_batches,
 )
-from eqxzoo.data.prepare import (
+from eqxzoo.data.manifest import (
     DataError,
     InputFileInfo,
     Manifest,
-    PrepareOptions,
-    PrepareResult,
     ShardInfo,
     SplitInfo,
     TokenizerInfo,
     decode_record,
+    read_manifest,
+    verify_shards,
+)
+from eqxzoo.data.prepare import (
+    PrepareOptions,
+    PrepareResult,
     default_stdlib_cache_dir,
     load_tokenizer,
     prepare_corpus,
     prepare_stdlib_corpus,
-    read_manifest,
-    stdlib_source_files,
-    verify_shards,
 )
+from eqxzoo.data.sources import stdlib_source_files
 from eqxzoo.data.tokenizer import EOD_TOKEN, decode_document, encode_documents
 
 __all__ = [

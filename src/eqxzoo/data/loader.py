@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import Sharding
 from jaxtyping import Array, Int, Int64, UInt32
 
-from eqxzoo.data.prepare import (
+from eqxzoo.data.manifest import (
     DataError,
     Manifest,
     decode_record,

@@ -14,69 +14,59 @@ a hidden staging directory beside the output and renamed into place at the end, 
 killed at any moment leaves no valid manifest; a later run with the same inputs and options
 finds the manifest and does nothing.
 
-Shards stay small because ArrayRecord random reads cost O(records per file).
+This module is the run itself (options, up-to-date check, lock, staging, publishing); reading
+the inputs is `eqxzoo.data.sources`, writing shards `eqxzoo.data.shards`, and the manifest
+and its checks (all the loader needs) `eqxzoo.data.manifest`.
 """
 
 import contextlib
 import dataclasses
 import fcntl
-import gzip
 import hashlib
-import io
 import json
 import os
 import shutil
 import sys
-import sysconfig
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-from array_record.python.array_record_module import ArrayRecordWriter
-from jaxtyping import Bool, Float64, UInt32
+from jaxtyping import Bool
 from tokenizers import Tokenizer
 
+from eqxzoo.data.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    TOKEN_DTYPE,
+    TOKENIZER_FILE,
+    DataError,
+    InputFileInfo,
+    Manifest,
+    TokenizerInfo,
+    file_sha256,
+    manifest_to_json,
+    read_manifest,
+)
+from eqxzoo.data.shards import fsync_file, write_shards
+from eqxzoo.data.sources import (
+    SourceFile,
+    assign_validation,
+    collect_source_files,
+    inputs_record,
+    iter_documents,
+    scan_corpus,
+    stdlib_source_files,
+)
 from eqxzoo.data.tokenizer import (
     EOD_TOKEN,
     MIN_VOCAB_SIZE,
-    encode_documents,
     ensure_eod_token,
     train_byte_level_bpe,
 )
 
-FORMAT_VERSION = 1
-MANIFEST_FILE = "manifest.json"
-TOKENIZER_FILE = "tokenizer.json"
-SPLITS = ("train", "val")
-TOKEN_DTYPE = "<u4"  # little-endian uint32, one per token
 DEFAULT_VOCAB_SIZE = 4096
-# group_size:1 compresses each record on its own, so one random read decompresses one record.
-SHARD_WRITER_OPTIONS = "group_size:1"
-ENCODE_BATCH_DOCUMENTS = 256
-
-STDLIB_EXCLUDED_DIRS = frozenset(
-    {
-        "site-packages",
-        "dist-packages",
-        "test",
-        "tests",
-        "idlelib",
-        "lib2to3",
-        "__pycache__",
-    }
-)
-STDLIB_MAX_FILE_BYTES = 1 << 20
-
-
-class DataError(ValueError):
-    """Bad data input a user can fix: the message names the file (and line) and the problem."""
-
-
-class _NotTextError(DataError):
-    """A file that is not UTF-8 text (or not valid gzip): fatal if named, skipped in a walk."""
 
 
 # ----------------------------------------------------------------------------- options
@@ -104,453 +94,6 @@ class PrepareOptions:
             raise DataError(f"--records-per-shard must be >= 1, got {self.records_per_shard}")
         if not self.text_field:
             raise DataError("--text-field must not be empty")
-
-
-# ----------------------------------------------------------------------------- manifest
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardInfo:
-    file: str
-    records: int
-    tokens: int
-    bytes: int
-    sha256: str
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitInfo:
-    documents: int
-    tokens: int
-    shards: tuple[ShardInfo, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenizerInfo:
-    file: str
-    vocab_size: int
-    eod_token: str
-    eod_token_id: int
-    sha256: str
-
-
-@dataclasses.dataclass(frozen=True)
-class InputFileInfo:
-    """One input file as it was when prepared: a change in size or mtime means re-prepare."""
-
-    path: str
-    bytes: int
-    mtime_ns: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Manifest:
-    """What a prepared directory holds; ``splits`` has the keys ``"train"`` and ``"val"``.
-
-    Token counts exclude end-of-document tokens; ``token_dtype`` is the NumPy dtype of the
-    records' bytes.
-    """
-
-    format_version: int
-    token_dtype: str
-    tokenizer: TokenizerInfo
-    splits: dict[str, SplitInfo]
-    inputs_fingerprint: str
-    inputs: tuple[InputFileInfo, ...]
-    options: dict[str, object]
-
-
-def manifest_to_json(manifest: Manifest) -> str:
-    return json.dumps(dataclasses.asdict(manifest), indent=2, sort_keys=True) + "\n"
-
-
-def manifest_from_json(text: str, source: str) -> Manifest:
-    """Parse manifest JSON; ``source`` names it in the error of a damaged or foreign file."""
-    try:
-        raw = json.loads(text)
-        if raw["format_version"] != FORMAT_VERSION:
-            raise DataError(
-                f"{source}: manifest format {raw['format_version']} is not {FORMAT_VERSION}; "
-                "re-run python -m pipelines.prepare"
-            )
-        splits = {
-            name: SplitInfo(
-                documents=split["documents"],
-                tokens=split["tokens"],
-                shards=tuple(ShardInfo(**shard) for shard in split["shards"]),
-            )
-            for name, split in raw["splits"].items()
-        }
-        return Manifest(
-            format_version=raw["format_version"],
-            token_dtype=raw["token_dtype"],
-            tokenizer=TokenizerInfo(**raw["tokenizer"]),
-            splits=splits,
-            inputs_fingerprint=raw["inputs_fingerprint"],
-            inputs=tuple(InputFileInfo(**info) for info in raw["inputs"]),
-            options=raw["options"],
-        )
-    except DataError:
-        raise
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise DataError(
-            f"{source}: not a valid manifest ({type(error).__name__}: {error})"
-        ) from None
-
-
-def read_manifest(directory: Path | str) -> Manifest:
-    """The manifest of a prepared directory; `DataError` if there is none or it is damaged."""
-    path = Path(directory) / MANIFEST_FILE
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise DataError(
-            f"{directory}: no {MANIFEST_FILE}, not a prepared corpus "
-            "(run python -m pipelines.prepare)"
-        ) from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise DataError(f"{path}: cannot read ({error})") from None
-    return manifest_from_json(text, str(path))
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _check_file(path: Path, expected_sha256: str, what: str) -> None:
-    if not path.is_file():
-        raise DataError(f"{what} {path} is missing; re-run python -m pipelines.prepare")
-    actual = file_sha256(path)
-    if actual != expected_sha256:
-        raise DataError(
-            f"{what} {path} is corrupt: sha256 {actual[:16]}... differs from the manifest's "
-            f"{expected_sha256[:16]}...; re-run python -m pipelines.prepare"
-        )
-
-
-def verify_shards(directory: Path | str) -> Manifest:
-    """Check tokenizer.json and every shard against the manifest's sha256; return the manifest.
-
-    Raises `DataError` naming the first missing or corrupt file.
-    """
-    directory = Path(directory)
-    manifest = read_manifest(directory)
-    _check_file(directory / manifest.tokenizer.file, manifest.tokenizer.sha256, "tokenizer")
-    for split in manifest.splits.values():
-        for shard in split.shards:
-            _check_file(directory / shard.file, shard.sha256, "shard")
-    return manifest
-
-
-# ----------------------------------------------------------------------------- inputs
-
-
-@dataclasses.dataclass(frozen=True)
-class SourceFile:
-    """An input file; ``walked`` files (found in a directory) are skipped if not UTF-8 text."""
-
-    path: Path
-    walked: bool
-
-
-def is_jsonl(path: Path) -> bool:
-    return path.name.endswith((".jsonl", ".jsonl.gz"))
-
-
-def stdlib_source_files() -> list[Path]:
-    """The standard library's own ``*.py`` files: the built-in corpus, in sorted order.
-
-    Tests, IDLE, lib2to3, installed packages and files over 1 MiB are left out: the rest is
-    ordinary, varied Python a small model can learn from.
-    """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for path in _walk_files(root, skip_dir=lambda d: d.name in STDLIB_EXCLUDED_DIRS):
-        if path.suffix == ".py" and path.stat().st_size <= STDLIB_MAX_FILE_BYTES:
-            files.append(path)
-    return files
-
-
-def _walk_files(root: Path, skip_dir: Callable[[Path], bool]) -> list[Path]:
-    """Regular files under ``root``, recursively, sorted by path; hidden entries skipped."""
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        here = Path(dirpath)
-        dirnames[:] = [
-            name for name in dirnames if not name.startswith(".") and not skip_dir(here / name)
-        ]
-        files.extend(
-            here / name
-            for name in filenames
-            if not name.startswith(".") and (here / name).is_file()
-        )
-    return sorted(files, key=lambda path: path.relative_to(root).parts)
-
-
-def collect_source_files(
-    inputs: Sequence[Path], *, exclude: Path | None = None
-) -> list[SourceFile]:
-    """Expand input paths (files, or directories walked recursively) into files, in order.
-
-    ``exclude`` is a directory never walked into: the output, when it lies inside an input.
-    """
-    excluded = exclude.resolve() if exclude is not None else None
-    sources = []
-    for path in inputs:
-        path = Path(path)
-        if path.is_dir():
-            walked = _walk_files(path, skip_dir=lambda d: d.resolve() == excluded)
-            sources.extend(SourceFile(file, walked=True) for file in walked)
-        elif path.is_file():
-            sources.append(SourceFile(path, walked=False))
-        else:
-            raise DataError(f"input {path} does not exist")
-    return sources
-
-
-def inputs_record(sources: Sequence[SourceFile]) -> tuple[InputFileInfo, ...]:
-    """Path, size and mtime of every input: enough to tell a re-run from changed inputs."""
-    infos = []
-    for source in sources:
-        stat = source.path.stat()
-        infos.append(InputFileInfo(str(source.path.resolve()), stat.st_size, stat.st_mtime_ns))
-    return tuple(infos)
-
-
-def fingerprint(record: object) -> str:
-    """sha256 of a JSON-able value, keys sorted: equal values give equal fingerprints."""
-    text = json.dumps(record, sort_keys=True, default=dataclasses.asdict)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-# ----------------------------------------------------------------------------- documents
-
-
-def _open_binary(path: Path) -> io.BufferedIOBase:
-    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
-
-
-def _read_bytes(path: Path) -> bytes:
-    """The file's bytes, gunzipped if its name ends in ``.gz``."""
-    try:
-        with _open_binary(path) as file:
-            return file.read()
-    except (gzip.BadGzipFile, EOFError, zlib.error) as error:
-        raise _NotTextError(f"{path}: not a valid gzip file ({error})") from None
-    except OSError as error:
-        raise DataError(f"{path}: cannot read ({error.strerror or error})") from None
-
-
-def _read_lines(path: Path) -> Iterator[bytes]:
-    """The file's lines, gunzipped if its name ends in ``.gz``, streamed."""
-    try:
-        with _open_binary(path) as file:
-            yield from file
-    except (gzip.BadGzipFile, EOFError, zlib.error) as error:
-        raise _NotTextError(f"{path}: not a valid gzip file ({error})") from None
-    except OSError as error:
-        raise DataError(f"{path}: cannot read ({error.strerror or error})") from None
-
-
-def _decode_utf8(data: bytes, where: str) -> str:
-    if b"\x00" in data:
-        raise _NotTextError(f"{where}: not UTF-8 text (contains NUL bytes)")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise _NotTextError(f"{where}: not UTF-8 text (bad byte at offset {error.start})") from None
-
-
-def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
-    for line_number, line in enumerate(_read_lines(path), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{line_number}"
-        try:
-            value = json.loads(_decode_utf8(line, where))
-        except json.JSONDecodeError as error:
-            raise DataError(f"{where}: not valid JSON ({error.msg})") from None
-        if not isinstance(value, dict) or text_field not in value:
-            raise DataError(f"{where}: no field {text_field!r} (set --text-field)")
-        text = value[text_field]
-        if not isinstance(text, str):
-            raise DataError(f"{where}: field {text_field!r} is {type(text).__name__}, not a string")
-        if text:
-            yield text
-
-
-def read_documents(path: Path, text_field: str) -> Iterator[str]:
-    """The non-empty documents of one file: the whole file, or one per JSONL line."""
-    if is_jsonl(path):
-        yield from _jsonl_documents(path, text_field)
-    else:
-        text = _decode_utf8(_read_bytes(path), str(path))
-        if text:
-            yield text
-
-
-def iter_documents(files: Sequence[Path], text_field: str) -> Iterator[str]:
-    """All documents of ``files`` in order; the same files always give the same sequence."""
-    for path in files:
-        yield from read_documents(path, text_field)
-
-
-# ----------------------------------------------------------------------------- split
-
-
-def document_score(text: str) -> float:
-    """A uniform number in [0, 1) from the document's content (sha256), for the split."""
-    digest = hashlib.sha256(text.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64
-
-
-def assign_validation(
-    scores: Float64[np.ndarray, " documents"], val_fraction: float
-) -> Bool[np.ndarray, " documents"]:
-    """Which documents go to validation: those scoring below ``val_fraction``.
-
-    With a positive fraction and at least two documents, validation gets at least one (the
-    lowest score) and training keeps at least one (the highest).
-    """
-    is_val = scores < val_fraction
-    if val_fraction > 0 and len(scores) >= 2 and not is_val.any():
-        is_val[np.argmin(scores)] = True
-    if len(scores) >= 1 and is_val.all():
-        is_val[np.argmax(scores)] = False
-    return is_val
-
-
-@dataclasses.dataclass(frozen=True)
-class CorpusScan:
-    """The files that hold text and one split score per document, in document order."""
-
-    files: tuple[Path, ...]
-    skipped: tuple[Path, ...]
-    scores: Float64[np.ndarray, " documents"]
-
-
-def scan_corpus(sources: Sequence[SourceFile], text_field: str) -> CorpusScan:
-    """Read every input once: check it parses, skip walked files that are not text, score."""
-    files, skipped, scores = [], [], []
-    for source in sources:
-        try:
-            file_scores = [document_score(text) for text in read_documents(source.path, text_field)]
-        except _NotTextError:
-            if not source.walked:
-                raise
-            skipped.append(source.path)
-            continue
-        files.append(source.path)
-        scores.extend(file_scores)
-    return CorpusScan(tuple(files), tuple(skipped), np.asarray(scores, dtype=np.float64))
-
-
-# ----------------------------------------------------------------------------- shards
-
-
-def encode_record(token_ids: Sequence[int]) -> bytes:
-    """One document's record: its token ids as little-endian uint32 bytes."""
-    return np.asarray(token_ids, dtype=TOKEN_DTYPE).tobytes()
-
-
-def decode_record(record: bytes) -> UInt32[np.ndarray, " tokens"]:
-    """The token ids of one record (the inverse of `encode_record`)."""
-    return np.frombuffer(record, dtype=TOKEN_DTYPE).astype(np.uint32)
-
-
-def shard_file_name(split: str, index: int) -> str:
-    return f"{split}-{index:05d}.array_record"
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as file:
-        os.fsync(file.fileno())
-
-
-class ShardWriter:
-    """Writes one split's records into numbered shards of at most ``records_per_shard``."""
-
-    def __init__(self, directory: Path, split: str, records_per_shard: int):
-        self.directory = directory
-        self.split = split
-        self.records_per_shard = records_per_shard
-        self.shards: list[ShardInfo] = []
-        self._writer: ArrayRecordWriter | None = None
-        self._records = 0
-        self._tokens = 0
-
-    def write(self, token_ids: Sequence[int]) -> None:
-        if self._writer is None:
-            path = self.directory / shard_file_name(self.split, len(self.shards))
-            self._writer = ArrayRecordWriter(str(path), SHARD_WRITER_OPTIONS)
-        self._writer.write(encode_record(token_ids))
-        self._records += 1
-        self._tokens += len(token_ids)
-        if self._records == self.records_per_shard:
-            self._finish_shard()
-
-    def _finish_shard(self) -> None:
-        assert self._writer is not None
-        self._writer.close()
-        self._writer = None
-        name = shard_file_name(self.split, len(self.shards))
-        path = self.directory / name
-        _fsync_file(path)
-        self.shards.append(
-            ShardInfo(
-                name,
-                self._records,
-                self._tokens,
-                path.stat().st_size,
-                file_sha256(path),
-            )
-        )
-        self._records = self._tokens = 0
-
-    def close(self) -> SplitInfo:
-        if self._writer is not None:
-            self._finish_shard()
-        return SplitInfo(
-            documents=sum(shard.records for shard in self.shards),
-            tokens=sum(shard.tokens for shard in self.shards),
-            shards=tuple(self.shards),
-        )
-
-
-def _batched(items: Iterable[str], size: int) -> Iterator[list[str]]:
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def write_shards(
-    directory: Path,
-    tokenizer: Tokenizer,
-    documents: Iterable[str],
-    is_val: Bool[np.ndarray, " documents"],
-    records_per_shard: int,
-) -> dict[str, SplitInfo]:
-    """Tokenise ``documents`` and write each to its split's shards; the splits' summaries."""
-    writers = {split: ShardWriter(directory, split, records_per_shard) for split in SPLITS}
-    index = 0
-    for batch in _batched(documents, ENCODE_BATCH_DOCUMENTS):
-        for token_ids in encode_documents(tokenizer, batch):
-            if index >= len(is_val):
-                raise DataError("the inputs changed while being prepared; run again")
-            writers["val" if is_val[index] else "train"].write(token_ids)
-            index += 1
-    if index != len(is_val):
-        raise DataError("the inputs changed while being prepared; run again")
-    return {split: writer.close() for split, writer in writers.items()}
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -585,6 +128,12 @@ def options_record(options: PrepareOptions) -> dict[str, object]:
         "records_per_shard": options.records_per_shard,
     }
     return json.loads(json.dumps(record))
+
+
+def fingerprint(record: object) -> str:
+    """sha256 of a JSON-able value, keys sorted: equal values give equal fingerprints."""
+    text = json.dumps(record, sort_keys=True, default=dataclasses.asdict)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def is_up_to_date(out_dir: Path, inputs_fingerprint: str, options: dict[str, object]) -> bool:
@@ -761,7 +310,7 @@ def _write_output(
     try:
         splits = write_shards(staging, tokenizer, documents, is_val, records_per_shard)
         tokenizer.save(str(staging / TOKENIZER_FILE))
-        _fsync_file(staging / TOKENIZER_FILE)
+        fsync_file(staging / TOKENIZER_FILE)
         tokenizer_info = TokenizerInfo(
             file=TOKENIZER_FILE,
             vocab_size=tokenizer.get_vocab_size(),

@@ -5,6 +5,7 @@ writes (the loop decides), so none of it ever synchronises the processes.
 """
 
 import dataclasses
+import io
 import json
 import math
 import statistics
@@ -12,13 +13,15 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from rich.progress import BarColumn, Progress, TaskID, TextColumn
 
 from eqxzoo.nn import logical_axes
+from eqxzoo.progress import terminal_console
 from models import DecoderConfig, DecoderLM
 
 METRICS_FILE = "metrics.jsonl"
@@ -190,42 +193,94 @@ def truncate_after(path: Path, step: int) -> None:
 
 
 class ProgressBar:
-    """One status line: step, loss, tokens/s and ETA; redrawn in place on a terminal, printed
-    every ``every`` steps otherwise (logs, CI); silent unless ``enabled`` (process 0)."""
+    """Step, loss, tokens/s and ETA of a run; silent unless ``enabled`` (process 0).
+
+    On a terminal: a rich progress bar redrawn at every step, with messages printed above it;
+    it stops at the last step (or on `close`). Elsewhere (logs, CI, captured output): a plain
+    line every ``every`` steps and at the last step, messages as plain lines. The live display
+    redraws only when updated (no thread), leaves the cursor visible and redirects nothing, so
+    a run that ends before the last step without `close` still leaves the terminal usable.
+    """
 
     def __init__(
-        self, total: int, *, every: int, stream: TextIO = sys.stderr, enabled: bool = True
+        self, total: int, *, every: int, stream: io.TextIOBase = sys.stderr, enabled: bool = True
     ):
         self.enabled = enabled
         self.total = total
         self.every = every
         self.stream = stream
-        self.interactive = stream.isatty()
+        self.console = terminal_console(stream) if enabled else None
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+        self._closed = False
 
     def update(self, step: int, *, loss: float, tokens_per_s: float, seconds_per_step: float):
-        if not self.enabled or (not self.interactive and step % self.every and step != self.total):
+        if not self.enabled:
+            return
+        eta = format_seconds(seconds_per_step * (self.total - step))
+        stats = f"loss {loss:.4f} | {tokens_per_s:,.0f} tok/s | ETA {eta}"
+        if self.console is None:
+            self._print_line(step, stats)
+        elif not self._closed:
+            self._draw(step, stats)
+            if step == self.total:
+                self.close()
+
+    def _print_line(self, step: int, stats: str) -> None:
+        if step % self.every and step != self.total:
             return
         done = step / self.total
         width = 24
         bar = "#" * int(done * width) + "-" * (width - int(done * width))
-        eta = format_seconds(seconds_per_step * (self.total - step))
-        line = (
-            f"step {step}/{self.total} [{bar}] loss {loss:.4f} | "
-            f"{tokens_per_s:,.0f} tok/s | ETA {eta}"
-        )
-        if self.interactive:
-            self.stream.write("\r" + line + ("\n" if step == self.total else ""))
-        else:
-            self.stream.write(line + "\n")
+        self.stream.write(f"step {step}/{self.total} [{bar}] {stats}\n")
         self.stream.flush()
+
+    def _draw(self, step: int, stats: str) -> None:
+        description = f"step {step:>{len(str(self.total))}}/{self.total}"  # fixed width
+        if self._progress is None:
+            self._progress = Progress(
+                TextColumn("{task.description}", markup=False),
+                BarColumn(),
+                TextColumn("{task.fields[stats]}", markup=False),
+                console=self.console,
+                auto_refresh=False,
+                transient=False,
+                redirect_stdout=False,
+                redirect_stderr=False,
+            )
+            self._task = self._progress.add_task(
+                description, total=self.total, completed=step, stats=stats
+            )
+            self._progress.start()
+            # Live hides the cursor until stopped: show it again, so that a run stopped early
+            # (an error, a signal) without close() does not leave the terminal without one.
+            self._progress.console.show_cursor(True)
+        else:
+            assert self._task is not None
+            self._progress.update(
+                self._task, description=description, completed=step, stats=stats, refresh=True
+            )
 
     def message(self, text: str) -> None:
         if not self.enabled:
             return
-        if self.interactive:
-            self.stream.write("\r\033[K")
-        self.stream.write(text + "\n")
-        self.stream.flush()
+        if self.console is None:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+        else:
+            self.console.print(text)  # above the bar while it is shown
+
+    def close(self) -> None:
+        """Stop the live display, leaving the bar as last drawn; safe to call again."""
+        self._closed = True
+        if self._progress is not None:
+            self._progress.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 def format_seconds(seconds: float) -> str:
