@@ -14,6 +14,7 @@ import models
 from eqxzoo.config import (
     ConfigError,
     RunConfig,
+    StepConfig,
     config_from_dict,
     config_to_dict,
     config_to_toml,
@@ -23,7 +24,6 @@ from eqxzoo.config import (
     step_config,
 )
 from eqxzoo.parallel import MeshConfig, Schedule
-from eqxzoo.train.step import StepConfig
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_FILES = sorted(CONFIGS.glob("*.toml"))
@@ -211,7 +211,7 @@ def error_for(overrides, path=TINY) -> str:
         ),
         (
             ["precision.compute=fp8"],
-            r"^precision\.compute: must be one of \['bfloat16', 'float16', 'float32'\], got 'fp8'$",
+            r"^precision\.compute: expected 'float32' or 'bfloat16' or 'float16', got 'fp8'$",
         ),
         (["model.moe.top_k=9"], r"^model\.moe\.top_k: must be between 1 and n_experts=8, got 9$"),
         (
@@ -253,6 +253,13 @@ def error_for(overrides, path=TINY) -> str:
             ["data.vocab_size=4096"],
             r"^data\.vocab_size: the stdlib corpus would have 4096 token ids but model\.vocab_size=2048; ",
         ),
+        (
+            ["sharding.embed=['dp', 'xp']"],
+            r"^sharding\.embed: \['xp'\] are not mesh axes; choose from \['dp', 'pp', 'tp', 'ep'\]$",
+        ),
+        (["sharding.mlp=['tp', 'tp']"], r"^sharding\.mlp: \['tp', 'tp'\] names a mesh axis twice$"),
+        (["sharding.stages=['dp']"], r"^sharding\.stages: must be \['pp'\], got \['dp'\]$"),
+        (["sharding.vocab='tp'"], r"^sharding\.vocab: expected a list of str, got 'tp'$"),
         (["mesh.dp"], r"^--set 'mesh\.dp': expected section\.key=value, e\.g\. mesh\.dp=4$"),
         (["mesh..dp=2"], r"^--set 'mesh\.\.dp=2': expected section\.key=value"),
         (["steps=3"], r"^--set 'steps=3': name the section too, e\.g\. run\.steps=3$"),
@@ -303,3 +310,33 @@ def test_a_malformed_config_file_is_one_line(tmp_path):
 def test_a_run_config_built_in_python_is_validated_too():
     with pytest.raises(ConfigError, match=r"^data\.batch_size: 3 sequences per microbatch"):
         RunConfig(mesh=MeshConfig(dp=2), data=dataclasses.replace(RunConfig().data, batch_size=3))
+
+
+def test_sharding_rules_are_a_config_section_that_decides_the_shardings():
+    """``[sharding]`` overrides a rule; the parameters' shardings follow it."""
+    import functools
+
+    from eqxzoo.parallel import make_mesh
+    from eqxzoo.train.state import abstract_train_state
+
+    def embedding_spec(overrides):
+        config = load_config(TINY, overrides)
+        target = abstract_train_state(
+            functools.partial(models.DecoderLM, config.model),
+            config=step_config(config),
+            mesh=make_mesh(config.mesh),
+        )
+        return tuple(target.model.embedding.weight.sharding.spec)
+
+    assert load_config(TINY).sharding.rules["embed"] == ("dp", "ep")
+    assert embedding_spec([]) == (("tp", "pp"), "dp")
+    assert embedding_spec(["sharding.embed=[]", "sharding.vocab=['tp']"]) == ("tp", None)
+
+
+def test_the_typed_config_machinery_imports_no_jax():
+    import subprocess
+    import sys
+
+    code = "import sys, eqxzoo.typed_config, eqxzoo.errors; print('jax' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "False", result.stderr

@@ -8,12 +8,15 @@
     [mesh]        dp, pp, tp, ep
     [pipeline]    schedule ("gpipe" or "circular"), microbatches (M), repeats (R), remat_stages
     [optimizer]   `eqxzoo.optim.OptimizerConfig` (decay_steps defaults to run.steps)
-    [precision]   params, compute, output (`eqxzoo.train.step.Precision`)
+    [precision]   params, compute, output (`Precision`)
     [loss]        load_balance_weight, router_z_weight
     [data]        path, vocab_size, seq_len (T), batch_size (B), grad_accum (G), seed,
                   prefetch, num_threads
     [checkpoint]  every, keep, async_save
+    [sharding]    mesh axes per logical axis (`eqxzoo.parallel.ShardingConfig`)
 
+The typed-TOML machinery (reading, ``--set``, type checks, writing) is
+`eqxzoo.typed_config`; this module declares the sections and the rules that span several.
 Missing sections and keys take their defaults. One optimizer step sees ``G * M * B``
 sequences of ``T`` tokens. Everything is checked here, before any JAX work: unknown
 sections or keys, wrongly typed values, non-positive sizes and combinations the mesh, the
@@ -21,25 +24,31 @@ schedule or the model cannot run each raise a `ConfigError` whose message is one
 names the key (``mesh.dp: expected int, got 'two'``).
 """
 
-import copy
 import dataclasses
-import json
 import math
 import os
-import re
-import tomllib
-import typing
 from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from eqxzoo.data.prepare import DEFAULT_VOCAB_SIZE
 from eqxzoo.data.tokenizer import MIN_VOCAB_SIZE
 from eqxzoo.optim import OptimizerConfig
 from eqxzoo.parallel.mesh import MeshConfig, MeshError, check_model_fits
+from eqxzoo.parallel.rules import MeshAxes, ShardingConfig
 from eqxzoo.parallel.schedule import Schedule, ScheduleError, ScheduleName
-from eqxzoo.train.step import Precision, StepConfig
-from models.config import ConfigError, DecoderConfig, build_dataclass, config_from_table
+from eqxzoo.typed_config import (
+    ConfigError,
+    apply_overrides,
+    build_dataclass,
+    check_fields,
+    dataclass_to_table,
+    fail,
+    read_toml,
+    require_at_least,
+    toml_text,
+)
+from models.config import DecoderConfig
+from models.registry import config_from_table
 
 __all__ = [
     "CheckpointConfig",
@@ -47,8 +56,11 @@ __all__ = [
     "DataConfig",
     "LossConfig",
     "PipelineConfig",
+    "Precision",
     "RunConfig",
     "RunSettings",
+    "ShardingConfig",
+    "StepConfig",
     "config_from_dict",
     "config_to_dict",
     "config_to_toml",
@@ -60,17 +72,6 @@ __all__ = [
 
 DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/eqxzoo/jax-compilation-cache"
 STDLIB_DATA = "stdlib"
-
-
-def _fail(key: str, problem: str) -> typing.NoReturn:
-    raise ConfigError(f"{key}: {problem}")
-
-
-def _require_at_least(section: Any, minimum: int, *names: str) -> None:
-    for name in names:
-        value = getattr(section, name)
-        if value < minimum:
-            _fail(name, f"must be >= {minimum}, got {value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,12 +97,13 @@ class RunSettings:
     plot: bool = True
 
     def __post_init__(self):
+        check_fields(self)
         if not self.name.strip():
-            _fail("name", "must not be empty")
-        _require_at_least(self, 1, "steps", "log_every", "eval_batches", "max_nonfinite")
-        _require_at_least(self, 0, "eval_every")
+            fail("name", "must not be empty")
+        require_at_least(self, 1, "steps", "log_every", "eval_batches", "max_nonfinite")
+        require_at_least(self, 0, "eval_every")
         if self.wandb and not self.wandb_project.strip():
-            _fail("wandb_project", "must not be empty when wandb = true")
+            fail("wandb_project", "must not be empty when wandb = true")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +121,8 @@ class PipelineConfig:
     remat_stages: bool = True
 
     def __post_init__(self):
-        if self.schedule not in typing.get_args(ScheduleName):
-            _fail("schedule", f"must be 'gpipe' or 'circular', got {self.schedule!r}")
-        _require_at_least(self, 1, "microbatches", "repeats")
+        check_fields(self)
+        require_at_least(self, 1, "microbatches", "repeats")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +133,11 @@ class LossConfig:
     router_z_weight: float = 0.001
 
     def __post_init__(self):
+        check_fields(self)
         for name in ("load_balance_weight", "router_z_weight"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
-                _fail(name, f"must be a finite number >= 0, got {value}")
+                fail(name, f"must be a finite number >= 0, got {value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,11 +162,12 @@ class DataConfig:
     num_threads: int = 2
 
     def __post_init__(self):
+        check_fields(self)
         if not self.path.strip():
-            _fail("path", f"must name a prepared data directory or {STDLIB_DATA!r}")
-        _require_at_least(self, MIN_VOCAB_SIZE, "vocab_size")
-        _require_at_least(self, 1, "seq_len", "batch_size", "grad_accum", "num_threads")
-        _require_at_least(self, 0, "prefetch")
+            fail("path", f"must name a prepared data directory or {STDLIB_DATA!r}")
+        require_at_least(self, MIN_VOCAB_SIZE, "vocab_size")
+        require_at_least(self, 1, "seq_len", "batch_size", "grad_accum", "num_threads")
+        require_at_least(self, 0, "prefetch")
 
     @property
     def is_stdlib(self) -> bool:
@@ -180,7 +183,43 @@ class CheckpointConfig:
     async_save: bool = True
 
     def __post_init__(self):
-        _require_at_least(self, 1, "every", "keep")
+        check_fields(self)
+        require_at_least(self, 1, "every", "keep")
+
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """``[precision]``: parameters are stored in ``params`` (fp32 master weights), cast to
+    ``compute`` for the forward and backward pass, and the logits/loss are taken in ``output``."""
+
+    params: DType = "float32"
+    compute: DType = "float32"
+    output: DType = "float32"
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Everything the train step needs besides the model: schedule, optimizer, precision,
+    loss weights, stage remat and the sharding rules (`step_config` derives it from a run)."""
+
+    schedule: Schedule
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    precision: Precision = dataclasses.field(default_factory=Precision)
+    load_balance_weight: float = 0.01
+    router_z_weight: float = 0.001
+    remat_stages: bool = True
+    bubble_fill: float = 0.0
+    sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)
+
+    @property
+    def rules(self) -> Mapping[str, MeshAxes]:
+        return self.sharding.rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +240,7 @@ class RunConfig:
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)
 
     def __post_init__(self):
         self._check_schedule()
@@ -210,7 +250,12 @@ class RunConfig:
     @property
     def schedule(self) -> Schedule:
         """The pipeline schedule: ``mesh.pp`` stages, ``pipeline.microbatches``, ``repeats``."""
-        return _schedule(self.pipeline, self.mesh)
+        return Schedule(
+            self.pipeline.schedule,
+            stages=self.mesh.pp,
+            microbatches=self.pipeline.microbatches,
+            repeats=self.pipeline.repeats,
+        )
 
     @property
     def global_batch_size(self) -> int:
@@ -223,7 +268,7 @@ class RunConfig:
 
     def _check_schedule(self) -> None:
         try:
-            _schedule(self.pipeline, self.mesh)
+            _ = self.schedule
         except ScheduleError as error:
             # PipelineConfig already checked the name and the sizes: what is left is gpipe
             # with repeats > 1, or circular with too few microbatches for its stages.
@@ -263,7 +308,7 @@ class RunConfig:
                 raise ConfigError(f"{key}: {error}; {fix}") from None
         kv_heads = model.kv_heads
         if kv_heads % mesh.tp != 0 and mesh.tp % kv_heads != 0:
-            _fail(
+            fail(
                 "mesh.tp",
                 f"model.n_kv_heads={kv_heads} must be a multiple of tp={mesh.tp} (kv heads split "
                 "over tp) or divide it (kv heads replicated over tp groups)",
@@ -272,13 +317,13 @@ class RunConfig:
     def _check_batch_and_vocab(self) -> None:
         data, mesh = self.data, self.mesh
         if data.batch_size % mesh.dp != 0:
-            _fail(
+            fail(
                 "data.batch_size",
                 f"{data.batch_size} sequences per microbatch cannot be split evenly over "
                 f"mesh.dp={mesh.dp}; use a multiple of {mesh.dp}",
             )
         if data.is_stdlib and data.vocab_size > self.model.vocab_size:
-            _fail(
+            fail(
                 "data.vocab_size",
                 f"the stdlib corpus would have {data.vocab_size} token ids but "
                 f"model.vocab_size={self.model.vocab_size}; set data.vocab_size <= "
@@ -286,36 +331,9 @@ class RunConfig:
             )
 
 
-def _schedule(pipeline: PipelineConfig, mesh: MeshConfig) -> Schedule:
-    return Schedule(
-        pipeline.schedule,
-        stages=mesh.pp,
-        microbatches=pipeline.microbatches,
-        repeats=pipeline.repeats,
-    )
-
-
-# ----------------------------------------------------------------------------- building
+# ----------------------------------------------------------------------------- reading
 
 SECTIONS: dict[str, type] = {field.name: field.type for field in dataclasses.fields(RunConfig)}
-
-
-def _section(cls: type, table: Any, where: str) -> Any:
-    """`build_dataclass`, with the `ValueError`s of the imported configs made `ConfigError`s.
-
-    `MeshConfig`, `OptimizerConfig` and `Precision` say ``mesh.dp must be >= 1``; this
-    gives ``mesh.dp: must be >= 1`` like every other message.
-    """
-    try:
-        return build_dataclass(cls, table, where)
-    except ConfigError:
-        raise
-    except ValueError as error:
-        message = str(error).splitlines()[0]
-        named = re.match(rf"({re.escape(where)}\.\w+):? (.*)", message)
-        if named:
-            raise ConfigError(f"{named[1]}: {named[2]}") from None
-        raise ConfigError(f"{where}: {message}") from None
 
 
 def config_from_dict(document: Mapping[str, Any]) -> RunConfig:
@@ -324,86 +342,25 @@ def config_from_dict(document: Mapping[str, Any]) -> RunConfig:
         raise ConfigError(f"config: must be a table of sections, got {type(document).__name__}")
     for name in document:
         if name not in SECTIONS:
-            _fail(str(name), f"unknown section; valid sections are {sorted(SECTIONS)}")
-    run = _section(RunSettings, document.get("run", {}), "run")
+            fail(str(name), f"unknown section; valid sections are {sorted(SECTIONS)}")
+    run = build_dataclass(RunSettings, document.get("run", {}), "run")
     sections: dict[str, Any] = {"run": run}
     for name, cls in SECTIONS.items():
         table = document.get(name, {})
         if name == "run":
             continue
         if name == "model":
-            if not isinstance(table, Mapping):
-                _fail("model", f"must be a table, got {type(table).__name__}")
             sections[name] = config_from_table(table, where="model")
-            continue
-        if name == "optimizer" and isinstance(table, Mapping) and "decay_steps" not in table:
+        elif name == "optimizer" and isinstance(table, Mapping) and "decay_steps" not in table:
             try:
-                sections[name] = _section(cls, {**table, "decay_steps": run.steps}, name)
+                sections[name] = build_dataclass(cls, {**table, "decay_steps": run.steps}, name)
             except ConfigError as error:
                 if str(error).startswith("optimizer.warmup_steps:"):
                     raise ConfigError(f"{error} (decay_steps defaults to run.steps)") from None
                 raise
-            continue
-        sections[name] = _section(cls, table, name)
+        else:
+            sections[name] = build_dataclass(cls, table, name)
     return RunConfig(**sections)
-
-
-def read_toml(path: str | os.PathLike) -> dict[str, Any]:
-    """The parsed TOML file; a missing, unreadable or malformed file is a one-line `ConfigError`."""
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"{path}: no such config file")
-    if path.is_dir():
-        raise ConfigError(f"{path}: is a directory, not a TOML config file")
-    try:
-        with path.open("rb") as file:
-            return tomllib.load(file)
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"{path}: not valid TOML: {error}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not valid TOML: the file is not UTF-8 text") from None
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot read the config file: {error.strerror}") from None
-
-
-def parse_override_value(text: str) -> Any:
-    """A ``--set`` value: a TOML value (``4``, ``3e-4``, ``true``, ``"x"``, ``[1, 2]``), else the text itself."""
-    text = text.strip()
-    if "\n" not in text:
-        try:
-            return tomllib.loads(f"value = {text}")["value"]
-        except tomllib.TOMLDecodeError:
-            pass
-    return text
-
-
-def apply_overrides(document: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """A copy of ``document`` with each ``section.key[.key...]=value`` set, in order.
-
-    Tables along the way are created when missing (``model.moe.n_experts=8`` on a config
-    without ``[model.moe]``); the keys themselves are checked when the config is built.
-    """
-    document = copy.deepcopy(dict(document))
-    for override in overrides:
-        dotted, equals, text = override.partition("=")
-        parts = [part.strip() for part in dotted.split(".")]
-        if not equals or not all(parts):
-            raise ConfigError(f"--set {override!r}: expected section.key=value, e.g. mesh.dp=4")
-        if len(parts) < 2:
-            raise ConfigError(
-                f"--set {override!r}: name the section too, e.g. run.{parts[0]}={text.strip()}"
-            )
-        table = document
-        for depth, part in enumerate(parts[:-1]):
-            child = table.setdefault(part, {})
-            if not isinstance(child, dict):
-                _fail(
-                    ".".join(parts[: depth + 1]),
-                    f"is {child!r}, not a table: cannot set {'.'.join(parts)}",
-                )
-            table = child
-        table[parts[-1]] = parse_override_value(text)
-    return document
 
 
 def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RunConfig:
@@ -421,69 +378,23 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RunCo
 # ----------------------------------------------------------------------------- writing
 
 
-def _table(section: Any) -> dict[str, Any]:
-    """A dataclass as a TOML-able table: None fields left out (they are the defaults), tuples as lists."""
-    table: dict[str, Any] = {}
-    for field in dataclasses.fields(section):
-        value = getattr(section, field.name)
-        if value is None:
-            continue
-        if dataclasses.is_dataclass(value):
-            value = _table(value)
-        elif isinstance(value, tuple):
-            value = list(value)
-        table[field.name] = value
-    return table
-
-
 def config_to_dict(config: RunConfig) -> dict[str, Any]:
     """Every section with every key (JSON- and TOML-able); `config_from_dict` rebuilds ``config``."""
-    document = {name: _table(getattr(config, name)) for name in SECTIONS}
+    document = {name: dataclass_to_table(getattr(config, name)) for name in SECTIONS}
     document["model"] = {"family": config.model.family, **document["model"]}
     return document
 
 
 def config_to_toml(config: RunConfig) -> str:
     """``config`` as TOML text that `load_config` reads back to an equal config."""
-    lines: list[str] = []
-
-    def write_table(table: Mapping[str, Any], name: str) -> None:
-        if lines:
-            lines.append("")
-        lines.append(f"[{name}]")
-        subtables = []
-        for key, value in table.items():
-            if isinstance(value, Mapping):
-                subtables.append((key, value))
-            else:
-                lines.append(f"{key} = {_toml_value(value)}")
-        for key, value in subtables:
-            write_table(value, f"{name}.{key}")
-
-    for name, table in config_to_dict(config).items():
-        write_table(table, name)
-    return "\n".join(lines) + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        return repr(value)  # inf, nan and 1e-08 are TOML floats too
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
-    raise TypeError(f"cannot write {value!r} as a TOML value")
+    return toml_text(config_to_dict(config))
 
 
 # ----------------------------------------------------------------------------- views
 
 
 def step_config(config: RunConfig) -> StepConfig:
-    """What `eqxzoo.train.step` needs: schedule, optimizer, precision, loss weights, remat."""
+    """What `eqxzoo.train` needs: schedule, optimizer, precision, loss weights, remat, rules."""
     return StepConfig(
         schedule=config.schedule,
         optimizer=config.optimizer,
@@ -491,6 +402,7 @@ def step_config(config: RunConfig) -> StepConfig:
         load_balance_weight=config.loss.load_balance_weight,
         router_z_weight=config.loss.router_z_weight,
         remat_stages=config.pipeline.remat_stages,
+        sharding=config.sharding,
     )
 
 

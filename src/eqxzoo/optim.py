@@ -15,9 +15,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import PyTree
 
-
-class OptimizerConfigError(ValueError):
-    """An invalid ``[optimizer]`` value; the message names the field."""
+from eqxzoo.typed_config import check_fields, fail
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,30 +42,21 @@ class OptimizerConfig:
     freeze: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if self.name not in ("adamw", "adafactor"):
-            raise OptimizerConfigError(
-                f"optimizer.name must be 'adamw' or 'adafactor', got {self.name!r}"
-            )
+        check_fields(self)
         if self.learning_rate <= 0:
-            raise OptimizerConfigError(
-                f"optimizer.learning_rate must be > 0, got {self.learning_rate}"
-            )
+            fail("learning_rate", f"must be > 0, got {self.learning_rate}")
         if not 0 <= self.warmup_steps < self.decay_steps:
-            raise OptimizerConfigError(
-                f"optimizer.warmup_steps must be in [0, decay_steps={self.decay_steps}), "
-                f"got {self.warmup_steps}"
+            fail(
+                "warmup_steps",
+                f"must be in [0, decay_steps={self.decay_steps}), got {self.warmup_steps}",
             )
         if self.clip_norm < 0:
-            raise OptimizerConfigError(
-                f"optimizer.clip_norm must be >= 0 (0: off), got {self.clip_norm}"
-            )
+            fail("clip_norm", f"must be >= 0 (0: off), got {self.clip_norm}")
         for pattern in self.freeze:
             try:
                 re.compile(pattern)
             except re.error as error:
-                raise OptimizerConfigError(
-                    f"optimizer.freeze: bad pattern {pattern!r}: {error}"
-                ) from None
+                fail("freeze", f"bad pattern {pattern!r}: {error}")
 
 
 def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:

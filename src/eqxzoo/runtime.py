@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 
 from eqxzoo.config import RunConfig, devices_needed
+from eqxzoo.errors import UserError
 
 # Set by `pipelines.launch` for each local process it starts.
 NUM_PROCESSES_ENV = "EQXZOO_NUM_PROCESSES"
@@ -18,7 +19,7 @@ LOOPBACK = "127.0.0.1"
 CLUSTER_ENVS = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 
 
-class RuntimeSetupError(RuntimeError):
+class RuntimeSetupError(UserError, RuntimeError):
     """The process could not join its run (bad launcher environment, coordinator unreachable)."""
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 from jaxtyping import UInt32
 
+from eqxzoo.errors import UserError
+
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -23,7 +25,7 @@ SPLITS = ("train", "val")
 TOKEN_DTYPE = "<u4"  # little-endian uint32, one per token
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad data input a user can fix: the message names the file (and line) and the problem."""
 
 

@@ -2,7 +2,15 @@
 
 from eqxzoo.parallel.mesh import MESH_AXES, MeshConfig, MeshError, check_model_fits, make_mesh
 from eqxzoo.parallel.pipeline import run_pipeline, stage_layers, staged_axes, unstage_layers
-from eqxzoo.parallel.rules import DEFAULT_RULES, MeshAxes, partition_spec, tree_shardings
+from eqxzoo.parallel.rules import (
+    DEFAULT_RULES,
+    MeshAxes,
+    ShardingConfig,
+    activation_sharding,
+    activation_spec,
+    partition_spec,
+    tree_shardings,
+)
 from eqxzoo.parallel.schedule import Schedule, ScheduleError, ScheduleName
 
 __all__ = [
@@ -14,6 +22,9 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "ScheduleName",
+    "ShardingConfig",
+    "activation_sharding",
+    "activation_spec",
     "check_model_fits",
     "make_mesh",
     "partition_spec",

@@ -5,10 +5,13 @@ import dataclasses
 import jax
 from jax.sharding import AxisType, Mesh
 
+from eqxzoo.errors import UserError
+from eqxzoo.typed_config import check_fields, require_at_least
+
 MESH_AXES = ("dp", "pp", "tp", "ep")
 
 
-class MeshError(ValueError):
+class MeshError(UserError, ValueError):
     """A mesh that does not fit the devices or the model; the message names the numbers."""
 
 
@@ -20,9 +23,8 @@ class MeshConfig:
     ep: int = 1
 
     def __post_init__(self):
-        for axis in MESH_AXES:
-            if getattr(self, axis) < 1:
-                raise MeshError(f"mesh.{axis} must be >= 1, got {getattr(self, axis)}")
+        check_fields(self)
+        require_at_least(self, 1, *MESH_AXES)
 
     @property
     def shape(self) -> tuple[int, ...]:

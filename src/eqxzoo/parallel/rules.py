@@ -1,32 +1,75 @@
-"""Logical axis names -> mesh axes: one rules table from which every sharding is derived."""
+"""Logical axis names -> mesh axes: one rules table from which every sharding is derived.
 
+Parameters name their axes where they are created (``("embed", "mlp")``); activations and
+batches name theirs where they are constrained (``("microbatches", "batch", "seq")``). The
+table (`ShardingConfig`, the run config's ``[sharding]`` section) says which mesh axes each
+name is split over; `partition_spec` turns a parameter's names into a PartitionSpec and
+`activation_spec` an activation's. No other module writes a PartitionSpec by hand.
+"""
+
+import dataclasses
 from collections.abc import Mapping
+from functools import cached_property
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from eqxzoo.nn import Axes
+from eqxzoo.parallel.mesh import MESH_AXES
+from eqxzoo.typed_config import check_fields, fail
 
 MeshAxes = str | tuple[str, ...] | None
 
-# FSDP over dp on the model dimension, Megatron tensor parallelism over tp, experts over ep,
-# the pipeline stage axis over pp. Arrays that no other rule splits over ep or pp would be
-# whole on each of those devices: the model dimension also takes ep where the experts have
-# not (attention, norms, router, embeddings: FSDP over dp x ep), and the vocabulary takes pp
-# (the embeddings live outside the pipeline stages).
-DEFAULT_RULES: Mapping[str, MeshAxes] = {
-    "stages": "pp",
-    "repeats": None,
-    "layers": None,
-    "embed": ("dp", "ep"),
-    "vocab": ("tp", "pp"),
-    "heads": "tp",
-    "kv_heads": "tp",
-    "head_dim": None,
-    "mlp": "tp",
-    "experts": "ep",
-}
+
+@dataclasses.dataclass(frozen=True)
+class ShardingConfig:
+    """``[sharding]``: the mesh axes each logical axis is split over (``[]``: replicated).
+
+    The defaults: FSDP over dp on the model dimension, Megatron tensor parallelism over tp,
+    experts over ep, the pipeline stage axis over pp. Arrays that no other rule splits over
+    ep or pp would be whole on each of those devices: the model dimension also takes ep
+    where the experts have not (attention, norms, router, embeddings: FSDP over dp x ep),
+    and the vocabulary takes pp (the embeddings live outside the pipeline stages).
+    ``stages`` (the pipeline runs manual over pp) and ``batch`` (the loader splits each
+    microbatch's sequences over dp) are fixed.
+    """
+
+    stages: tuple[str, ...] = ("pp",)
+    repeats: tuple[str, ...] = ()
+    layers: tuple[str, ...] = ()
+    embed: tuple[str, ...] = ("dp", "ep")
+    vocab: tuple[str, ...] = ("tp", "pp")
+    heads: tuple[str, ...] = ("tp",)
+    kv_heads: tuple[str, ...] = ("tp",)
+    head_dim: tuple[str, ...] = ()
+    mlp: tuple[str, ...] = ("tp",)
+    experts: tuple[str, ...] = ("ep",)
+    grad_accum: tuple[str, ...] = ()
+    microbatches: tuple[str, ...] = ()
+    batch: tuple[str, ...] = ("dp",)
+    seq: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        check_fields(self)
+        for field in dataclasses.fields(self):
+            axes = getattr(self, field.name)
+            unknown = [axis for axis in axes if axis not in MESH_AXES]
+            if unknown:
+                fail(field.name, f"{unknown} are not mesh axes; choose from {list(MESH_AXES)}")
+            if len(set(axes)) != len(axes):
+                fail(field.name, f"{list(axes)} names a mesh axis twice")
+        for name, fixed in (("stages", ("pp",)), ("batch", ("dp",))):
+            if getattr(self, name) != fixed:
+                fail(name, f"must be {list(fixed)}, got {list(getattr(self, name))}")
+
+    @cached_property
+    def rules(self) -> Mapping[str, MeshAxes]:
+        """``{logical name: mesh axes or None}``."""
+        return {field.name: getattr(self, field.name) or None for field in dataclasses.fields(self)}
+
+
+DEFAULT_RULES: Mapping[str, MeshAxes] = ShardingConfig().rules
 
 
 def partition_spec(
@@ -54,6 +97,29 @@ def partition_spec(
         used.update(chosen)
         spec.append(chosen[0] if len(chosen) == 1 else chosen)
     return PartitionSpec(*spec)
+
+
+def activation_spec(
+    *names: str | None, rules: Mapping[str, MeshAxes] = DEFAULT_RULES
+) -> PartitionSpec:
+    """The PartitionSpec of an activation or batch whose leading axes are ``names`` (trailing
+    axes replicated). The config guarantees the split sizes divide (``data.batch_size`` over
+    dp), so no shape is needed; usable where only a spec is wanted (shard_map, hints inside it).
+    """
+    spec = []
+    for name in names:
+        mesh_axes = rules.get(name) if name is not None else None
+        if isinstance(mesh_axes, tuple) and len(mesh_axes) == 1:
+            mesh_axes = mesh_axes[0]
+        spec.append(mesh_axes or None)
+    return PartitionSpec(*spec)
+
+
+def activation_sharding(
+    mesh: Mesh, *names: str | None, rules: Mapping[str, MeshAxes] = DEFAULT_RULES
+) -> NamedSharding:
+    """`activation_spec` on ``mesh``."""
+    return NamedSharding(mesh, activation_spec(*names, rules=rules))
 
 
 def tree_shardings(

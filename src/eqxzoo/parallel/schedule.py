@@ -17,10 +17,13 @@ from typing import Literal
 
 import numpy as np
 
+from eqxzoo.errors import UserError
+from eqxzoo.typed_config import check_fields
+
 ScheduleName = Literal["gpipe", "circular"]
 
 
-class ScheduleError(ValueError):
+class ScheduleError(UserError, ValueError):
     """An impossible (schedule, stages, microbatches, repeats) combination."""
 
 
@@ -32,10 +35,7 @@ class Schedule:
     repeats: int
 
     def __post_init__(self):
-        if self.name not in ("gpipe", "circular"):
-            raise ScheduleError(
-                f"pipeline.schedule must be 'gpipe' or 'circular', got {self.name!r}"
-            )
+        check_fields(self)
         if self.stages < 1 or self.microbatches < 1 or self.repeats < 1:
             raise ScheduleError(
                 f"stages, microbatches and repeats must be >= 1, got "

@@ -1,0 +1,292 @@
+"""Typed configs: frozen dataclasses checked on construction, read from and written to TOML.
+
+Every config of the project (the run's sections, the model families, the mesh, the
+optimizer) is a frozen dataclass whose ``__post_init__`` starts with `check_fields`: each
+value must match its annotation (``int``, ``float``, ``str``, ``bool``, ``Literal``, unions,
+``tuple[X, ...]``, nested config dataclasses), so a bad value is refused the same way
+whether it came from Python, a TOML file or ``--set``. `build_dataclass` builds one from a
+TOML table, refusing unknown keys; `read_toml` and `apply_overrides` read a file and its
+command-line overrides; `dataclass_to_table` and `toml_text` write one back.
+
+Every message is one line naming the key (``mesh.dp: expected int, got 'two'``), raised as
+`ConfigError`. This module imports no JAX: commands check a config before starting it.
+"""
+
+import copy
+import dataclasses
+import functools
+import json
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from eqxzoo.errors import ConfigError
+
+__all__ = [
+    "ConfigError",
+    "apply_overrides",
+    "build_dataclass",
+    "check_fields",
+    "dataclass_to_table",
+    "fail",
+    "parse_override_value",
+    "read_toml",
+    "require_at_least",
+    "toml_text",
+]
+
+
+def fail(key: str, problem: str) -> typing.NoReturn:
+    """Raise ``ConfigError("key: problem")``."""
+    raise ConfigError(f"{key}: {problem}")
+
+
+def require_at_least(config: Any, minimum: int | float, *names: str) -> None:
+    """Each named field of ``config`` must be ``>= minimum``."""
+    for name in names:
+        value = getattr(config, name)
+        if value < minimum:
+            fail(name, f"must be >= {minimum}, got {value}")
+
+
+@functools.cache
+def _field_hints(cls: type) -> dict[str, Any]:
+    return {
+        name: hint
+        for name, hint in typing.get_type_hints(cls).items()
+        if name in {field.name for field in dataclasses.fields(cls)}
+    }
+
+
+def check_fields(config: Any) -> None:
+    """Check every field of the dataclass instance ``config`` against its annotation.
+
+    Call first in ``__post_init__``. Integers given for float-only fields become floats and
+    lists given for tuple fields become tuples (TOML writes ``500000`` and ``[...]``), so a
+    config equals itself after a trip through TOML.
+    """
+    for name, hint in _field_hints(type(config)).items():
+        value = getattr(config, name)
+        _check_value(name, value, hint)
+        declared = _as_declared(value, hint)
+        if declared is not value:
+            object.__setattr__(config, name, declared)
+
+
+def build_dataclass(cls: type, table: Any, where: str) -> Any:
+    """``cls(**table)`` for a config dataclass ``cls``; messages name ``where.key``.
+
+    Unknown keys are refused with the list of valid ones; a sub-table for a field whose
+    annotation names a config dataclass (``moe: MoEConfig | None``) is built recursively.
+    Values are checked and converted before the constructor sees them (as `check_fields`
+    does after), so a type-checked constructor never receives a TOML integer for a float.
+    """
+    if not isinstance(table, Mapping):
+        fail(where, f"must be a table, got {type(table).__name__}")
+    hints = _field_hints(cls)
+    values = {}
+    for key, value in table.items():
+        if key not in hints:
+            fail(f"{where}.{key}", f"unknown key; valid keys are {sorted(hints)}")
+        nested = _dataclass_in(hints[key])
+        if nested is not None and isinstance(value, Mapping):
+            value = build_dataclass(nested, value, f"{where}.{key}")
+        elif nested is not None and not isinstance(value, (nested, type(None))):
+            fail(f"{where}.{key}", f"must be a table, got {type(value).__name__}")
+        _check_value(f"{where}.{key}", value, hints[key])
+        values[key] = _as_declared(value, hints[key])
+    try:
+        return cls(**values)
+    except ConfigError as error:
+        raise ConfigError(f"{where}.{error}") from None
+
+
+def _check_value(key: str, value: Any, hint: Any) -> None:
+    if not _matches(value, hint):
+        fail(key, f"expected {_describe(hint)}, got {value!r}")
+
+
+def _dataclass_in(hint: Any) -> type | None:
+    """The dataclass named by ``hint`` (``X`` or ``X | None``), if any."""
+    for candidate in (hint, *typing.get_args(hint)):
+        if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
+
+
+def _as_declared(value: Any, hint: Any) -> Any:
+    item = _tuple_item(hint)
+    if item is not None and isinstance(value, (list, tuple)):
+        converted = tuple(_as_declared(element, item) for element in value)
+        return value if converted == value and isinstance(value, tuple) else converted
+    accepts_float = hint is float or float in typing.get_args(hint)
+    accepts_int = hint is int or int in typing.get_args(hint)
+    if accepts_float and not accepts_int and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return any(
+            value == option and type(value) is type(option) for option in typing.get_args(hint)
+        )
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    item = _tuple_item(hint)
+    if item is not None:
+        return isinstance(value, (list, tuple)) and all(
+            _matches(element, item) for element in value
+        )
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(hint))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(hint))
+    item = _tuple_item(hint)
+    if item is not None:
+        return f"a list of {_describe(item)}"
+    if dataclasses.is_dataclass(hint):
+        return "a table"
+    return "none" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def _tuple_item(hint: Any) -> Any:
+    """``X`` for a ``tuple[X, ...]`` annotation, else None."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return args[0]
+    return None
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed TOML file; a missing, unreadable or malformed file is a one-line `ConfigError`."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such config file")
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory, not a TOML config file")
+    try:
+        with path.open("rb") as file:
+            return tomllib.load(file)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: not valid TOML: {error}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not valid TOML: the file is not UTF-8 text") from None
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read the config file: {error.strerror}") from None
+
+
+def parse_override_value(text: str) -> Any:
+    """A ``--set`` value: a TOML value (``4``, ``3e-4``, ``true``, ``"x"``, ``[1, 2]``), else the text itself."""
+    text = text.strip()
+    if "\n" not in text:
+        try:
+            return tomllib.loads(f"value = {text}")["value"]
+        except tomllib.TOMLDecodeError:
+            pass
+    return text
+
+
+def apply_overrides(document: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of ``document`` with each ``section.key[.key...]=value`` set, in order.
+
+    Tables along the way are created when missing (``model.moe.n_experts=8`` on a config
+    without ``[model.moe]``); the keys themselves are checked when the config is built.
+    """
+    document = copy.deepcopy(dict(document))
+    for override in overrides:
+        dotted, equals, text = override.partition("=")
+        parts = [part.strip() for part in dotted.split(".")]
+        if not equals or not all(parts):
+            raise ConfigError(f"--set {override!r}: expected section.key=value, e.g. mesh.dp=4")
+        if len(parts) < 2:
+            raise ConfigError(
+                f"--set {override!r}: name the section too, e.g. run.{parts[0]}={text.strip()}"
+            )
+        table = document
+        for depth, part in enumerate(parts[:-1]):
+            child = table.setdefault(part, {})
+            if not isinstance(child, dict):
+                fail(
+                    ".".join(parts[: depth + 1]),
+                    f"is {child!r}, not a table: cannot set {'.'.join(parts)}",
+                )
+            table = child
+        table[parts[-1]] = parse_override_value(text)
+    return document
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def dataclass_to_table(config: Any) -> dict[str, Any]:
+    """A config dataclass as a TOML-able table: None fields left out (they are the
+    defaults), nested dataclasses as sub-tables, tuples as lists."""
+    table: dict[str, Any] = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if value is None:
+            continue
+        if dataclasses.is_dataclass(value):
+            value = dataclass_to_table(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        table[field.name] = value
+    return table
+
+
+def toml_text(document: Mapping[str, Mapping[str, Any]]) -> str:
+    """``{section: table}`` as TOML text (sub-tables as ``[section.key]``)."""
+    lines: list[str] = []
+
+    def write_table(table: Mapping[str, Any], name: str) -> None:
+        if lines:
+            lines.append("")
+        lines.append(f"[{name}]")
+        subtables = []
+        for key, value in table.items():
+            if isinstance(value, Mapping):
+                subtables.append((key, value))
+            else:
+                lines.append(f"{key} = {_toml_value(value)}")
+        for key, value in subtables:
+            write_table(value, f"{name}.{key}")
+
+    for name, table in document.items():
+        write_table(table, name)
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)  # inf, nan and 1e-08 are TOML floats too
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    raise TypeError(f"cannot write {value!r} as a TOML value")
