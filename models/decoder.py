@@ -1,10 +1,17 @@
-"""The shared decoder-LM builder every family is assembled with."""
+"""The shared decoder-LM builder every family is assembled with.
+
+`DecoderLM` fulfils the model contract (`eqxzoo.nn.LanguageModel`): ``embed``, an optional
+``prefix``, the stacked ``blocks``, ``head``, and ``block_keys`` / ``make_layers`` so the
+trainer can create the blocks directly in its pipeline layout. A family is a
+`models.config.DecoderConfig` subclass plus its Hugging Face mapping (`models.family`);
+the builder reads only the config's fields.
+"""
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
 from eqxzoo.nn import (
     MLP,
@@ -15,8 +22,13 @@ from eqxzoo.nn import (
     MoE,
     RMSNorm,
     Stack,
+    make_layers_for_keys,
+    summarize_layer_aux,
 )
 from models.config import DecoderConfig
+from models.family import Family
+
+FAMILY = Family(name="decoder", config_class=DecoderConfig, hf=None)
 
 
 def make_norm(config: DecoderConfig) -> RMSNorm | LayerNorm:
@@ -99,11 +111,14 @@ class DecoderBlock(eqx.Module):
     def __call__(
         self, h: Float[Array, "*batch seq embed"], *, key: PRNGKeyArray | None = None
     ) -> tuple[Float[Array, "*batch seq embed"], dict[str, Array]]:
-        h = h + self.attention(self.attention_norm(h))
+        with jax.named_scope("attention"):
+            h = h + self.attention(self.attention_norm(h))
         if isinstance(self.mlp, MoE):
-            mlp_out, aux = self.mlp(self.mlp_norm(h))
+            with jax.named_scope("moe"):
+                mlp_out, aux = self.mlp(self.mlp_norm(h))
         else:
-            mlp_out, aux = self.mlp(self.mlp_norm(h)), {}
+            with jax.named_scope("mlp"):
+                mlp_out, aux = self.mlp(self.mlp_norm(h)), {}
         return h + mlp_out, aux
 
     def cached_forward(
@@ -147,6 +162,7 @@ class DecoderLM(eqx.Module):
     """
 
     embedding: Embedding
+    prefix: Stack | None
     blocks: Stack
     final_norm: RMSNorm | LayerNorm
     unembedding: Linear | None
@@ -157,6 +173,7 @@ class DecoderLM(eqx.Module):
         self.embedding = Embedding(
             config.vocab_size, config.d_model, init_std=config.init_std, key=embed_key
         )
+        self.prefix = None
         self.blocks = Stack(
             lambda layer_key: DecoderBlock(config, key=layer_key),
             config.n_layers,
@@ -182,6 +199,17 @@ class DecoderLM(eqx.Module):
     def embed(self, tokens: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq embed"]:
         return self.embedding(tokens)
 
+    def block_keys(self, key: PRNGKeyArray) -> Key[Array, " layers"]:
+        """The ``(n_layers,)`` keys ``DecoderLM(config, key=key)`` builds its blocks from."""
+        _, blocks_key, _ = jax.random.split(key, 3)
+        return jax.random.split(blocks_key, self.config.n_layers)
+
+    def make_layers(self, layer_keys: Key[Array, "*stack"]) -> DecoderBlock:
+        """Blocks for ``layer_keys`` of any shape, stacked on its axes (``blocks.layers`` for
+        ``block_keys(key)``)."""
+        config = self.config
+        return make_layers_for_keys(lambda key: DecoderBlock(config, key=key), layer_keys)
+
     def head(self, h: Float[Array, "*batch seq embed"]) -> Float[Array, "*batch seq vocab"]:
         h = self.final_norm(h)
         if self.unembedding is None:
@@ -191,7 +219,10 @@ class DecoderLM(eqx.Module):
     def __call__(
         self, tokens: Int[Array, " seq"], *, key: PRNGKeyArray | None = None
     ) -> tuple[Float[Array, "seq vocab"], dict[str, Array]]:
-        h, layer_aux = self.blocks(self.embed(tokens), key=key)
+        h = self.embed(tokens)
+        if self.prefix is not None:
+            h, _ = self.prefix(h)
+        h, layer_aux = self.blocks(h, key=key)
         return self.head(h), summarize_layer_aux(layer_aux)
 
     def init_cache(self, max_len: int, dtype: DTypeLike | None = None) -> KVCache:
@@ -236,15 +267,3 @@ class DecoderLM(eqx.Module):
         )
         cache = KVCache(keys=keys, values=values, position=position + tokens.shape[0])
         return self.head(h), cache
-
-
-def summarize_layer_aux(layer_aux: dict[str, Array]) -> dict[str, Array]:
-    """Reduce per-layer aux values (leading ``layers`` axis) to the model's ``aux``.
-
-    Losses and the dropped fraction are averaged over layers; ``expert_fraction`` keeps its
-    ``(layers, experts)`` shape as the per-layer expert load.
-    """
-    return {
-        name: values if name == "expert_fraction" else jnp.mean(values, axis=0)
-        for name, values in layer_aux.items()
-    }

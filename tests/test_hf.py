@@ -23,15 +23,15 @@ import jax.numpy as jnp  # noqa: E402
 import safetensors.numpy  # noqa: E402
 import safetensors.torch  # noqa: E402
 
-from models.config import (  # noqa: E402
+from models import (  # noqa: E402
     ConfigError,
     DecoderConfig,
+    DecoderLM,
     LlamaConfig,
     MixtralConfig,
     MoEConfig,
     QwenMoeConfig,
 )
-from models.decoder import DecoderLM  # noqa: E402
 from models.hf import HFCheckpointError, config_from_hf, load_hf, save_hf  # noqa: E402
 
 VOCAB = 97
@@ -537,7 +537,25 @@ def test_llama_output_bias_must_be_zero(tmp_path):
             r"rope_scaling\.rope_type: 'dynamic': only unscaled \('default'\) rotary embeddings",
         ),
         ("llama_mha", {"hidden_act": "gelu"}, r"hidden_act: 'gelu' is not supported"),
-        ("llama_mha", {"mlp_bias": True}, r"mlp_bias: MLP biases are not supported"),
+        (
+            "llama_mha",
+            {"mlp_bias": True},
+            r"mlp_bias: True is not supported: the zoo models LlamaForCausalLM only with "
+            r"Hugging Face's default False",
+        ),
+        (
+            "mixtral_top2_of_4",
+            {"router_jitter_noise": 0.1},
+            r"router_jitter_noise: 0\.1 is not supported: the zoo models MixtralForCausalLM only "
+            r"with Hugging Face's default 0\.0",
+        ),
+        ("qwen_moe_gqa", {"attention_dropout": 0.1}, r"attention_dropout: 0\.1 is not supported"),
+        (
+            "llama_mha",
+            {"quantization_config": {"quant_method": "fp8"}},
+            r"quantization_config: \{'quant_method': 'fp8'\}: an option of LlamaForCausalLM the "
+            r"zoo does not model",
+        ),
         (
             "mixtral_top2_of_4",
             {"sliding_window": 4096},
@@ -554,11 +572,25 @@ def test_llama_output_bias_must_be_zero(tmp_path):
     ],
 )
 def test_unsupported_hf_config(case, changes, message, tmp_path):
+    """Each family whitelists the config.json keys it reads or may ignore; any other key
+    whose value differs from Hugging Face's default is refused, naming it."""
     write_config(tmp_path, hf_config_dict(case, **changes))
     with pytest.raises(ConfigError, match=message) as error:
         load_hf(tmp_path)
     assert str(tmp_path / "config.json") in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_keys_at_their_defaults_or_ignorable_are_accepted():
+    config = hf_config_dict(
+        "mixtral_top2_of_4",
+        router_jitter_noise=0.0,
+        attention_dropout=0.0,
+        output_router_logits=True,
+        router_aux_loss_coef=0.5,
+        some_future_option=None,
+    )
+    assert isinstance(config_from_hf(config), MixtralConfig)
 
 
 TINY = dict(vocab_size=VOCAB, d_model=16, n_layers=1, n_heads=2, mlp_dim=16)

@@ -2,6 +2,7 @@
 
 from eqxzoo.nn.attention import CausalSelfAttention
 from eqxzoo.nn.axes import AbstractAxesOwner, Axes, LogicalName, logical_axes
+from eqxzoo.nn.contract import LanguageModel, make_layers_for_keys, summarize_layer_aux
 from eqxzoo.nn.grouped import grouped_matmul
 from eqxzoo.nn.linear import Embedding, Linear, normal_init
 from eqxzoo.nn.mlp import MLP, Activation
@@ -17,6 +18,7 @@ __all__ = [
     "CausalSelfAttention",
     "Embedding",
     "Experts",
+    "LanguageModel",
     "LayerNorm",
     "Linear",
     "LogicalName",
@@ -32,8 +34,10 @@ __all__ = [
     "apply_rope",
     "grouped_matmul",
     "logical_axes",
+    "make_layers_for_keys",
     "normal_init",
     "remat",
     "rope_frequencies",
     "router_losses",
+    "summarize_layer_aux",
 ]

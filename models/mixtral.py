@@ -1,0 +1,94 @@
+"""Mixtral (``MixtralForCausalLM``): Llama with every MLP a top-k MoE of SwiGLU experts
+(renormalised top-k weights), no shared experts, no attention biases."""
+
+import dataclasses
+from typing import Any, ClassVar
+
+from eqxzoo.typed_config import ConfigError, fail
+from models.config import DecoderConfig, MoEConfig
+from models.family import (
+    Family,
+    HFConfig,
+    Tensor,
+    common_fields,
+    common_hf_fields,
+    llama_like_mapping,
+    llama_like_tensors,
+    routed_experts_tensors,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtralConfig(DecoderConfig):
+    """Mixtral: Llama with every MLP a top-k MoE of SwiGLU experts, no shared experts."""
+
+    family: ClassVar[str] = "mixtral"
+    moe: MoEConfig | None = MoEConfig()
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.moe is None:
+            fail("moe", "mixtral needs a [moe] table")
+        if self.moe.shared_mlp_dim:
+            fail("moe.shared_mlp_dim", "mixtral has no shared experts: use family 'qwen_moe'")
+
+
+ARCHITECTURE = "MixtralForCausalLM"
+
+
+def config_from_hf(hf_config: HFConfig) -> MixtralConfig:
+    if hf_config.values.get("sliding_window") is not None:
+        raise hf_config.error(
+            "sliding_window",
+            f"{hf_config.values['sliding_window']}: sliding-window attention is not supported; "
+            "set it to null",
+        )
+    moe = MoEConfig(
+        n_experts=hf_config.get("num_local_experts"),
+        top_k=hf_config.get("num_experts_per_tok"),
+        expert_mlp_dim=hf_config.get("intermediate_size"),
+        normalize_topk=True,
+    )
+    return MixtralConfig(**common_fields(hf_config), qkv_bias=False, moe=moe)
+
+
+def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
+    fields = common_hf_fields(config, ARCHITECTURE)
+    moe = config.moe
+    if config.qkv_bias:
+        raise ConfigError(f"qkv_bias: {ARCHITECTURE} has no attention biases; set qkv_bias=False")
+    if not moe.normalize_topk:
+        raise ConfigError(f"moe.normalize_topk: {ARCHITECTURE} always renormalises; set it to True")
+    return {
+        **fields,
+        "intermediate_size": moe.expert_mlp_dim,
+        "num_local_experts": moe.n_experts,
+        "num_experts_per_tok": moe.top_k,
+        "sliding_window": None,
+    }
+
+
+def tensors(config: DecoderConfig) -> list[Tensor]:
+    return llama_like_tensors(config) + routed_experts_tensors(
+        "block_sparse_moe.", ("w1", "w3", "w2")
+    )
+
+
+FAMILY = Family(
+    name="mixtral",
+    config_class=MixtralConfig,
+    hf=llama_like_mapping(
+        architecture=ARCHITECTURE,
+        model_type="mixtral",
+        defaults={"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_experts_per_tok": 2},
+        handled_keys=frozenset({"num_local_experts", "num_experts_per_tok", "sliding_window"}),
+        # The router's auxiliary loss is the trainer's business ([loss] in the run config).
+        ignored_keys=frozenset({"output_router_logits", "router_aux_loss_coef"}),
+        pinned_keys={"router_jitter_noise": 0.0},
+        config_from_hf=config_from_hf,
+        config_to_hf=config_to_hf,
+        tensors=tensors,
+        # transformers 5 names Mixtral's block_sparse_moe "mlp" in memory (fused layout).
+        renames=((".mlp.", ".block_sparse_moe."),),
+    ),
+)

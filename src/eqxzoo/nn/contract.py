@@ -1,0 +1,73 @@
+"""The model contract: what the trainer, the pipeline and the checkpoints need of a model.
+
+The trainer never depends on a model class. A model is any Equinox module with these parts,
+driven separately by the pipeline (embedding and head outside it, the stacked blocks staged
+over ``pp`` inside it):
+
+- ``embed(tokens) -> h``: token ids ``(*batch, seq)`` to hidden states ``(*batch, seq, embed)``.
+- ``prefix``: a `Stack` of the few first layers whose shapes differ from the repeated block
+  (DeepSeek's dense first layers), run outside the pipeline after ``embed``; ``None`` for
+  most models. Its layers return no auxiliary values.
+- ``blocks``: one `Stack` of identical layers, every array with a leading ``layers`` axis;
+  each layer is called as ``layer(h, key=None) -> (h, aux)`` on ``(*batch, seq, embed)``.
+  ``blocks.remat_policy`` is how each layer is rematerialised.
+- ``head(h) -> logits``: hidden states to ``(*batch, seq, vocab)`` logits.
+- ``block_keys(key)``: the per-layer keys that ``Model(..., key=key)`` builds its blocks from,
+  shape ``(layers,)``, and ``make_layers(layer_keys)``: the layers for keys with any leading
+  axes, stacked on those axes. With both, the trainer creates the blocks directly in the
+  pipeline's ``[repeats, stages, layers per stage]`` layout, value for value the same as the
+  model's own initialisation.
+- ``__call__(tokens, *, key=None) -> (logits, aux)`` for one sequence: the composition,
+  with ``aux`` the per-layer auxiliary values reduced by `summarize_layer_aux`.
+
+Every array is annotated with logical axes (`eqxzoo.nn.AbstractAxesOwner`).
+"""
+
+from typing import Protocol, runtime_checkable
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, Key, PRNGKeyArray, PyTree
+
+from eqxzoo.nn.stack import Stack
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    """A decoder LM the trainer can pipeline; see the module docstring."""
+
+    prefix: Stack | None
+    blocks: Stack
+
+    def embed(self, tokens: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq embed"]: ...
+
+    def head(self, h: Float[Array, "*batch seq embed"]) -> Float[Array, "*batch seq vocab"]: ...
+
+    def block_keys(self, key: PRNGKeyArray) -> Key[Array, " layers"]: ...
+
+    def make_layers(self, layer_keys: Key[Array, "*stack"]) -> PyTree: ...
+
+    def __call__(
+        self, tokens: Int[Array, " seq"], *, key: PRNGKeyArray | None = None
+    ) -> tuple[Float[Array, "seq vocab"], dict[str, Array]]: ...
+
+
+def make_layers_for_keys(make_layer, layer_keys: Key[Array, "*stack"]) -> PyTree:
+    """``make_layer`` (one key -> one layer) over every key of ``layer_keys``, the layers'
+    arrays stacked on the keys' leading axes (one `eqx.filter_vmap` per axis)."""
+    build = make_layer
+    for _ in range(layer_keys.ndim):
+        build = eqx.filter_vmap(build)
+    return build(layer_keys)
+
+
+def summarize_layer_aux(layer_aux: dict[str, Array]) -> dict[str, Array]:
+    """Reduce per-layer aux values (leading ``layers`` axis) to the model's ``aux``.
+
+    Losses and the dropped fraction are averaged over layers; ``expert_fraction`` keeps its
+    ``(layers, experts)`` shape as the per-layer expert load.
+    """
+    return {
+        name: values if name == "expert_fraction" else jnp.mean(values, axis=0)
+        for name, values in layer_aux.items()
+    }
