@@ -21,6 +21,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
@@ -31,10 +32,12 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp  # noqa: E402
 
 import models  # noqa: E402
+from eqxzoo.config import StepConfig  # noqa: E402
 from eqxzoo.optim import OptimizerConfig  # noqa: E402
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh  # noqa: E402
 from eqxzoo.train.report import flops_per_token, measured_matmul_flops, median_seconds  # noqa: E402
-from eqxzoo.train.step import StepConfig, batch_sharding, init_train_state, make_train_step  # noqa: E402
+from eqxzoo.train.state import init_train_state  # noqa: E402
+from eqxzoo.train.step import batch_sharding, make_train_step  # noqa: E402
 
 REFERENCE = dict(vocab_size=1024, d_model=256, n_layers=4, n_heads=4, mlp_dim=1024)
 BATCH, SEQ = 8, 256
@@ -76,7 +79,10 @@ class StepRunner:
             remat_stages=remat_stages,
         )
         self.state = init_train_state(
-            model_config, jax.random.key(0), config=self.config, mesh=self.mesh
+            functools.partial(models.DecoderLM, model_config),
+            jax.random.key(0),
+            config=self.config,
+            mesh=self.mesh,
         )
         self.batch = jax.device_put(
             make_batch(batch_shape, model_config.vocab_size), batch_sharding(self.mesh)
@@ -203,9 +209,9 @@ def loader_throughput(repeats: int, quick: bool) -> dict:
     shape = batch_shape(config)
     documents = open_split(data_directory(config), "train")
     mesh = make_mesh(config.mesh, jax.devices()[: config.mesh.size])
-    sharding = batch_sharding(mesh)
+    sharding = batch_sharding(mesh, config.sharding.rules)
     steps = 5 if quick else 200
-    tokens_per_step = shape.windows * shape.seq_len
+    tokens_per_step = config.tokens_per_step
 
     batches = train_batches(
         documents,
@@ -239,7 +245,8 @@ def loader_throughput(repeats: int, quick: bool) -> dict:
         memmap_rate = steps * tokens_per_step / (time.perf_counter() - start)
 
     train_config = step_config(config)
-    state = init_train_state(config.model, jax.random.key(0), config=train_config, mesh=mesh)
+    make_model = functools.partial(models.DecoderLM, config.model)
+    state = init_train_state(make_model, jax.random.key(0), config=train_config, mesh=mesh)
     step_fn = make_train_step(train_config, mesh)
     batches = train_batches(documents, shape, sharding, seed=0)
     batch = next(batches)

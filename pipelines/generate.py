@@ -10,10 +10,11 @@ Prints the prompt followed by the continuation. Problems are one ``error:`` line
 
 import argparse
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
-EXIT_USAGE = 2
+from eqxzoo.errors import ConfigError, UserError, run_command
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -33,35 +34,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    return EXIT_USAGE
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from eqxzoo.config import ConfigError, load_config
+    return run_command(lambda: generate_from_run(args))
+
+
+def generate_from_run(args: argparse.Namespace) -> int:
+    from eqxzoo.config import load_config
     from eqxzoo.train.loop import CHECKPOINT_DIR, CONFIG_FILE
 
     config_file = args.run_dir / CONFIG_FILE
     if not config_file.is_file():
-        return fail(f"{args.run_dir} has no {CONFIG_FILE}: not a pipelines.run directory")
+        raise UserError(f"{args.run_dir} has no {CONFIG_FILE}: not a pipelines.run directory")
     try:
         config = load_config(config_file)
     except ConfigError as error:
-        return fail(f"{config_file}: {error}")
+        raise ConfigError(f"{config_file}: {error}") from None
 
     import jax
     import jax.numpy as jnp
 
     from eqxzoo.config import step_config
-    from eqxzoo.data import EOD_TOKEN, DataError, load_tokenizer
+    from eqxzoo.data import EOD_TOKEN, load_tokenizer
     from eqxzoo.data.prepare import TOKENIZER_FILE
     from eqxzoo.parallel import MeshConfig, make_mesh
-    from eqxzoo.train.checkpoint import Checkpointer, CheckpointError
+    from eqxzoo.train.checkpoint import Checkpointer
+    from eqxzoo.train.layout import abstract_checkpoint_state
     from eqxzoo.train.loop import data_directory
-    from eqxzoo.train.step import abstract_checkpoint_layout, abstract_train_state
-    from models import generate
+    from models import DecoderLM, generate
 
     one_device = dataclasses.replace(
         config,
@@ -69,22 +69,19 @@ def main(argv: list[str] | None = None) -> int:
         pipeline=dataclasses.replace(config.pipeline, schedule="gpipe", repeats=1),
     )
     mesh = make_mesh(one_device.mesh, jax.devices()[:1])
-    target = abstract_checkpoint_layout(
-        abstract_train_state(config.model, config=step_config(one_device), mesh=mesh)
+    target = abstract_checkpoint_state(
+        functools.partial(DecoderLM, config.model), config=step_config(one_device), mesh=mesh
     )
-    try:
-        tokenizer = load_tokenizer(data_directory(config) / TOKENIZER_FILE)
-        with Checkpointer(args.run_dir / CHECKPOINT_DIR, every=1, keep=1) as checkpointer:
-            restored = checkpointer.restore_latest(target, None)
-    except (DataError, CheckpointError) as error:
-        return fail(str(error))
+    tokenizer = load_tokenizer(data_directory(config) / TOKENIZER_FILE)
+    with Checkpointer(args.run_dir / CHECKPOINT_DIR, every=1, keep=1) as checkpointer:
+        restored = checkpointer.restore_latest(target, None)
     if restored is None:
-        return fail(f"{args.run_dir / CHECKPOINT_DIR} holds no checkpoint yet")
+        raise UserError(f"{args.run_dir / CHECKPOINT_DIR} holds no checkpoint yet")
     model = restored.state.model  # the checkpoint layout is the plain model
 
     prompt = tokenizer.encode(args.prompt).ids
     if not prompt:
-        return fail("--prompt encodes to no tokens")
+        raise UserError("--prompt encodes to no tokens")
     eod = tokenizer.token_to_id(EOD_TOKEN)
     try:
         new_tokens = generate(
@@ -98,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             key=jax.random.key(args.seed),
         )
     except ValueError as error:
-        return fail(str(error))
+        raise UserError(str(error)) from None
     new_tokens = [int(t) for t in jax.device_get(new_tokens)]
     if args.stop_at_eod and eod in new_tokens:
         new_tokens = new_tokens[: new_tokens.index(eod)]

@@ -26,9 +26,8 @@ from eqxzoo.data.prepare import (
     PrepareResult,
     prepare_corpus,
 )
+from eqxzoo.errors import EXIT_OK, run_command
 from eqxzoo.progress import terminal_console
-
-EXIT_DATA_ERROR = 2
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -134,22 +133,22 @@ def describe(result: PrepareResult) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        if not args.inputs and not args.stdlib:
-            raise DataError("no inputs: give files or directories, or --stdlib")
-        with PhaseProgress(sys.stdout) as progress:
-            result = prepare_corpus(
-                args.inputs,
-                args.out,
-                options_from_args(args),
-                include_stdlib=args.stdlib,
-                progress=progress,
-            )
-    except DataError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_DATA_ERROR
+    return run_command(lambda: prepare(args))
+
+
+def prepare(args: argparse.Namespace) -> int:
+    if not args.inputs and not args.stdlib:
+        raise DataError("no inputs: give files or directories, or --stdlib")
+    with PhaseProgress(sys.stdout) as progress:
+        result = prepare_corpus(
+            args.inputs,
+            args.out,
+            options_from_args(args),
+            include_stdlib=args.stdlib,
+            progress=progress,
+        )
     print(describe(result))
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

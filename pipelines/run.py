@@ -23,11 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-STARTED_AT = time.perf_counter()
+from eqxzoo.errors import EXIT_LOST_PEER, EXIT_OK, UserError, fail, run_command
 
-EXIT_USAGE = 2
-EXIT_STOPPED = 3
-EXIT_LOST_PEER = 4
+STARTED_AT = time.perf_counter()
 
 
 def parse_profile(text: str) -> tuple[int, int]:
@@ -65,33 +63,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def fail(message: str, code: int = EXIT_USAGE) -> int:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    return code
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    return run_command(lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> int:
     # Config errors are reported before any JAX work (no backend is started yet).
-    from eqxzoo.config import ConfigError, load_config
+    from eqxzoo.config import load_config
 
-    try:
-        config = load_config(args.config, args.overrides)
-    except ConfigError as error:
-        return fail(str(error))
+    config = load_config(args.config, args.overrides)
 
-    from eqxzoo.runtime import RuntimeSetupError, setup_runtime
+    from eqxzoo.runtime import setup_runtime
 
-    try:
-        setup_runtime(config)
-    except RuntimeSetupError as error:
-        return fail(str(error))
+    setup_runtime(config)
 
-    from eqxzoo.data import DataError
-    from eqxzoo.parallel import MeshError
-    from eqxzoo.parallel.schedule import ScheduleError
-    from eqxzoo.train.checkpoint import CheckpointError
-    from eqxzoo.train.loop import RunOptions, RunStopped, train
+    from eqxzoo.train.loop import RunOptions, train
 
     run_dir = args.run_dir or Path("runs") / config.run.name
     try:
@@ -99,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             from eqxzoo.train.plan import dry_run
 
             dry_run(config)
-            return 0
+            return EXIT_OK
         summary = train(
             config,
             RunOptions(
@@ -109,10 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                 started_at=STARTED_AT,
             ),
         )
-    except (DataError, MeshError, ScheduleError, CheckpointError) as error:
-        return fail(str(error))
-    except RunStopped as error:
-        return fail(str(error), EXIT_STOPPED)
+    except UserError:
+        raise
     except BaseException as error:
         import jax
 
@@ -131,9 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         if summary.val_loss is not None:
             losses += f", validation loss {summary.val_loss:.4f}"
         print(
-            f"done: steps {summary.first_step + 1}..{summary.last_step}, {losses}; outputs in {run_dir}/"
+            f"done: steps {summary.first_step + 1}..{summary.last_step}, {losses}; "
+            f"outputs in {run_dir}/"
         )
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

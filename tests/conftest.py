@@ -1,4 +1,5 @@
-"""Test setup: 8 simulated CPU devices and float32 matmuls, before any JAX computation."""
+"""Test setup: 8 simulated CPU devices and float32 matmuls, before any JAX computation; the
+tiny models, random batches and tolerance checks the test files share."""
 
 import os
 
@@ -8,3 +9,62 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import models  # noqa: E402
+
+VOCAB = 53
+
+
+def _tiny_config(family: str, *, n_layers: int) -> models.DecoderConfig:
+    common = dict(vocab_size=VOCAB, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2)
+    if family == "llama":
+        return models.LlamaConfig(**common, mlp_dim=48)
+    if family == "mixtral":
+        return models.MixtralConfig(
+            **common, moe=models.MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=16)
+        )
+    assert family == "qwen_moe", family
+    return models.QwenMoeConfig(
+        **common,
+        moe=models.MoEConfig(
+            n_experts=4, top_k=2, expert_mlp_dim=16, shared_mlp_dim=16, shared_gate=True
+        ),
+    )
+
+
+@pytest.fixture
+def tiny_config():
+    """``tiny_config(family, n_layers=...)``: a d_model-32, 4-head (2 kv heads) model of
+    ``"llama"``, ``"mixtral"`` (4 experts, top 2) or ``"qwen_moe"`` (plus a gated shared
+    expert) over a vocabulary of `VOCAB` tokens."""
+    return _tiny_config
+
+
+def _random_batch(shape: tuple[int, ...], seed: int = 0) -> dict[str, jax.Array]:
+    tokens_key, targets_key = jax.random.split(jax.random.key(seed))
+    return {
+        "tokens": jax.random.randint(tokens_key, shape, 0, VOCAB),
+        "targets": jax.random.randint(targets_key, shape, 0, VOCAB),
+    }
+
+
+@pytest.fixture
+def random_batch():
+    """``random_batch(shape, seed=0)``: ``{"tokens", "targets"}`` of uniform ids < `VOCAB`."""
+    return _random_batch
+
+
+def _assert_trees_close(actual, expected, rtol: float = 1e-5, atol: float = 0.0) -> None:
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        a, e = np.asarray(a), np.asarray(e)
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol + rtol * np.max(np.abs(e)))
+
+
+@pytest.fixture
+def assert_trees_close():
+    """``assert_trees_close(actual, expected, rtol=1e-5)``: every leaf equal within ``rtol``
+    of the leaf's own scale (fp32 rounding, not a loose match)."""
+    return _assert_trees_close

@@ -230,3 +230,11 @@ def test_generate_needs_a_run_directory(tmp_path: Path):
         [sys.executable, "-m", "pipelines.generate", str(tmp_path), "--prompt", "x"], expect=2
     )
     assert result.stderr == f"error: {tmp_path} has no config.toml: not a pipelines.run directory\n"
+
+
+def test_run_dir_that_is_a_file_is_one_line(tmp_path: Path, cache_dir: Path):
+    run_dir = tmp_path / "not-a-directory"
+    run_dir.write_text("someone's notes\n")
+    result = run(run_dir, cache_dir, expect=2)
+    assert result.stderr == f"error: --run-dir {run_dir}: exists and is not a directory\n"
+    assert run_dir.read_text() == "someone's notes\n"

@@ -1,6 +1,7 @@
 """The train step on meshes: optimizer steps, global clipping, replicas, frozen parameters."""
 
 import dataclasses
+import functools
 
 import equinox as eqx
 import jax
@@ -10,12 +11,10 @@ import optax
 import pytest
 
 import models
-from eqxzoo.optim import (
-    OptimizerConfig,
-    OptimizerConfigError,
-    build_optimizer,
-    decay_mask,
-)
+from eqxzoo.config import Precision, StepConfig
+from eqxzoo.errors import ConfigError
+from eqxzoo.nn import MLP, Embedding, LanguageModel, Linear, RMSNorm, Stack, make_layers_for_keys
+from eqxzoo.optim import OptimizerConfig, build_optimizer, decay_mask
 from eqxzoo.parallel import (
     MeshConfig,
     MeshError,
@@ -24,35 +23,13 @@ from eqxzoo.parallel import (
     check_model_fits,
     make_mesh,
 )
-from eqxzoo.train.step import (
-    Precision,
-    StepConfig,
-    from_pipeline_layout,
-    init_train_state,
-    make_train_step,
-    sequential_loss,
-    train_step,
-)
+from eqxzoo.train.layout import from_pipeline_layout
+from eqxzoo.train.loss import sequential_loss
+from eqxzoo.train.state import init_train_state
+from eqxzoo.train.step import make_train_step, train_step
 
-VOCAB = 53
-MOE = models.MixtralConfig(
-    vocab_size=VOCAB,
-    d_model=32,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    moe=models.MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=16),
-)
-DENSE = models.LlamaConfig(vocab_size=VOCAB, d_model=32, n_layers=4, n_heads=4, mlp_dim=48)
+N_LAYERS = 4
 SHAPE = (2, 4, 4, 8)  # (G, M, B, T)
-
-
-def make_batch(seed=0):
-    tokens_key, targets_key = jax.random.split(jax.random.key(seed))
-    return {
-        "tokens": jax.random.randint(tokens_key, SHAPE, 0, VOCAB),
-        "targets": jax.random.randint(targets_key, SHAPE, 0, VOCAB),
-    }
 
 
 def step_config(stages, optimizer, repeats=1):
@@ -60,25 +37,44 @@ def step_config(stages, optimizer, repeats=1):
     return StepConfig(schedule=schedule, optimizer=optimizer)
 
 
-def run_steps(model_config, mesh_config, stages, optimizer, n_steps, repeats=1):
-    mesh = make_mesh(mesh_config, jax.devices()[: mesh_config.size])
-    config = step_config(stages, optimizer, repeats)
-    state = init_train_state(model_config, jax.random.key(0), config=config, mesh=mesh)
-    step = make_train_step(config, mesh)
-    history = []
-    for index in range(n_steps):
-        state, metrics = step(state, make_batch(index))
-        history.append(jax.device_get(metrics))
-    return state, history
+@pytest.fixture
+def dense(tiny_config):
+    return tiny_config("llama", n_layers=N_LAYERS)
+
+
+@pytest.fixture
+def moe(tiny_config):
+    return tiny_config("mixtral", n_layers=N_LAYERS)
+
+
+@pytest.fixture
+def make_batch(random_batch):
+    return lambda seed=0: random_batch(SHAPE, seed)
+
+
+@pytest.fixture
+def run_steps(make_batch):
+    """``run_steps(make_model, mesh_config, stages, optimizer, n_steps, repeats=1)``: the
+    final state and each step's metrics; ``make_model`` is a model config or a factory."""
+
+    def run(make_model, mesh_config, stages, optimizer, n_steps, repeats=1):
+        if isinstance(make_model, models.DecoderConfig):
+            make_model = functools.partial(models.DecoderLM, make_model)
+        mesh = make_mesh(mesh_config, jax.devices()[: mesh_config.size])
+        config = step_config(stages, optimizer, repeats)
+        state = init_train_state(make_model, jax.random.key(0), config=config, mesh=mesh)
+        step = make_train_step(config, mesh)
+        history = []
+        for index in range(n_steps):
+            state, metrics = step(state, make_batch(index))
+            history.append(jax.device_get(metrics))
+        return state, history
+
+    return run
 
 
 def host(tree):
     return [np.asarray(leaf) for leaf in jax.tree.leaves(tree)]
-
-
-def assert_close(actual, expected, rtol=1e-5):
-    for a, e in zip(host(actual), host(expected), strict=True):
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * np.max(np.abs(e)))
 
 
 # Adam divides by sqrt(v) + eps: with a tiny eps, gradients that are zero up to fp32 rounding
@@ -89,22 +85,27 @@ ADAM = OptimizerConfig(
 
 
 @pytest.mark.parametrize(
-    ("model_config", "mesh_config", "repeats"),
-    [(DENSE, MeshConfig(dp=2, pp=2, tp=2), 1), (MOE, MeshConfig(dp=2, pp=2, ep=2), 2)],
+    ("family", "mesh_config", "repeats"),
+    [("llama", MeshConfig(dp=2, pp=2, tp=2), 1), ("mixtral", MeshConfig(dp=2, pp=2, ep=2), 2)],
     ids=["dense-gpipe", "moe-circular"],
 )
-def test_three_steps_on_a_mesh_equal_one_device(model_config, mesh_config, repeats):
+def test_three_steps_on_a_mesh_equal_one_device(
+    family, mesh_config, repeats, tiny_config, run_steps, assert_trees_close
+):
+    model_config = tiny_config(family, n_layers=N_LAYERS)
     one_state, one_history = run_steps(model_config, MeshConfig(), 1, ADAM, 3)
     mesh_state, mesh_history = run_steps(model_config, mesh_config, 2, ADAM, 3, repeats)
     for one, many in zip(one_history, mesh_history, strict=True):
         np.testing.assert_allclose(many["loss"], one["loss"], rtol=1e-5)
         np.testing.assert_allclose(many["grad_norm"], one["grad_norm"], rtol=1e-5)
-    assert_close(from_pipeline_layout(mesh_state.model), from_pipeline_layout(one_state.model))
+    assert_trees_close(
+        from_pipeline_layout(mesh_state.model), from_pipeline_layout(one_state.model)
+    )
     assert one_history[2]["loss"] < one_history[0]["loss"] + 1.0
 
 
-def test_metrics_of_a_moe_step():
-    _, (metrics,) = run_steps(MOE, MeshConfig(pp=2, ep=2), 2, ADAM, 1)
+def test_metrics_of_a_moe_step(moe, run_steps):
+    _, (metrics,) = run_steps(moe, MeshConfig(pp=2, ep=2), 2, ADAM, 1)
     for name in (
         "loss",
         "cross_entropy",
@@ -121,16 +122,16 @@ def test_metrics_of_a_moe_step():
     assert float(metrics["learning_rate"]) == 0.0  # warmup starts at zero
 
 
-def test_clipping_uses_the_global_norm():
+def test_clipping_uses_the_global_norm(dense, run_steps, make_batch, assert_trees_close):
     """With eps = 1 Adam's first update is ~ linear in the gradient, so the clip scale shows.
 
     The pipelined step on dp x pp x tp must equal optax applied on one device to the
     sequentially computed gradient, clipped by its true global norm.
     """
     optimizer = dataclasses.replace(ADAM, eps=1.0, clip_norm=1e-3, weight_decay=0.0)
-    mesh_state, (metrics,) = run_steps(DENSE, MeshConfig(dp=2, pp=2, tp=2), 2, optimizer, 1)
+    mesh_state, (metrics,) = run_steps(dense, MeshConfig(dp=2, pp=2, tp=2), 2, optimizer, 1)
 
-    model = models.DecoderLM(DENSE, key=jax.random.key(0))
+    model = models.DecoderLM(dense, key=jax.random.key(0))
     config = step_config(1, optimizer)
     batch = make_batch(0)
 
@@ -161,11 +162,11 @@ def test_clipping_uses_the_global_norm():
     updates, _ = tx.update(grads, opt_state, params)
     expected = optax.apply_updates(params, updates)
     actual = eqx.filter(from_pipeline_layout(mesh_state.model), eqx.is_inexact_array)
-    assert_close(actual, expected)
+    assert_trees_close(actual, expected)
 
 
-def test_replicated_parameters_stay_bitwise_identical():
-    state, _ = run_steps(MOE, MeshConfig(dp=2, pp=2, ep=2), 2, ADAM, 2)
+def test_replicated_parameters_stay_bitwise_identical(moe, run_steps):
+    state, _ = run_steps(moe, MeshConfig(dp=2, pp=2, ep=2), 2, ADAM, 2)
     for leaf in jax.tree.leaves(state):
         shards_by_index = {}
         for shard in leaf.addressable_shards:
@@ -176,12 +177,14 @@ def test_replicated_parameters_stay_bitwise_identical():
                 np.testing.assert_array_equal(copy, copies[0])
 
 
-def test_frozen_parameters_never_change_and_have_no_optimizer_state():
+def test_frozen_parameters_never_change_and_have_no_optimizer_state(dense, make_batch):
     optimizer = dataclasses.replace(ADAM, freeze=(r"^\.embedding", r"attention\.wq"))
     mesh_config = MeshConfig(dp=2, pp=2, tp=2)
     mesh = make_mesh(mesh_config)
     config = step_config(2, optimizer)
-    initial = init_train_state(DENSE, jax.random.key(0), config=config, mesh=mesh)
+    initial = init_train_state(
+        functools.partial(models.DecoderLM, dense), jax.random.key(0), config=config, mesh=mesh
+    )
     frozen_before = [
         np.asarray(initial.model.embedding.weight),
         np.asarray(initial.model.blocks.layers.attention.wq),
@@ -200,22 +203,24 @@ def test_frozen_parameters_never_change_and_have_no_optimizer_state():
     assert not np.array_equal(np.asarray(state.model.blocks.layers.attention.wk), trainable_before)
 
 
-def test_init_on_a_mesh_is_the_plain_model_in_the_pipeline_layout():
+def test_init_on_a_mesh_is_the_plain_model_in_the_pipeline_layout(moe, assert_trees_close):
     """Blocks are created staged (so their RNG splits over pp) but hold the same values as
     `DecoderLM(config, key)` viewed in the pipeline layout."""
     config = step_config(2, ADAM, repeats=2)
     mesh = make_mesh(MeshConfig(dp=2, pp=2, ep=2))
-    state = init_train_state(MOE, jax.random.key(3), config=config, mesh=mesh)
-    plain = models.DecoderLM(MOE, key=jax.random.key(3))
-    assert_close(from_pipeline_layout(state.model), plain, rtol=1e-6)
+    make_model = functools.partial(models.DecoderLM, moe)
+    state = init_train_state(make_model, jax.random.key(3), config=config, mesh=mesh)
+    plain = models.DecoderLM(moe, key=jax.random.key(3))
+    assert_trees_close(from_pipeline_layout(state.model), plain, rtol=1e-6)
 
 
-def test_non_finite_step_is_skipped_and_counted():
+def test_non_finite_step_is_skipped_and_counted(dense, make_batch):
     """A NaN loss leaves parameters and optimizer state bitwise unchanged; the next finite
     step updates as usual."""
     config = step_config(1, ADAM)
     mesh = make_mesh(MeshConfig(), jax.devices()[:1])
-    state = init_train_state(DENSE, jax.random.key(0), config=config, mesh=mesh)
+    make_model = functools.partial(models.DecoderLM, dense)
+    state = init_train_state(make_model, jax.random.key(0), config=config, mesh=mesh)
 
     def poisoned_loss(model, tokens, targets):
         loss, metrics = sequential_loss(from_pipeline_layout(model), tokens, targets, config=config)
@@ -237,13 +242,14 @@ def test_non_finite_step_is_skipped_and_counted():
     assert any(changed) and int(updated.step) == 2
 
 
-def test_bfloat16_compute_keeps_float32_master_weights():
+def test_bfloat16_compute_keeps_float32_master_weights(moe, make_batch):
     """bf16 compute through a pp=2 pipeline (stage boundaries in fp32) tracks the fp32 step."""
     mesh = make_mesh(MeshConfig(dp=2, pp=2), jax.devices()[:4])
     losses = {}
     for compute in ("float32", "bfloat16"):
         config = dataclasses.replace(step_config(2, ADAM), precision=Precision(compute=compute))
-        state = init_train_state(MOE, jax.random.key(0), config=config, mesh=mesh)
+        make_model = functools.partial(models.DecoderLM, moe)
+        state = init_train_state(make_model, jax.random.key(0), config=config, mesh=mesh)
         state, metrics = make_train_step(config, mesh)(state, make_batch(0))
         losses[compute] = float(metrics["loss"])
         assert state.model.blocks.layers.mlp.experts.gate.dtype == jnp.float32
@@ -251,15 +257,15 @@ def test_bfloat16_compute_keeps_float32_master_weights():
     np.testing.assert_allclose(losses["bfloat16"], losses["float32"], rtol=1e-2)
 
 
-def test_adafactor_is_selectable_and_matches_one_device():
+def test_adafactor_is_selectable_and_matches_one_device(dense, run_steps):
     optimizer = dataclasses.replace(ADAM, name="adafactor")
-    _, one = run_steps(DENSE, MeshConfig(), 1, optimizer, 2)
-    _, many = run_steps(DENSE, MeshConfig(dp=2, pp=2, tp=2), 2, optimizer, 2)
+    _, one = run_steps(dense, MeshConfig(), 1, optimizer, 2)
+    _, many = run_steps(dense, MeshConfig(dp=2, pp=2, tp=2), 2, optimizer, 2)
     np.testing.assert_allclose(many[1]["loss"], one[1]["loss"], rtol=1e-5)
 
 
-def test_decay_mask_excludes_norms_and_biases():
-    model = models.DecoderLM(dataclasses.replace(DENSE, qkv_bias=True), key=jax.random.key(0))
+def test_decay_mask_excludes_norms_and_biases(dense):
+    model = models.DecoderLM(dataclasses.replace(dense, qkv_bias=True), key=jax.random.key(0))
     mask = decay_mask(eqx.filter(model, eqx.is_array))
     assert mask.blocks.layers.attention.wq and mask.embedding.weight
     assert not mask.blocks.layers.attention.bq and not mask.blocks.layers.attention_norm.weight
@@ -289,13 +295,11 @@ def test_mesh_that_does_not_fit_the_model(kwargs, message):
         check_model_fits(MeshConfig(**mesh), **model)
 
 
-def test_init_checks_the_mesh_against_the_model():
+def test_init_checks_the_schedule_against_the_mesh(dense):
     config = step_config(2, ADAM)
-    with pytest.raises(MeshError, match=r"n_heads=4 is not divisible by tp=8"):
-        init_train_state(DENSE, jax.random.key(0), config=config, mesh=make_mesh(MeshConfig(tp=8)))
     with pytest.raises(MeshError, match=r"the schedule has 2 stages but the mesh has pp=4"):
         init_train_state(
-            DENSE,
+            functools.partial(models.DecoderLM, dense),
             jax.random.key(0),
             config=config,
             mesh=make_mesh(MeshConfig(pp=4, dp=2)),
@@ -322,15 +326,90 @@ def test_mesh_that_does_not_fit_the_devices():
     ],
 )
 def test_impossible_schedules(args, message):
-    with pytest.raises((ScheduleError, TypeError), match=message):
+    with pytest.raises((ScheduleError, ConfigError, TypeError), match=message):
         Schedule(*args)
 
 
 def test_optimizer_config_errors():
     with pytest.raises(
-        OptimizerConfigError,
-        match=r"optimizer.warmup_steps must be in \[0, decay_steps=10\), got 20",
+        ConfigError,
+        match=r"^warmup_steps: must be in \[0, decay_steps=10\), got 20",
     ):
         OptimizerConfig(warmup_steps=20, decay_steps=10)
-    with pytest.raises(OptimizerConfigError, match=r"optimizer.freeze: bad pattern '\('"):
+    with pytest.raises(ConfigError, match=r"^freeze: bad pattern '\('"):
         OptimizerConfig(freeze=("(",))
+
+
+class ResidualBlock(eqx.Module):
+    """``h + mlp(norm(h))``: a layer with no attention and no auxiliary values."""
+
+    norm: RMSNorm
+    mlp: MLP
+
+    def __init__(self, d_model: int, mlp_dim: int, *, key):
+        self.norm = RMSNorm(d_model)
+        self.mlp = MLP(d_model, mlp_dim, activation="gelu", key=key)
+
+    def __call__(self, h, *, key=None):
+        return h + self.mlp(self.norm(h)), {}
+
+
+class ResidualMLPLM(eqx.Module):
+    """A language model that is not a `models.DecoderLM`, written against the model contract
+    only: the trainer must pipeline it like any zoo model."""
+
+    embedding: Embedding
+    prefix: Stack | None
+    blocks: Stack
+    unembedding: Linear
+    n_layers: int = eqx.field(static=True)
+
+    def __init__(self, *, key, vocab_size=53, d_model=16, mlp_dim=32, n_layers=4):
+        embed_key, blocks_key, head_key = jax.random.split(key, 3)
+        self.embedding = Embedding(vocab_size, d_model, key=embed_key)
+        self.prefix = None
+        self.blocks = Stack(
+            lambda layer_key: ResidualBlock(d_model, mlp_dim, key=layer_key),
+            n_layers,
+            key=blocks_key,
+        )
+        self.unembedding = Linear(
+            d_model, vocab_size, in_axis="embed", out_axis="vocab", key=head_key
+        )
+        self.n_layers = n_layers
+
+    def embed(self, tokens):
+        return self.embedding(tokens)
+
+    def head(self, h):
+        return self.unembedding(h)
+
+    def block_keys(self, key):
+        return jax.random.split(jax.random.split(key, 3)[1], self.n_layers)
+
+    def make_layers(self, layer_keys):
+        d_model, mlp_dim = (
+            self.embedding.weight.shape[1],
+            self.blocks.layers.mlp.up.weight.shape[-1],
+        )
+        return make_layers_for_keys(lambda k: ResidualBlock(d_model, mlp_dim, key=k), layer_keys)
+
+    def __call__(self, tokens, *, key=None):
+        h, _ = self.blocks(self.embed(tokens))
+        return self.head(h), {}
+
+
+def test_a_model_that_is_not_a_decoder_lm_trains_through_the_pipeline(
+    run_steps, assert_trees_close
+):
+    model = ResidualMLPLM(key=jax.random.key(0))
+    assert isinstance(model, LanguageModel) and not isinstance(model, models.DecoderLM)
+    one_state, one = run_steps(ResidualMLPLM, MeshConfig(), 1, ADAM, 3)
+    mesh_state, many = run_steps(ResidualMLPLM, MeshConfig(dp=2, pp=2, tp=2), 2, ADAM, 3, 2)
+    for one_metrics, many_metrics in zip(one, many, strict=True):
+        np.testing.assert_allclose(many_metrics["loss"], one_metrics["loss"], rtol=1e-5)
+    assert_trees_close(
+        from_pipeline_layout(mesh_state.model), from_pipeline_layout(one_state.model)
+    )
+    trained = from_pipeline_layout(one_state.model).blocks.layers.mlp.up.weight
+    assert not np.allclose(trained, model.blocks.layers.mlp.up.weight, rtol=1e-3)

@@ -11,14 +11,18 @@ later ones; the last stage collects outputs on the last repeat. The stage body i
 rematerialised around the `cond`, so only each tick's input is saved for the backward pass.
 """
 
+from collections.abc import Mapping
+
+import einops
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 from jaxtyping import Array, Float, PyTree
 
 from eqxzoo.nn import Axes, apply_layers
 from eqxzoo.nn.stack import RematPolicy
+from eqxzoo.parallel.rules import DEFAULT_RULES, MeshAxes, activation_sharding, activation_spec
 from eqxzoo.parallel.schedule import Schedule
 
 
@@ -26,15 +30,15 @@ def stage_layers(layers: PyTree, stages: int, repeats: int) -> PyTree:
     """View stacked layers ``(L, ...)`` as ``(repeats, stages, L / (stages repeats), ...)``."""
 
     def view(array):
-        per_stage = array.shape[0] // (stages * repeats)
-        return array.reshape(repeats, stages, per_stage, *array.shape[1:])
+        assert array.shape[0] % (stages * repeats) == 0, (array.shape, stages, repeats)
+        return einops.rearrange(array, "(r p k) ... -> r p k ...", r=repeats, p=stages)
 
     return jax.tree.map(view, layers)
 
 
 def unstage_layers(layers: PyTree) -> PyTree:
     """Inverse of `stage_layers`: ``(R, P, k, ...)`` back to ``(L, ...)``."""
-    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), layers)
+    return jax.tree.map(lambda a: einops.rearrange(a, "r p k ... -> (r p k) ..."), layers)
 
 
 def staged_axes(axes: PyTree[Axes]) -> PyTree[Axes]:
@@ -55,7 +59,7 @@ def run_pipeline(
     mesh: Mesh,
     remat_policy: RematPolicy = "none",
     remat_stages: bool = True,
-    batch_axis: str | None = "dp",
+    rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
     bubble_fill: float = 0.0,
 ) -> tuple[Float[Array, "microbatches batch seq embed"], dict[str, Array]]:
     """Apply staged ``layers`` to every microbatch, stage by stage on the ``pp`` mesh axis.
@@ -66,7 +70,7 @@ def run_pipeline(
 
     Returns the outputs (same shape as ``microbatches``) and every layer's aux values summed
     over the microbatches, shape ``(L, ...)`` in layer order. With one stage (no shard_map)
-    the stage's input and output are constrained to be split over ``batch_axis``, so that the
+    the stage's input and output are constrained to the ``batch`` rule of ``rules``, so that the
     compiler keeps data parallelism instead of gathering the batch to match FSDP-sharded
     weights (inside shard_map the batch split propagates from the inputs; a constraint there
     crashed XLA's partitioner with dp, pp and ep together). ``remat_stages=False`` keeps every
@@ -92,10 +96,14 @@ def run_pipeline(
     last_stage = n_stages - 1
     shift = [(stage, (stage + 1) % n_stages) for stage in range(n_stages)]
 
+    batch_axes = rules.get("batch") or ()
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+    split_over_batch = not manual and any(mesh.shape[axis] > 1 for axis in batch_axes)
+
     def split_batch(h):
-        if manual or batch_axis is None or mesh.shape[batch_axis] == 1:
+        if not split_over_batch:
             return h
-        return jax.lax.with_sharding_constraint(h, NamedSharding(mesh, PartitionSpec(batch_axis)))
+        return jax.lax.with_sharding_constraint(h, activation_sharding(mesh, "batch", rules=rules))
 
     def stage_compute(stage_params, h):
         h_out, aux = apply_layers(
@@ -172,10 +180,10 @@ def run_pipeline(
             (_, _, outputs, aux_sums), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
         return outputs[None], jax.tree.map(lambda v: v[None], aux_sums)
 
-    stage_spec = jax.tree.map(lambda _: PartitionSpec(None, "pp"), params)
-    if not manual and batch_axis is not None and mesh.shape[batch_axis] > 1:
+    stage_spec = jax.tree.map(lambda _: activation_spec("repeats", "stages", rules=rules), params)
+    if split_over_batch:
         microbatches = jax.lax.with_sharding_constraint(
-            microbatches, NamedSharding(mesh, PartitionSpec(None, batch_axis))
+            microbatches, activation_sharding(mesh, "microbatches", "batch", rules=rules)
         )
     if not manual:
         outputs, aux_sums = per_stage(params, microbatches)
@@ -183,13 +191,12 @@ def run_pipeline(
         outputs, aux_sums = jax.shard_map(
             per_stage,
             mesh=mesh,
-            in_specs=(stage_spec, PartitionSpec()),
-            out_specs=(PartitionSpec("pp"), PartitionSpec("pp")),
+            in_specs=(stage_spec, activation_spec(rules=rules)),
+            out_specs=(activation_spec("stages", rules=rules),) * 2,
             axis_names={"pp"},
             check_vma=True,
         )(params, microbatches)
-    # aux_sums: (stages, repeats, layers_per_stage, ...) -> layer order (repeats, stages, k).
-    layer_aux = jax.tree.map(lambda v: jnp.swapaxes(v, 0, 1).reshape(-1, *v.shape[3:]), aux_sums)
+    layer_aux = jax.tree.map(lambda v: einops.rearrange(v, "p r k ... -> (r p k) ..."), aux_sums)
     return outputs[last_stage].astype(compute_dtype), layer_aux
 
 

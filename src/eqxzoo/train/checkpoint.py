@@ -33,6 +33,8 @@ from grain import DatasetIterator
 from jax.experimental import multihost_utils
 from jaxtyping import PyTree
 
+from eqxzoo.errors import UserError
+
 ITEMS = ("state", "data", "meta")
 ASYNC_SAVE_GB = 96  # orbax's default
 SYNC_SAVE_GB = 1
@@ -40,7 +42,7 @@ STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
 _DATA_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be written or read; the message is one line naming the cause."""
 
 
@@ -138,11 +140,13 @@ class Restored:
 
 
 class Checkpointer:
-    """Saves every ``every`` steps (or when forced) and keeps the newest ``keep`` checkpoints.
+    """Saves the steps that are due and keeps the newest ``keep`` checkpoints.
 
-    Saves are asynchronous by default: `maybe_save` returns once the arrays are copied off
-    the devices (the caller may then donate them) and the files are written in the
-    background. `wait` blocks until they are on disk; `close` also releases the manager.
+    A step is due every ``every`` steps or when forced (`is_due`, the only place that
+    decides); the caller asks before preparing the state and `save` does not ask again.
+    Saves are asynchronous by default: `save` returns once the arrays are copied off the
+    devices (the caller may then donate them) and the files are written in the background.
+    `wait` blocks until they are on disk; `close` also releases the manager.
     """
 
     def __init__(
@@ -153,10 +157,7 @@ class Checkpointer:
         keep: int,
         async_save: bool = True,
     ):
-        if every < 1:
-            raise CheckpointError(f"checkpoint.every must be >= 1, got {every}")
-        if keep < 1:
-            raise CheckpointError(f"checkpoint.keep must be >= 1, got {keep}")
+        assert every >= 1 and keep >= 1, (every, keep)  # `CheckpointConfig` refuses others
         self.every = every
         self.directory = epath.Path(_absolute(directory))
         options = ocp.CheckpointManagerOptions(
@@ -178,24 +179,25 @@ class Checkpointer:
         )
         self._stale_steps: tuple[int, ...] = ()
 
-    def maybe_save(
+    def is_due(self, step: int, *, force: bool) -> bool:
+        """Whether step ``step`` gets a checkpoint: a multiple of ``every``, or ``force``
+        (end of run, a stop signal)."""
+        return force or step % self.every == 0
+
+    def save(
         self,
         step: int,
         state: PyTree,
         data_iterator: DatasetIterator,
         meta: dict[str, Any],
-        *,
-        force: bool = False,
     ) -> bool:
-        """Save ``state``, the iterator's position and ``meta`` as step ``step`` if it is due.
+        """Save ``state``, the iterator's position and ``meta`` as step ``step``.
 
-        Due when ``step`` is a multiple of ``every`` or ``force`` (end of run, SIGTERM).
-        Returns whether a checkpoint was started; a step already saved is not saved again.
-        Raises `CheckpointError` if a floating array of ``state`` holds NaN or Inf, or if
-        ``meta`` or the iterator state is not JSON-serialisable.
+        Whether the step is due is the caller's question (`is_due`). Returns whether a
+        checkpoint was started; a step already saved is not saved again. Raises
+        `CheckpointError` if a floating array of ``state`` holds NaN or Inf, or if ``meta``
+        or the iterator state is not JSON-serialisable.
         """
-        if not (force or step % self.every == 0):
-            return False
         self._drop_stale_steps()
         if step in self._manager.all_steps():
             return False

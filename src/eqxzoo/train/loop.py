@@ -11,6 +11,7 @@ A run directory holds ``config.toml`` (the resolved config), ``checkpoints/``,
 """
 
 import dataclasses
+import functools
 import time
 import warnings
 from collections.abc import Callable
@@ -29,8 +30,14 @@ from eqxzoo.data import (
     validation_batches,
 )
 from eqxzoo.data.prepare import prepare_stdlib_corpus
+from eqxzoo.errors import EXIT_STOPPED, UserError
 from eqxzoo.parallel import make_mesh
 from eqxzoo.train.checkpoint import Checkpointer, CheckpointWarning, StopSignal
+from eqxzoo.train.layout import (
+    abstract_checkpoint_layout,
+    checkpoint_layout,
+    from_checkpoint_layout,
+)
 from eqxzoo.train.report import (
     LOSS_PLOT_FILE,
     MetricsWriter,
@@ -39,16 +46,9 @@ from eqxzoo.train.report import (
     peak_flops,
     plot_losses,
 )
-from eqxzoo.train.step import (
-    abstract_checkpoint_layout,
-    abstract_train_state,
-    batch_sharding,
-    checkpoint_layout,
-    from_checkpoint_layout,
-    init_train_state,
-    make_eval_step,
-    make_train_step,
-)
+from eqxzoo.train.state import abstract_train_state, init_train_state, train_state_axes
+from eqxzoo.train.step import batch_sharding, make_eval_step, make_train_step
+from models import DecoderLM
 
 CONFIG_FILE = "config.toml"
 CHECKPOINT_DIR = "checkpoints"
@@ -56,8 +56,10 @@ PROFILE_DIR = "profile"
 STDLIB = "stdlib"
 
 
-class RunStopped(RuntimeError):
+class RunStopped(UserError, RuntimeError):
     """The run stopped for a reason the user must see (repeated non-finite steps)."""
+
+    exit_code = EXIT_STOPPED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +98,34 @@ def batch_shape(config: RunConfig, *, grad_accum: int | None = None) -> BatchSha
     )
 
 
+@dataclasses.dataclass
+class _StepReports:
+    """What the step reports carry from one step to the next.
+
+    ``pending`` is the last step dispatched, whose metrics are fetched only after the next
+    step is dispatched (or before an evaluation, a stop, the end); ``last_time`` is when the
+    previous step was reported, so a step's time is the gap between two reports.
+    """
+
+    last_time: float
+    pending: tuple[int, dict[str, Any]] | None = None
+    startup_seconds: float | None = None
+    nonfinite_in_a_row: int = 0
+    final_loss: float | None = None
+
+
 class _Trainer:
-    """The state of one run of the loop; `run` is the whole story."""
+    """The state of one run of the loop; `run` is the whole story, told as phases.
+
+    Besides what the phases open (``batches``, ``checkpointer``, ``state``, the steps,
+    ``writer``, ``progress``), a run carries:
+
+    - ``step`` and ``skipped_total``: where training is, saved with every checkpoint;
+    - ``reports``: the `_StepReports` bookkeeping from one step's report to the next;
+    - ``val_loss``: the latest validation loss, None before the first evaluation;
+    - ``stopped_by_signal``: whether a stop signal (or the preemption service) ended the
+      run before ``total_steps``.
+    """
 
     def __init__(self, config: RunConfig, options: RunOptions, say: Callable[[str], None]):
         self.config = config
@@ -108,15 +136,56 @@ class _Trainer:
         self.mesh = make_mesh(config.mesh)
         self.on_cpu = self.mesh.devices.flat[0].platform == "cpu"
         self.step_config = step_config(config)
+        self.make_model = functools.partial(DecoderLM, config.model)
         self.total_steps = config.run.steps
         if options.stop_after is not None:
             self.total_steps = min(self.total_steps, options.stop_after)
+        self.val_loss: float | None = None
+        self.stopped_by_signal = False
 
-    def open_data(self):
+    def run(self) -> RunSummary:
+        self.prepare_run_dir()
+        self.open_data()
+        self.open_state()
+        first_step = self.step
+        self.make_steps()
+        self.open_reports()
+        try:
+            with StopSignal() as stop:
+                self.train_until_done(stop)
+                self.finish()
+        except BaseException:
+            if jax.process_count() > 1:
+                # The other processes may be waiting for this one inside a collective: a
+                # cooperative clean-up (orbax's barriers) would wait for them forever. Leave at
+                # once; their coordination service notices this process is gone.
+                self.batches.close()
+                raise
+            self.checkpointer.close()
+            raise
+        else:
+            self.checkpointer.close()
+        finally:
+            self.batches.close()
+            if self.writer is not None:
+                self.writer.close()
+        self.maybe_plot()
+        return self.summary(first_step)
+
+    def prepare_run_dir(self) -> None:
+        """Create the run directory; process 0 writes the resolved config into it."""
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise UserError(f"--run-dir {self.run_dir}: exists and is not a directory")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.is_main:
+            (self.run_dir / CONFIG_FILE).write_text(config_to_toml(self.config), encoding="utf-8")
+
+    def open_data(self) -> None:
+        """Open the training batches and, when ``run.eval_every`` > 0, the validation batches."""
         directory = data_directory(self.config)
         train_documents = open_split(directory, "train")
         check_vocab(train_documents, self.config.model.vocab_size)
-        sharding = batch_sharding(self.mesh)
+        sharding = batch_sharding(self.mesh, self.step_config.rules)
         self.batches = train_batches(
             train_documents,
             batch_shape(self.config),
@@ -135,11 +204,10 @@ class _Trainer:
                 batches=self.config.run.eval_batches,
             )
 
-    def open_state(self):
+    def open_state(self) -> None:
         """Resume from the newest usable checkpoint, or initialise."""
-        self.target = abstract_train_state(
-            self.config.model, config=self.step_config, mesh=self.mesh
-        )
+        self.target = abstract_train_state(self.make_model, config=self.step_config, mesh=self.mesh)
+        self.axes = train_state_axes(self.make_model, config=self.step_config)
         self.checkpointer = Checkpointer(
             self.run_dir / CHECKPOINT_DIR,
             every=self.config.checkpoint.every,
@@ -151,14 +219,14 @@ class _Trainer:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", CheckpointWarning)
             restored = self.checkpointer.restore_latest(
-                abstract_checkpoint_layout(self.target), self.batches
+                abstract_checkpoint_layout(self.target, self.axes), self.batches
             )
         for warning in caught:
             self.say(f"warning: {warning.message}")
         if restored is None:
             key = jax.random.key(self.config.run.seed)
             self.state = init_train_state(
-                self.config.model, key, config=self.step_config, mesh=self.mesh
+                self.make_model, key, config=self.step_config, mesh=self.mesh
             )
             self.step = 0
             self.skipped_total = 0
@@ -168,8 +236,137 @@ class _Trainer:
         self.skipped_total = int(restored.meta.get("skipped_total", 0))
         self.say(f"resumed from the checkpoint at step {self.step}")
 
+    def make_steps(self) -> None:
+        """The jitted train and evaluation steps (compiled on their first call)."""
+        self.train_step = make_train_step(self.step_config, self.mesh)
+        self.eval_step = make_eval_step(self.step_config, self.mesh)
+
+    def open_reports(self) -> None:
+        """Open the metrics writer (process 0) and the progress bar, say what will run, and
+        start the step clock."""
+        self.model_flops_per_token = flops_per_token(self.config.model, self.config.data.seq_len)
+        self.peak_flops_per_s, peak_source = peak_flops(self.mesh.devices.flatten().tolist())
+        self.writer = None
+        if self.is_main:
+            self.writer = MetricsWriter(
+                self.run_dir,
+                tensorboard=self.config.run.tensorboard,
+                wandb_project=self.config.run.wandb_project if self.config.run.wandb else None,
+                config=config_to_dict(self.config),
+                resume_from_step=self.step,
+            )
+        self.progress = ProgressBar(
+            self.total_steps, every=self.config.run.log_every, enabled=self.is_main
+        )
+        self.say(
+            f"training steps {self.step + 1}..{self.total_steps} on {self.mesh.devices.size} "
+            f"devices (mesh {dict(self.mesh.shape)}), {self.config.tokens_per_step:,} tokens "
+            f"per step; MFU against the {peak_source} ({self.peak_flops_per_s / 1e12:.3g} TFLOP/s)"
+        )
+        self.reports = _StepReports(last_time=time.perf_counter())
+
+    def train_until_done(self, stop: StopSignal) -> None:
+        """Step until ``total_steps``, or until ``stop`` says so after a step.
+
+        A step's metrics are reported once the next step is dispatched; between steps come
+        the evaluations and the checkpoints that are due.
+        """
+        while self.step < self.total_steps:
+            self.maybe_profile(self.step + 1)
+            batch = next(self.batches)
+            self.state, metrics = self.train_step(self.state, batch)
+            self.step += 1
+            self.report_pending_step()
+            self.reports.pending = (self.step, metrics)
+            self.maybe_profile_stop(self.step)
+            self.maybe_evaluate()
+            if stop.should_stop(self.step):
+                self.stopped_by_signal = True
+                return
+            self.save(force=False)
+
+    def finish(self) -> None:
+        """Report the last step and save it, whether it was due or not."""
+        self.report_pending_step()
+        self.save(force=True)
+        if self.stopped_by_signal:
+            self.progress.message(f"stopped by a signal: checkpoint saved at step {self.step}")
+
+    def report_pending_step(self) -> None:
+        """Fetch and report the metrics of the step still pending, if there is one."""
+        if self.reports.pending is not None:
+            self.report_step(*self.reports.pending)
+            self.reports.pending = None
+
+    def report_step(self, step: int, metrics: dict[str, Any]) -> None:
+        """Write step ``step``'s ``metrics.jsonl`` line and update the progress bar.
+
+        Raises `RunStopped` after ``run.max_nonfinite`` skipped (non-finite) steps in a row.
+        """
+        reports = self.reports
+        values = jax.device_get(metrics)
+        now = time.perf_counter()
+        seconds = now - reports.last_time
+        reports.last_time = now
+        if reports.startup_seconds is None:
+            reports.startup_seconds = now - self.options.started_at
+            self.say(
+                f"first step done {reports.startup_seconds:.1f} s after start "
+                "(compilation included)"
+            )
+        skipped = int(values["skipped"])
+        self.skipped_total += skipped
+        reports.nonfinite_in_a_row = reports.nonfinite_in_a_row + 1 if skipped else 0
+        reports.final_loss = float(values["loss"])
+        record = step_record(
+            step,
+            values,
+            seconds,
+            self.config.tokens_per_step,
+            self.model_flops_per_token,
+            self.peak_flops_per_s,
+        )
+        record["skipped_total"] = self.skipped_total
+        if self.writer is not None:
+            self.writer.write(record)
+        self.progress.update(
+            step,
+            loss=record["loss"],
+            tokens_per_s=record["tokens_per_s"],
+            seconds_per_step=seconds,
+        )
+        if reports.nonfinite_in_a_row >= self.config.run.max_nonfinite:
+            raise RunStopped(
+                f"stopped: {reports.nonfinite_in_a_row} steps in a row (up to step {step}) had "
+                f"a non-finite loss or gradient and were skipped (run.max_nonfinite = "
+                f"{self.config.run.max_nonfinite}); the last checkpoint holds finite values"
+            )
+
+    def maybe_evaluate(self) -> None:
+        """Every ``run.eval_every`` steps and after the last one: report the pending step,
+        then write and show the validation loss."""
+        due = self.val_batches and (
+            self.step % self.config.run.eval_every == 0 or self.step == self.total_steps
+        )
+        if not due:
+            return
+        self.report_pending_step()
+        self.val_loss = self.validation_loss()
+        if self.writer is not None:
+            self.writer.write({"step": self.step, "val_loss": self.val_loss})
+        self.progress.message(f"step {self.step}: validation loss {self.val_loss:.4f}")
+
+    def validation_loss(self) -> float:
+        """Mean loss of the current model over the validation batches."""
+        losses = [self.eval_step(self.state.model, batch) for batch in self.val_batches]
+        return float(np.mean(jax.device_get(losses)))
+
     def save(self, *, force: bool) -> bool:
-        if not (force or self.step % self.config.checkpoint.every == 0):
+        """Save the state as step ``step`` if the checkpointer says it is due (or ``force``).
+
+        Returns whether a save was started.
+        """
+        if not self.checkpointer.is_due(self.step, force=force):
             return False
         meta = {
             "step": self.step,
@@ -178,141 +375,29 @@ class _Trainer:
         }
         # The state is converted to the checkpoint layout array by array, in place, and back
         # after the save: a second copy of a state that fills the host would not fit.
-        plain = checkpoint_layout(self.state, consume=True)
+        plain = checkpoint_layout(self.state, self.axes, consume=True)
         try:
-            return self.checkpointer.maybe_save(self.step, plain, self.batches, meta, force=force)
+            return self.checkpointer.save(self.step, plain, self.batches, meta)
         finally:
             self.state = from_checkpoint_layout(plain, self.target, consume=True)
 
-    def evaluate(self) -> float:
-        losses = [self.eval_step(self.state.model, batch) for batch in self.val_batches]
-        return float(np.mean(jax.device_get(losses)))
-
-    def run(self) -> RunSummary:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.is_main:
-            (self.run_dir / CONFIG_FILE).write_text(config_to_toml(self.config), encoding="utf-8")
-        self.open_data()
-        self.open_state()
-        first_step = self.step
-        self.train_step = make_train_step(self.step_config, self.mesh)
-        self.eval_step = make_eval_step(self.step_config, self.mesh)
-        tokens_per_step = batch_shape(self.config).windows * self.config.data.seq_len
-        model_flops = flops_per_token(self.config.model, self.config.data.seq_len)
-        peak, peak_source = peak_flops(self.mesh.devices.flatten().tolist())
-        writer = None
-        if self.is_main:
-            writer = MetricsWriter(
-                self.run_dir,
-                tensorboard=self.config.run.tensorboard,
-                wandb_project=self.config.run.wandb_project if self.config.run.wandb else None,
-                config=config_to_dict(self.config),
-                resume_from_step=self.step,
-            )
-        progress = ProgressBar(
-            self.total_steps, every=self.config.run.log_every, enabled=self.is_main
-        )
-        self.say(
-            f"training steps {self.step + 1}..{self.total_steps} on {self.mesh.devices.size} "
-            f"devices (mesh {dict(self.mesh.shape)}), {tokens_per_step:,} tokens per step; "
-            f"MFU against the {peak_source} ({peak / 1e12:.3g} TFLOP/s)"
-        )
-        startup = None
-        pending: tuple[int, dict[str, Any]] | None = None
-        last_time = time.perf_counter()
-        nonfinite_in_a_row = 0
-        final_loss = val_loss = None
-        stopped_by_signal = False
-
-        def report(step: int, metrics: dict[str, Any]) -> None:
-            nonlocal last_time, startup, nonfinite_in_a_row, final_loss
-            values = jax.device_get(metrics)
-            now = time.perf_counter()
-            seconds = now - last_time
-            last_time = now
-            if startup is None:
-                startup = now - self.options.started_at
-                self.say(f"first step done {startup:.1f} s after start (compilation included)")
-            skipped = int(values["skipped"])
-            self.skipped_total += skipped
-            nonfinite_in_a_row = nonfinite_in_a_row + 1 if skipped else 0
-            final_loss = float(values["loss"])
-            record = step_record(step, values, seconds, tokens_per_step, model_flops, peak)
-            record["skipped_total"] = self.skipped_total
-            if writer is not None:
-                writer.write(record)
-            progress.update(
-                step,
-                loss=record["loss"],
-                tokens_per_s=record["tokens_per_s"],
-                seconds_per_step=seconds,
-            )
-            if nonfinite_in_a_row >= self.config.run.max_nonfinite:
-                raise RunStopped(
-                    f"stopped: {nonfinite_in_a_row} steps in a row (up to step {step}) had a "
-                    f"non-finite loss or gradient and were skipped (run.max_nonfinite = "
-                    f"{self.config.run.max_nonfinite}); the last checkpoint holds finite values"
-                )
-
-        try:
-            with StopSignal() as stop:
-                while self.step < self.total_steps:
-                    self.maybe_profile(self.step + 1)
-                    batch = next(self.batches)
-                    self.state, metrics = self.train_step(self.state, batch)
-                    self.step += 1
-                    if pending is not None:
-                        report(*pending)
-                    pending = (self.step, metrics)
-                    self.maybe_profile_stop(self.step)
-                    evaluate_now = self.val_batches and (
-                        self.step % self.config.run.eval_every == 0 or self.step == self.total_steps
-                    )
-                    if evaluate_now:
-                        report(*pending)
-                        pending = None
-                        val_loss = self.evaluate()
-                        if writer is not None:
-                            writer.write({"step": self.step, "val_loss": val_loss})
-                        progress.message(f"step {self.step}: validation loss {val_loss:.4f}")
-                    if stop.should_stop(self.step):
-                        stopped_by_signal = True
-                        break
-                    self.save(force=False)
-                if pending is not None:
-                    report(*pending)
-                    pending = None
-                self.save(force=True)
-                if stopped_by_signal:
-                    progress.message(f"stopped by a signal: checkpoint saved at step {self.step}")
-        except BaseException:
-            if jax.process_count() > 1:
-                # The other processes may be waiting for this one inside a collective: a
-                # cooperative clean-up (orbax's barriers) would wait for them forever. Leave at
-                # once; their coordination service notices this process is gone.
-                self.batches.close()
-                raise
-            self.checkpointer.close()
-            raise
-        else:
-            self.checkpointer.close()
-        finally:
-            self.batches.close()
-            if writer is not None:
-                writer.close()
+    def maybe_plot(self) -> None:
+        """Process 0 plots ``metrics.jsonl`` into ``loss.png`` if ``run.plot``."""
         if self.is_main and self.config.run.plot:
             plot_losses(
                 self.run_dir / "metrics.jsonl",
                 self.run_dir / LOSS_PLOT_FILE,
                 self.config.run.name,
             )
+
+    def summary(self, first_step: int) -> RunSummary:
         return RunSummary(
             first_step=first_step,
             last_step=self.step,
-            startup_seconds=startup or 0.0,
-            final_loss=final_loss,
-            val_loss=val_loss,
-            stopped_by_signal=stopped_by_signal,
+            startup_seconds=self.reports.startup_seconds or 0.0,
+            final_loss=self.reports.final_loss,
+            val_loss=self.val_loss,
+            stopped_by_signal=self.stopped_by_signal,
         )
 
     def maybe_profile(self, step: int) -> None:

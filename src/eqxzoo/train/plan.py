@@ -2,6 +2,7 @@
 shapes alone (nothing is initialised), then reports parameter counts, each parameter's
 sharding and the compiled step's per-device memory."""
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -13,7 +14,9 @@ from eqxzoo.config import RunConfig, step_config
 from eqxzoo.parallel import make_mesh
 from eqxzoo.train.loop import batch_shape
 from eqxzoo.train.report import flops_per_token, parameter_counts
-from eqxzoo.train.step import abstract_train_state, batch_sharding, make_train_step
+from eqxzoo.train.state import abstract_train_state
+from eqxzoo.train.step import batch_sharding, make_train_step
+from models import DecoderLM
 
 
 def format_bytes(count: float) -> str:
@@ -47,11 +50,15 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
     """Print the plan of ``config``'s run; returns its figures (for tests and scripts)."""
     mesh = make_mesh(config.mesh)
     config_for_step = step_config(config)
-    target = abstract_train_state(config.model, config=config_for_step, mesh=mesh)
+    target = abstract_train_state(
+        functools.partial(DecoderLM, config.model), config=config_for_step, mesh=mesh
+    )
     counts = parameter_counts(config.model)
     shape = batch_shape(config)
     batch = {
-        name: jax.ShapeDtypeStruct(shape.shape, jnp.int32, sharding=batch_sharding(mesh))
+        name: jax.ShapeDtypeStruct(
+            shape.shape, jnp.int32, sharding=batch_sharding(mesh, config_for_step.rules)
+        )
         for name in ("tokens", "targets")
     }
     start = time.perf_counter()
@@ -69,7 +76,7 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
     say(
         f"batch per step: {shape.windows} sequences x {shape.seq_len} tokens "
         f"(G={shape.grad_accum}, M={shape.microbatches}, B={shape.batch_size}); "
-        f"{flops_per_token(config.model, shape.seq_len) * shape.windows * shape.seq_len:.3g} "
+        f"{flops_per_token(config.model, shape.seq_len) * config.tokens_per_step:.3g} "
         "training FLOPs per step"
     )
     rows = [("parameter", "shape", "dtype", "sharding", "per device")] + sharding_table(target)

@@ -1,0 +1,124 @@
+"""Layouts of the train state: the pipeline's and the checkpoints'.
+
+In the pipeline layout the stacked blocks are viewed as ``(R, P, k, ...)`` (repeats, stages,
+layers per stage) and sharded over ``pp`` on ``P``: what the step reads. Checkpoints hold
+every staged array as ``(L, ...)``, the layer axis sharded over ``pp`` where ``P`` was, so a
+checkpoint restores onto another ``pp`` or ``repeats`` (the layer order never changes). A
+leaf is staged when its logical axes (`eqxzoo.train.state.train_state_axes`) start with
+``repeats, stages``: the model's blocks and the optimizer moments that mirror them.
+"""
+
+import functools
+
+import equinox as eqx
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+from eqxzoo.config import StepConfig
+from eqxzoo.nn import Axes, LanguageModel
+from eqxzoo.parallel import Schedule, stage_layers, unstage_layers
+from eqxzoo.train.state import (
+    ModelFactory,
+    TrainState,
+    abstract_state,
+    abstract_train_state,
+    train_state_axes,
+)
+
+STAGED = ("repeats", "stages")
+
+
+def to_pipeline_layout(model: LanguageModel, schedule: Schedule) -> LanguageModel:
+    """``model`` with its blocks viewed as ``(R, P, k, ...)`` for ``schedule``."""
+    return eqx.tree_at(
+        lambda m: m.blocks.layers,
+        model,
+        stage_layers(model.blocks.layers, schedule.stages, schedule.repeats),
+    )
+
+
+def from_pipeline_layout(model: LanguageModel) -> LanguageModel:
+    """The plain model (blocks with one leading layer axis) from the pipeline layout."""
+    return eqx.tree_at(lambda m: m.blocks.layers, model, unstage_layers(model.blocks.layers))
+
+
+def _is_staged(axes: Axes) -> bool:
+    return tuple(axes.names[: len(STAGED)]) == STAGED
+
+
+def _merged_layers_sharding(sharding: NamedSharding, rank: int) -> NamedSharding:
+    """The sharding of a staged ``(R, P, k, ...)`` array of ``rank`` with its ``P`` entry
+    moved to the merged layer axis."""
+    spec = tuple(sharding.spec) + (None,) * (rank - len(sharding.spec))
+    return NamedSharding(sharding.mesh, PartitionSpec(spec[1], *spec[3:]))
+
+
+@functools.lru_cache(maxsize=64)
+def _reshape_to(shape: tuple[int, ...], sharding: NamedSharding):
+    return jax.jit(lambda leaf: leaf.reshape(shape), out_shardings=sharding)
+
+
+def _relayout(state: TrainState, target: TrainState, *, consume: bool) -> TrainState:
+    """``state``'s arrays reshaped to ``target``'s shapes and shardings, one array at a time;
+    with ``consume``, each reshaped source array is deleted at once, so the conversion never
+    holds more than the state plus its largest array (moe_1b on CPU has no room for two
+    states). Arrays already in their target form are passed through."""
+
+    def convert(leaf, goal):
+        if leaf.shape == goal.shape and leaf.sharding == goal.sharding:
+            return leaf
+        # One conversion at a time: XLA:CPU's in-process collectives can starve each other
+        # of threads when many small resharding programs run at once.
+        converted = jax.block_until_ready(_reshape_to(goal.shape, goal.sharding)(leaf))
+        if consume:
+            leaf.delete()
+        return converted
+
+    return jax.tree.map(convert, jax.block_until_ready(state), target)
+
+
+def abstract_checkpoint_layout(target: TrainState, axes: PyTree[Axes]) -> TrainState:
+    """`checkpoint_layout` of an abstract state (`abstract_train_state`) whose arrays have
+    logical ``axes``: a restore target."""
+
+    def plain(leaf, leaf_axes: Axes):
+        if not _is_staged(leaf_axes):
+            return leaf
+        repeats, stages, per_stage, *rest = leaf.shape
+        return jax.ShapeDtypeStruct(
+            (repeats * stages * per_stage, *rest),
+            leaf.dtype,
+            sharding=_merged_layers_sharding(leaf.sharding, len(leaf.shape)),
+        )
+
+    return jax.tree.map(plain, target, axes)
+
+
+def checkpoint_layout(
+    state: TrainState, axes: PyTree[Axes], *, consume: bool = False
+) -> TrainState:
+    """The state with every staged ``(R, P, k, ...)`` array viewed as ``(L, ...)``: what
+    checkpoints hold. With ``consume`` the staged arrays of ``state`` are deleted as they
+    are converted."""
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
+    target = abstract_checkpoint_layout(abstract_state(state, shardings), axes)
+    return _relayout(state, target, consume=consume)
+
+
+def from_checkpoint_layout(
+    state: TrainState, target: TrainState, *, consume: bool = False
+) -> TrainState:
+    """Inverse of `checkpoint_layout` onto ``target``'s shapes and shardings (``consume``:
+    delete each converted array of ``state``)."""
+    return _relayout(state, target, consume=consume)
+
+
+def abstract_checkpoint_state(
+    make_model: ModelFactory, *, config: StepConfig, mesh: Mesh
+) -> TrainState:
+    """What a checkpoint of a run holds, as sharded shape structs: the restore target."""
+    return abstract_checkpoint_layout(
+        abstract_train_state(make_model, config=config, mesh=mesh),
+        train_state_axes(make_model, config=config),
+    )

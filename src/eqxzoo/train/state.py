@@ -1,0 +1,166 @@
+"""The train state: the model in the pipeline layout, its optimizer state and the step count,
+created directly sharded, with every sharding derived from logical axes.
+
+The trainer knows models only through the model contract (`eqxzoo.nn.LanguageModel`): a
+``make_model`` factory, called as ``make_model(key=key)``, builds one. A `TrainState` keeps
+the stacked blocks viewed as ``[R, P, L / (P R)]`` and sharded over ``pp`` on ``P``
+(`eqxzoo.train.layout`). Its logical axes (`train_state_axes`) name every array's axes, the
+optimizer state's included (its parameter-shaped parts take the parameters' axes), and the
+sharding rules turn them into NamedShardings (`state_shardings`).
+"""
+
+import functools
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, Sharding
+from jaxtyping import Array, Int, PRNGKeyArray, PyTree
+
+from eqxzoo.config import StepConfig
+from eqxzoo.nn import Axes, LanguageModel, logical_axes
+from eqxzoo.optim import OptimizerConfig, build_optimizer, trainable_mask
+from eqxzoo.parallel import MeshError, Schedule, stage_layers, staged_axes, tree_shardings
+
+ModelFactory = Callable[..., LanguageModel]
+
+LAYER_AXES = ("repeats", "stages", "layers")
+
+
+class TrainState(eqx.Module):
+    step: Int[Array, ""]
+    model: LanguageModel
+    opt_state: PyTree
+
+
+def split_trainable(model: LanguageModel, config: OptimizerConfig) -> tuple[PyTree, PyTree]:
+    """``(trainable, frozen)``: `eqx.partition` by the optimizer's freeze patterns."""
+    return eqx.partition(model, trainable_mask(model, config.freeze))
+
+
+def cast_floats(tree: PyTree, dtype: jnp.dtype | str) -> PyTree:
+    """Every floating array of ``tree`` cast to ``dtype``; other leaves unchanged."""
+    return jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, tree)
+
+
+def _init_pipeline_model(
+    make_model: ModelFactory, schedule: Schedule, key: PRNGKeyArray
+) -> LanguageModel:
+    """``make_model(key=key)`` with its blocks in the pipeline layout, value for value the
+    same, built from the model's own per-layer keys viewed as ``(R, P, k)``.
+
+    Every block array is then created with its stage axis, so XLA splits the random-number
+    generation over ``pp`` as the output sharding asks. Reshaping the plain ``(L, ...)``
+    stack cannot carry that split back (``P`` is not a block of ``L``): every pp device
+    would generate all L layers, twice its share, plus threefry's temporaries.
+    """
+    model = make_model(key=key)  # its plain blocks are dead code under jit
+    layer_keys = stage_layers(model.block_keys(key), schedule.stages, schedule.repeats)
+    return eqx.tree_at(lambda m: m.blocks.layers, model, model.make_layers(layer_keys))
+
+
+def _build_state(make_model: ModelFactory, config: StepConfig, key: PRNGKeyArray) -> TrainState:
+    model = _init_pipeline_model(make_model, config.schedule, key)
+    model = cast_floats(model, config.precision.params)
+    trainable, _ = split_trainable(model, config.optimizer)
+    opt_state = build_optimizer(config.optimizer).init(trainable)
+    return TrainState(step=jnp.zeros((), jnp.int32), model=model, opt_state=opt_state)
+
+
+def train_state_axes(make_model: ModelFactory, *, config: StepConfig) -> PyTree[Axes]:
+    """The logical axes of every array of the `TrainState` (computing nothing).
+
+    The model's come from its modules (`logical_axes` of the plain model, the blocks'
+    leading ``layers`` axis restaged as ``repeats, stages, layers``); the optimizer state's
+    per-parameter parts (Adam's moments) take the trainable parameters' axes
+    (`optax.tree_map_params`), factored ones their leading layer axes; the rest (counts) has
+    no name.
+    """
+    key = jax.random.key(0)
+    model_axes = logical_axes(eqx.filter_eval_shape(make_model, key=key))
+    model_axes = eqx.tree_at(
+        lambda m: m.blocks.layers, model_axes, staged_axes(model_axes.blocks.layers)
+    )
+    state_shape = eqx.filter_eval_shape(_build_state, make_model, config, key)
+    trainable_axes, _ = eqx.partition(
+        model_axes, trainable_mask(state_shape.model, config.optimizer.freeze)
+    )
+    trainable_shape, _ = eqx.partition(
+        state_shape.model, trainable_mask(state_shape.model, config.optimizer.freeze)
+    )
+    opt_axes = optax.tree_map_params(
+        build_optimizer(config.optimizer),
+        _statistic_axes,
+        state_shape.opt_state,
+        trainable_axes,
+        trainable_shape,
+        transform_non_params=lambda leaf: Axes((None,) * len(leaf.shape)),
+        is_leaf=lambda x: isinstance(x, Axes) or x is None,
+    )
+    return eqx.tree_at(
+        lambda state: (state.step, state.model, state.opt_state),
+        state_shape,
+        (Axes(()), model_axes, opt_axes),
+    )
+
+
+def _statistic_axes(statistic, axes: Axes | None, parameter) -> Axes | None:
+    """The axes of an optimizer statistic kept per parameter: the parameter's own, or, for a
+    factored statistic (Adafactor's row and column moments), the leading layer axes it keeps.
+    Frozen parameters (None) have none."""
+    if axes is None or statistic.shape == parameter.shape:
+        return axes
+    kept = []
+    for name, size, parameter_size in zip(axes.names, statistic.shape, parameter.shape):
+        if name not in LAYER_AXES or size != parameter_size:
+            break
+        kept.append(name)
+    return Axes((*kept, *(None,) * (len(statistic.shape) - len(kept))))
+
+
+def state_shardings(
+    state_shape: TrainState, axes: PyTree[Axes], *, config: StepConfig, mesh: Mesh
+) -> PyTree[NamedSharding]:
+    """NamedShardings for every array of a `TrainState` from its logical ``axes`` and
+    ``config``'s sharding rules."""
+    return tree_shardings(state_shape, axes, mesh, config.rules)
+
+
+def abstract_state(shapes: PyTree, shardings: PyTree[Sharding]) -> PyTree:
+    """``shapes``' arrays (or shape structs) as `jax.ShapeDtypeStruct`s placed on
+    ``shardings``: targets for restoring and for ahead-of-time compilation."""
+    return jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        shapes,
+        shardings,
+    )
+
+
+def abstract_train_state(make_model: ModelFactory, *, config: StepConfig, mesh: Mesh) -> TrainState:
+    """The `TrainState` as `jax.ShapeDtypeStruct`s carrying their shardings, computing nothing:
+    the target of a checkpoint restore and of ahead-of-time compilation."""
+    _check_stages(config, mesh)
+    state_shape = eqx.filter_eval_shape(_build_state, make_model, config, jax.random.key(0))
+    axes = train_state_axes(make_model, config=config)
+    return abstract_state(state_shape, state_shardings(state_shape, axes, config=config, mesh=mesh))
+
+
+def init_train_state(
+    make_model: ModelFactory, key: PRNGKeyArray, *, config: StepConfig, mesh: Mesh
+) -> TrainState:
+    """A fresh `TrainState`, every array created directly with its final sharding (one jit
+    with ``out_shardings``: no parameter is ever whole on one device)."""
+    target = abstract_train_state(make_model, config=config, mesh=mesh)
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, target)
+    build = functools.partial(_build_state, make_model, config)
+    return jax.jit(build, out_shardings=shardings)(key)
+
+
+def _check_stages(config: StepConfig, mesh: Mesh) -> None:
+    if config.schedule.stages != mesh.shape["pp"]:
+        raise MeshError(
+            f"the schedule has {config.schedule.stages} stages but the mesh has "
+            f"pp={mesh.shape['pp']}"
+        )
