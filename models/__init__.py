@@ -24,7 +24,7 @@ from models.hf import HFCheckpointError, load_hf, save_hf
 from models.llama import LlamaConfig
 from models.mixtral import MixtralConfig
 from models.qwen_moe import QwenMoeConfig
-from models.registry import config_from_table, families, family_of
+from models.registry import config_from_table, families, family_of, model_factory
 
 __all__ = [
     "ConfigError",
@@ -43,6 +43,7 @@ __all__ = [
     "family_of",
     "generate",
     "load_hf",
+    "model_factory",
     "prefill",
     "sample_token",
     "save_hf",

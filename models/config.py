@@ -11,8 +11,7 @@ import dataclasses
 from typing import ClassVar, Literal
 
 from eqxzoo.nn import Activation, RematPolicy, RoutingMode
-from eqxzoo.typed_config import ConfigError, check_fields, require_at_least
-from eqxzoo.typed_config import fail as _fail
+from eqxzoo.typed_config import ConfigError, check_fields, refuse, require_at_least
 
 __all__ = ["ConfigError", "DecoderConfig", "MoEConfig"]
 
@@ -34,15 +33,15 @@ class MoEConfig:
         check_fields(self)
         require_at_least(self, 1, "n_experts", "expert_mlp_dim")
         if not 1 <= self.top_k <= self.n_experts:
-            _fail("top_k", f"must be between 1 and n_experts={self.n_experts}, got {self.top_k}")
+            refuse("top_k", f"must be between 1 and n_experts={self.n_experts}, got {self.top_k}")
         if self.shared_mlp_dim < 0:
-            _fail(
+            refuse(
                 "shared_mlp_dim", f"must be >= 0 (0: no shared experts), got {self.shared_mlp_dim}"
             )
         if self.shared_gate and self.shared_mlp_dim == 0:
-            _fail("shared_gate", "needs shared experts: set shared_mlp_dim > 0")
+            refuse("shared_gate", "needs shared experts: set shared_mlp_dim > 0")
         if self.capacity_factor <= 0:
-            _fail("capacity_factor", f"must be > 0, got {self.capacity_factor}")
+            refuse("capacity_factor", f"must be > 0, got {self.capacity_factor}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,16 +78,16 @@ class DecoderConfig:
         check_fields(self)
         require_at_least(self, 1, "vocab_size", "d_model", "n_layers", "n_heads", "mlp_dim")
         if self.kv_heads < 1:
-            _fail("n_kv_heads", f"must be >= 1, got {self.kv_heads}")
+            refuse("n_kv_heads", f"must be >= 1, got {self.kv_heads}")
         if self.n_heads % self.kv_heads != 0:
-            _fail("n_kv_heads", f"must divide n_heads={self.n_heads}, got {self.kv_heads}")
+            refuse("n_kv_heads", f"must divide n_heads={self.n_heads}, got {self.kv_heads}")
         if self.head_dim is None and self.d_model % self.n_heads != 0:
-            _fail(
+            refuse(
                 "head_dim",
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: set head_dim",
             )
         if self.attention_head_dim % 2 != 0:
-            _fail("head_dim", f"must be even for rotary embeddings, got {self.attention_head_dim}")
+            refuse("head_dim", f"must be even for rotary embeddings, got {self.attention_head_dim}")
 
     @property
     def kv_heads(self) -> int:

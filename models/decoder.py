@@ -28,8 +28,6 @@ from eqxzoo.nn import (
 from models.config import DecoderConfig
 from models.family import Family
 
-FAMILY = Family(name="decoder", config_class=DecoderConfig, hf=None)
-
 
 def make_norm(config: DecoderConfig) -> RMSNorm | LayerNorm:
     if config.norm == "rms":
@@ -111,14 +109,11 @@ class DecoderBlock(eqx.Module):
     def __call__(
         self, h: Float[Array, "*batch seq embed"], *, key: PRNGKeyArray | None = None
     ) -> tuple[Float[Array, "*batch seq embed"], dict[str, Array]]:
-        with jax.named_scope("attention"):
-            h = h + self.attention(self.attention_norm(h))
+        h = h + self.attention(self.attention_norm(h))
         if isinstance(self.mlp, MoE):
-            with jax.named_scope("moe"):
-                mlp_out, aux = self.mlp(self.mlp_norm(h))
+            mlp_out, aux = self.mlp(self.mlp_norm(h))
         else:
-            with jax.named_scope("mlp"):
-                mlp_out, aux = self.mlp(self.mlp_norm(h)), {}
+            mlp_out, aux = self.mlp(self.mlp_norm(h)), {}
         return h + mlp_out, aux
 
     def cached_forward(
@@ -152,10 +147,13 @@ class DecoderBlock(eqx.Module):
 
 
 class DecoderLM(eqx.Module):
-    """A decoder-only language model: ``embed``, stacked ``blocks``, ``head``.
+    """A decoder-only language model: ``embed``, an optional ``prefix``, stacked ``blocks``,
+    ``head`` (the model contract, `eqxzoo.nn.LanguageModel`).
 
-    The three parts can be driven separately (the pipeline runs ``blocks`` stage by stage
-    between ``embed`` and ``head``); ``__call__`` composes them for one sequence. Batch with
+    The parts can be driven separately (the pipeline runs ``blocks`` stage by stage between
+    ``embed`` and ``head``); ``__call__`` composes them for one sequence. ``prefix`` is the
+    contract's slot for first layers whose shapes differ from the block (None for every
+    family so far; the KV-cache path does not run one yet). Batch with
     `jax.vmap`. The parts also take leading batch axes directly, with the same results as
     `jax.vmap` (the trainer uses this: token-flattened matmuls are faster than vmapped ones).
     ``config`` is kept (static) so the model can be saved and rebuilt.
@@ -267,3 +265,6 @@ class DecoderLM(eqx.Module):
         )
         cache = KVCache(keys=keys, values=values, position=position + tokens.shape[0])
         return self.head(h), cache
+
+
+FAMILY = Family(name="decoder", config_class=DecoderConfig, model_class=DecoderLM, hf=None)

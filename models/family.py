@@ -174,11 +174,14 @@ class HFMapping:
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """One model family: its TOML ``family`` name, config class and Hugging Face mapping
-    (``None`` for the bare builder, which has no Hugging Face counterpart)."""
+    """One model family: its TOML ``family`` name, config class, the model class built from
+    a config (``model_class(config, key=key)``; the shared `models.decoder.DecoderLM` for
+    every family so far) and Hugging Face mapping (``None`` for the bare builder, which has
+    no Hugging Face counterpart)."""
 
     name: str
     config_class: type[DecoderConfig]
+    model_class: type
     hf: HFMapping | None
 
 

@@ -4,8 +4,9 @@ attention biases."""
 import dataclasses
 from typing import Any, ClassVar
 
-from eqxzoo.typed_config import fail
+from eqxzoo.typed_config import refuse
 from models.config import DecoderConfig
+from models.decoder import DecoderLM
 from models.family import (
     Family,
     HFConfig,
@@ -28,7 +29,7 @@ class LlamaConfig(DecoderConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.moe is not None:
-            fail("moe", "llama is dense: use family 'mixtral' or 'qwen_moe' for experts")
+            refuse("moe", "llama is dense: use family 'mixtral' or 'qwen_moe' for experts")
 
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -66,6 +67,7 @@ def zero_output_biases(config: DecoderConfig) -> list[str]:
 FAMILY = Family(
     name="llama",
     config_class=LlamaConfig,
+    model_class=DecoderLM,
     hf=llama_like_mapping(
         architecture=ARCHITECTURE,
         model_type="llama",

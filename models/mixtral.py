@@ -4,8 +4,9 @@
 import dataclasses
 from typing import Any, ClassVar
 
-from eqxzoo.typed_config import ConfigError, fail
+from eqxzoo.typed_config import ConfigError, refuse
 from models.config import DecoderConfig, MoEConfig
+from models.decoder import DecoderLM
 from models.family import (
     Family,
     HFConfig,
@@ -28,9 +29,9 @@ class MixtralConfig(DecoderConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.moe is None:
-            fail("moe", "mixtral needs a [moe] table")
+            refuse("moe", "mixtral needs a [moe] table")
         if self.moe.shared_mlp_dim:
-            fail("moe.shared_mlp_dim", "mixtral has no shared experts: use family 'qwen_moe'")
+            refuse("moe.shared_mlp_dim", "mixtral has no shared experts: use family 'qwen_moe'")
 
 
 ARCHITECTURE = "MixtralForCausalLM"
@@ -77,6 +78,7 @@ def tensors(config: DecoderConfig) -> list[Tensor]:
 FAMILY = Family(
     name="mixtral",
     config_class=MixtralConfig,
+    model_class=DecoderLM,
     hf=llama_like_mapping(
         architecture=ARCHITECTURE,
         model_type="mixtral",

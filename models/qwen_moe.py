@@ -4,8 +4,9 @@ sigmoid-gated shared expert in every layer."""
 import dataclasses
 from typing import Any, ClassVar
 
-from eqxzoo.typed_config import ConfigError, fail
+from eqxzoo.typed_config import ConfigError, refuse
 from models.config import DecoderConfig, MoEConfig
+from models.decoder import DecoderLM
 from models.family import (
     Family,
     HFConfig,
@@ -30,7 +31,7 @@ class QwenMoeConfig(DecoderConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.moe is None:
-            fail("moe", "qwen_moe needs a [moe] table")
+            refuse("moe", "qwen_moe needs a [moe] table")
 
 
 ARCHITECTURE = "Qwen2MoeForCausalLM"
@@ -115,6 +116,7 @@ def tensors(config: DecoderConfig) -> list[Tensor]:
 FAMILY = Family(
     name="qwen_moe",
     config_class=QwenMoeConfig,
+    model_class=DecoderLM,
     hf=llama_like_mapping(
         architecture=ARCHITECTURE,
         model_type="qwen2_moe",

@@ -9,11 +9,11 @@ architecture a ``config.json`` names (`family_for_hf`). Adding a family is addin
 import functools
 import importlib
 import pkgutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from eqxzoo.typed_config import ConfigError, build_dataclass, fail
+from eqxzoo.typed_config import ConfigError, build_dataclass, refuse
 from models.config import DecoderConfig
 from models.family import Family
 
@@ -36,6 +36,11 @@ def families() -> dict[str, Family]:
 def family_of(config: DecoderConfig) -> Family:
     """The family ``config`` belongs to (by its class's ``family`` name)."""
     return families()[config.family]
+
+
+def model_factory(config: DecoderConfig) -> Callable[..., Any]:
+    """The model of ``config``'s family as the trainer builds it: ``make_model(key=key)``."""
+    return functools.partial(family_of(config).model_class, config)
 
 
 def hf_architectures() -> dict[str, Family]:
@@ -80,10 +85,10 @@ def config_from_table(table: Any, *, where: str = "model") -> DecoderConfig:
     raise `ConfigError` naming the key as ``where.key``.
     """
     if not isinstance(table, Mapping):
-        fail(where, f"must be a table, got {type(table).__name__}")
+        refuse(where, f"must be a table, got {type(table).__name__}")
     table = dict(table)
     name = table.pop("family", "decoder")
     known = families()
     if name not in known:
-        fail(f"{where}.family", f"unknown family {name!r}; choose one of {sorted(known)}")
+        refuse(f"{where}.family", f"unknown family {name!r}; choose one of {sorted(known)}")
     return build_dataclass(known[name].config_class, table, where)

@@ -21,7 +21,6 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
-import functools  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
@@ -32,10 +31,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp  # noqa: E402
 
 import models  # noqa: E402
-from eqxzoo.config import StepConfig  # noqa: E402
 from eqxzoo.optim import OptimizerConfig  # noqa: E402
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh  # noqa: E402
 from eqxzoo.train.report import flops_per_token, measured_matmul_flops, median_seconds  # noqa: E402
+from eqxzoo.train.settings import StepConfig  # noqa: E402
 from eqxzoo.train.state import init_train_state  # noqa: E402
 from eqxzoo.train.step import batch_sharding, make_train_step  # noqa: E402
 
@@ -79,7 +78,7 @@ class StepRunner:
             remat_stages=remat_stages,
         )
         self.state = init_train_state(
-            functools.partial(models.DecoderLM, model_config),
+            models.model_factory(model_config),
             jax.random.key(0),
             config=self.config,
             mesh=self.mesh,
@@ -245,7 +244,7 @@ def loader_throughput(repeats: int, quick: bool) -> dict:
         memmap_rate = steps * tokens_per_step / (time.perf_counter() - start)
 
     train_config = step_config(config)
-    make_model = functools.partial(models.DecoderLM, config.model)
+    make_model = models.model_factory(config.model)
     state = init_train_state(make_model, jax.random.key(0), config=train_config, mesh=mesh)
     step_fn = make_train_step(train_config, mesh)
     batches = train_batches(documents, shape, sharding, seed=0)

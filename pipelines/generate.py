@@ -10,7 +10,6 @@ Prints the prompt followed by the continuation. Problems are one ``error:`` line
 
 import argparse
 import dataclasses
-import functools
 import sys
 from pathlib import Path
 
@@ -61,7 +60,7 @@ def generate_from_run(args: argparse.Namespace) -> int:
     from eqxzoo.train.checkpoint import Checkpointer
     from eqxzoo.train.layout import abstract_checkpoint_state
     from eqxzoo.train.loop import data_directory
-    from models import DecoderLM, generate
+    from models import generate, model_factory
 
     one_device = dataclasses.replace(
         config,
@@ -70,7 +69,7 @@ def generate_from_run(args: argparse.Namespace) -> int:
     )
     mesh = make_mesh(one_device.mesh, jax.devices()[:1])
     target = abstract_checkpoint_state(
-        functools.partial(DecoderLM, config.model), config=step_config(one_device), mesh=mesh
+        model_factory(config.model), config=step_config(one_device), mesh=mesh
     )
     tokenizer = load_tokenizer(data_directory(config) / TOKENIZER_FILE)
     with Checkpointer(args.run_dir / CHECKPOINT_DIR, every=1, keep=1) as checkpointer:

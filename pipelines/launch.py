@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 
+from eqxzoo.errors import run_command
 from eqxzoo.runtime import HEARTBEAT_ENV, LOOPBACK, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 
 
@@ -70,6 +71,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, run_args = parse_args(argv)
+    return run_command(lambda: launch(args, run_args))
+
+
+def launch(args: argparse.Namespace, run_args: list[str]) -> int:
     port = free_port()
     command = [sys.executable, "-m", "pipelines.run", *run_args]
     processes = []

@@ -17,7 +17,6 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 import models
-from eqxzoo.config import StepConfig
 from eqxzoo.optim import OptimizerConfig
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh
 from eqxzoo.train import checkpoint
@@ -27,6 +26,7 @@ from eqxzoo.train.checkpoint import (
     CheckpointWarning,
     StopSignal,
 )
+from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import (
     TrainState,
     abstract_state,

@@ -14,7 +14,6 @@ import models
 from eqxzoo.config import (
     ConfigError,
     RunConfig,
-    StepConfig,
     config_from_dict,
     config_to_dict,
     config_to_toml,
@@ -24,6 +23,7 @@ from eqxzoo.config import (
     step_config,
 )
 from eqxzoo.parallel import MeshConfig, Schedule
+from eqxzoo.train.settings import StepConfig
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_FILES = sorted(CONFIGS.glob("*.toml"))
@@ -258,7 +258,14 @@ def error_for(overrides, path=TINY) -> str:
             r"^sharding\.embed: \['xp'\] are not mesh axes; choose from \['dp', 'pp', 'tp', 'ep'\]$",
         ),
         (["sharding.mlp=['tp', 'tp']"], r"^sharding\.mlp: \['tp', 'tp'\] names a mesh axis twice$"),
-        (["sharding.stages=['dp']"], r"^sharding\.stages: must be \['pp'\], got \['dp'\]$"),
+        (
+            ["sharding.stages=['dp']"],
+            r"^sharding\.stages: must be \['pp'\] \(fixed by the trainer\), got \['dp'\]$",
+        ),
+        (
+            ["sharding.microbatches=['dp']"],
+            r"^sharding\.microbatches: must be \[\] \(fixed by the trainer\), got \['dp'\]$",
+        ),
         (["sharding.vocab='tp'"], r"^sharding\.vocab: expected a list of str, got 'tp'$"),
         (["mesh.dp"], r"^--set 'mesh\.dp': expected section\.key=value, e\.g\. mesh\.dp=4$"),
         (["mesh..dp=2"], r"^--set 'mesh\.\.dp=2': expected section\.key=value"),

@@ -219,3 +219,18 @@ def test_config_from_table_builds_each_family():
 def test_config_errors_name_the_field(table, message):
     with pytest.raises(models.ConfigError, match=message):
         models.config_from_table(table)
+
+
+def test_a_profile_reads_like_the_model():
+    """The compiled program's op names carry the model's parts (jax.named_scope)."""
+    config = models.QwenMoeConfig(
+        vocab_size=32,
+        d_model=16,
+        n_layers=2,
+        n_heads=2,
+        moe=models.MoEConfig(n_experts=4, expert_mlp_dim=8, shared_mlp_dim=8, shared_gate=True),
+    )
+    model = models.DecoderLM(config, key=jax.random.key(0))
+    hlo = jax.jit(model).lower(jnp.arange(8)).compile().as_text()
+    for scope in ("attention", "moe/router", "moe/experts", "moe/shared_experts/mlp"):
+        assert f"/{scope}/" in hlo, scope

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import models
-from eqxzoo.config import StepConfig
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh
 from eqxzoo.train.layout import from_pipeline_layout, to_pipeline_layout
 from eqxzoo.train.loss import pipelined_loss, sequential_loss
+from eqxzoo.train.settings import StepConfig
 
 N_LAYERS = 8
 

@@ -11,7 +11,6 @@ import optax
 import pytest
 
 import models
-from eqxzoo.config import Precision, StepConfig
 from eqxzoo.errors import ConfigError
 from eqxzoo.nn import MLP, Embedding, LanguageModel, Linear, RMSNorm, Stack, make_layers_for_keys
 from eqxzoo.optim import OptimizerConfig, build_optimizer, decay_mask
@@ -25,6 +24,7 @@ from eqxzoo.parallel import (
 )
 from eqxzoo.train.layout import from_pipeline_layout
 from eqxzoo.train.loss import sequential_loss
+from eqxzoo.train.settings import Precision, StepConfig
 from eqxzoo.train.state import init_train_state
 from eqxzoo.train.step import make_train_step, train_step
 
@@ -303,6 +303,13 @@ def test_init_checks_the_schedule_against_the_mesh(dense):
             jax.random.key(0),
             config=config,
             mesh=make_mesh(MeshConfig(pp=4, dp=2)),
+        )
+    with pytest.raises(MeshError, match=r"n_layers=4 is not divisible by pp \* repeats = 2 \* 4"):
+        init_train_state(
+            functools.partial(models.DecoderLM, dense),
+            jax.random.key(0),
+            config=step_config(2, ADAM, repeats=4),
+            mesh=make_mesh(MeshConfig(pp=2), jax.devices()[:2]),
         )
 
 

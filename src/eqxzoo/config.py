@@ -5,10 +5,10 @@
     [run]         name, seed, steps, log_every, eval_every, eval_batches, max_nonfinite,
                   compilation_cache_dir, tensorboard, wandb, wandb_project, plot
     [model]       family and sizes (`models.config_from_table`), with a [model.moe] table
-    [mesh]        dp, pp, tp, ep
+    [mesh]        dp, pp, tp, ep (`eqxzoo.parallel.MeshConfig`)
     [pipeline]    schedule ("gpipe" or "circular"), microbatches (M), repeats (R), remat_stages
     [optimizer]   `eqxzoo.optim.OptimizerConfig` (decay_steps defaults to run.steps)
-    [precision]   params, compute, output (`Precision`)
+    [precision]   params, compute, output (`eqxzoo.train.settings.Precision`)
     [loss]        load_balance_weight, router_z_weight
     [data]        path, vocab_size, seq_len (T), batch_size (B), grad_accum (G), seed,
                   prefetch, num_threads
@@ -28,22 +28,23 @@ import dataclasses
 import math
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from eqxzoo.data.prepare import DEFAULT_VOCAB_SIZE
 from eqxzoo.data.tokenizer import MIN_VOCAB_SIZE
 from eqxzoo.optim import OptimizerConfig
 from eqxzoo.parallel.mesh import MeshConfig, MeshError, check_model_fits
-from eqxzoo.parallel.rules import MeshAxes, ShardingConfig
+from eqxzoo.parallel.rules import ShardingConfig
 from eqxzoo.parallel.schedule import Schedule, ScheduleError, ScheduleName
+from eqxzoo.train.settings import Precision, StepConfig
 from eqxzoo.typed_config import (
     ConfigError,
     apply_overrides,
     build_dataclass,
     check_fields,
     dataclass_to_table,
-    fail,
     read_toml,
+    refuse,
     require_at_least,
     toml_text,
 )
@@ -60,7 +61,6 @@ __all__ = [
     "RunConfig",
     "RunSettings",
     "ShardingConfig",
-    "StepConfig",
     "config_from_dict",
     "config_to_dict",
     "config_to_toml",
@@ -99,11 +99,11 @@ class RunSettings:
     def __post_init__(self):
         check_fields(self)
         if not self.name.strip():
-            fail("name", "must not be empty")
+            refuse("name", "must not be empty")
         require_at_least(self, 1, "steps", "log_every", "eval_batches", "max_nonfinite")
         require_at_least(self, 0, "eval_every")
         if self.wandb and not self.wandb_project.strip():
-            fail("wandb_project", "must not be empty when wandb = true")
+            refuse("wandb_project", "must not be empty when wandb = true")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +137,7 @@ class LossConfig:
         for name in ("load_balance_weight", "router_z_weight"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
-                fail(name, f"must be a finite number >= 0, got {value}")
+                refuse(name, f"must be a finite number >= 0, got {value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +164,7 @@ class DataConfig:
     def __post_init__(self):
         check_fields(self)
         if not self.path.strip():
-            fail("path", f"must name a prepared data directory or {STDLIB_DATA!r}")
+            refuse("path", f"must name a prepared data directory or {STDLIB_DATA!r}")
         require_at_least(self, MIN_VOCAB_SIZE, "vocab_size")
         require_at_least(self, 1, "seq_len", "batch_size", "grad_accum", "num_threads")
         require_at_least(self, 0, "prefetch")
@@ -185,41 +185,6 @@ class CheckpointConfig:
     def __post_init__(self):
         check_fields(self)
         require_at_least(self, 1, "every", "keep")
-
-
-DType = Literal["float32", "bfloat16", "float16"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Precision:
-    """``[precision]``: parameters are stored in ``params`` (fp32 master weights), cast to
-    ``compute`` for the forward and backward pass, and the logits/loss are taken in ``output``."""
-
-    params: DType = "float32"
-    compute: DType = "float32"
-    output: DType = "float32"
-
-    def __post_init__(self):
-        check_fields(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepConfig:
-    """Everything the train step needs besides the model: schedule, optimizer, precision,
-    loss weights, stage remat and the sharding rules (`step_config` derives it from a run)."""
-
-    schedule: Schedule
-    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-    precision: Precision = dataclasses.field(default_factory=Precision)
-    load_balance_weight: float = 0.01
-    router_z_weight: float = 0.001
-    remat_stages: bool = True
-    bubble_fill: float = 0.0
-    sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)
-
-    @property
-    def rules(self) -> Mapping[str, MeshAxes]:
-        return self.sharding.rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,7 +273,7 @@ class RunConfig:
                 raise ConfigError(f"{key}: {error}; {fix}") from None
         kv_heads = model.kv_heads
         if kv_heads % mesh.tp != 0 and mesh.tp % kv_heads != 0:
-            fail(
+            refuse(
                 "mesh.tp",
                 f"model.n_kv_heads={kv_heads} must be a multiple of tp={mesh.tp} (kv heads split "
                 "over tp) or divide it (kv heads replicated over tp groups)",
@@ -317,13 +282,13 @@ class RunConfig:
     def _check_batch_and_vocab(self) -> None:
         data, mesh = self.data, self.mesh
         if data.batch_size % mesh.dp != 0:
-            fail(
+            refuse(
                 "data.batch_size",
                 f"{data.batch_size} sequences per microbatch cannot be split evenly over "
                 f"mesh.dp={mesh.dp}; use a multiple of {mesh.dp}",
             )
         if data.is_stdlib and data.vocab_size > self.model.vocab_size:
-            fail(
+            refuse(
                 "data.vocab_size",
                 f"the stdlib corpus would have {data.vocab_size} token ids but "
                 f"model.vocab_size={self.model.vocab_size}; set data.vocab_size <= "
@@ -342,7 +307,7 @@ def config_from_dict(document: Mapping[str, Any]) -> RunConfig:
         raise ConfigError(f"config: must be a table of sections, got {type(document).__name__}")
     for name in document:
         if name not in SECTIONS:
-            fail(str(name), f"unknown section; valid sections are {sorted(SECTIONS)}")
+            refuse(str(name), f"unknown section; valid sections are {sorted(SECTIONS)}")
     run = build_dataclass(RunSettings, document.get("run", {}), "run")
     sections: dict[str, Any] = {"run": run}
     for name, cls in SECTIONS.items():

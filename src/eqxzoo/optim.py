@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import PyTree
 
-from eqxzoo.typed_config import check_fields, fail
+from eqxzoo.typed_config import check_fields, refuse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,19 +44,19 @@ class OptimizerConfig:
     def __post_init__(self):
         check_fields(self)
         if self.learning_rate <= 0:
-            fail("learning_rate", f"must be > 0, got {self.learning_rate}")
+            refuse("learning_rate", f"must be > 0, got {self.learning_rate}")
         if not 0 <= self.warmup_steps < self.decay_steps:
-            fail(
+            refuse(
                 "warmup_steps",
                 f"must be in [0, decay_steps={self.decay_steps}), got {self.warmup_steps}",
             )
         if self.clip_norm < 0:
-            fail("clip_norm", f"must be >= 0 (0: off), got {self.clip_norm}")
+            refuse("clip_norm", f"must be >= 0 (0: off), got {self.clip_norm}")
         for pattern in self.freeze:
             try:
                 re.compile(pattern)
             except re.error as error:
-                fail("freeze", f"bad pattern {pattern!r}: {error}")
+                refuse("freeze", f"bad pattern {pattern!r}: {error}")
 
 
 def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:

@@ -1,7 +1,8 @@
 """Typed configs: frozen dataclasses checked on construction, read from and written to TOML.
 
-Every config of the project (the run's sections, the model families, the mesh, the
-optimizer) is a frozen dataclass whose ``__post_init__`` starts with `check_fields`: each
+Every config a user writes (the run's sections, the model families, the mesh, the
+optimizer, the sharding rules) is a frozen dataclass whose ``__post_init__`` starts with
+`check_fields`: each
 value must match its annotation (``int``, ``float``, ``str``, ``bool``, ``Literal``, unions,
 ``tuple[X, ...]``, nested config dataclasses), so a bad value is refused the same way
 whether it came from Python, a TOML file or ``--set``. `build_dataclass` builds one from a
@@ -32,7 +33,7 @@ __all__ = [
     "build_dataclass",
     "check_fields",
     "dataclass_to_table",
-    "fail",
+    "refuse",
     "parse_override_value",
     "read_toml",
     "require_at_least",
@@ -40,8 +41,9 @@ __all__ = [
 ]
 
 
-def fail(key: str, problem: str) -> typing.NoReturn:
-    """Raise ``ConfigError("key: problem")``."""
+def refuse(key: str, problem: str) -> typing.NoReturn:
+    """Raise ``ConfigError("key: problem")``: the config refuses a value (commands report it
+    through `eqxzoo.errors.run_command`)."""
     raise ConfigError(f"{key}: {problem}")
 
 
@@ -50,7 +52,7 @@ def require_at_least(config: Any, minimum: int | float, *names: str) -> None:
     for name in names:
         value = getattr(config, name)
         if value < minimum:
-            fail(name, f"must be >= {minimum}, got {value}")
+            refuse(name, f"must be >= {minimum}, got {value}")
 
 
 @functools.cache
@@ -86,17 +88,17 @@ def build_dataclass(cls: type, table: Any, where: str) -> Any:
     does after), so a type-checked constructor never receives a TOML integer for a float.
     """
     if not isinstance(table, Mapping):
-        fail(where, f"must be a table, got {type(table).__name__}")
+        refuse(where, f"must be a table, got {type(table).__name__}")
     hints = _field_hints(cls)
     values = {}
     for key, value in table.items():
         if key not in hints:
-            fail(f"{where}.{key}", f"unknown key; valid keys are {sorted(hints)}")
+            refuse(f"{where}.{key}", f"unknown key; valid keys are {sorted(hints)}")
         nested = _dataclass_in(hints[key])
         if nested is not None and isinstance(value, Mapping):
             value = build_dataclass(nested, value, f"{where}.{key}")
         elif nested is not None and not isinstance(value, (nested, type(None))):
-            fail(f"{where}.{key}", f"must be a table, got {type(value).__name__}")
+            refuse(f"{where}.{key}", f"must be a table, got {type(value).__name__}")
         _check_value(f"{where}.{key}", value, hints[key])
         values[key] = _as_declared(value, hints[key])
     try:
@@ -107,7 +109,7 @@ def build_dataclass(cls: type, table: Any, where: str) -> Any:
 
 def _check_value(key: str, value: Any, hint: Any) -> None:
     if not _matches(value, hint):
-        fail(key, f"expected {_describe(hint)}, got {value!r}")
+        refuse(key, f"expected {_describe(hint)}, got {value!r}")
 
 
 def _dataclass_in(hint: Any) -> type | None:
@@ -228,7 +230,7 @@ def apply_overrides(document: Mapping[str, Any], overrides: Sequence[str]) -> di
         for depth, part in enumerate(parts[:-1]):
             child = table.setdefault(part, {})
             if not isinstance(child, dict):
-                fail(
+                refuse(
                     ".".join(parts[: depth + 1]),
                     f"is {child!r}, not a table: cannot set {'.'.join(parts)}",
                 )

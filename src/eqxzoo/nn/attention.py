@@ -109,17 +109,18 @@ class CausalSelfAttention(AbstractAxesOwner):
         self, x: Float[Array, "*batch seq embed"], positions: Int[Array, " seq"] | None = None
     ) -> Float[Array, "*batch seq embed"]:
         """Attention over each sequence; any leading axes are independent sequences."""
-        if positions is None:
-            positions = jnp.arange(x.shape[-2])
-        q, k, v = self.project_qkv(x, positions)
-        lead_shape, seq_shape = q.shape[:-3], q.shape[-3:]
-        attended = jax.nn.dot_product_attention(
-            q.reshape(-1, *seq_shape),
-            k.reshape(-1, *k.shape[-3:]),
-            v.reshape(-1, *v.shape[-3:]),
-            is_causal=True,
-        )
-        return self.project_out(attended.reshape(*lead_shape, *seq_shape))
+        with jax.named_scope("attention"):
+            if positions is None:
+                positions = jnp.arange(x.shape[-2])
+            q, k, v = self.project_qkv(x, positions)
+            lead_shape, seq_shape = q.shape[:-3], q.shape[-3:]
+            attended = jax.nn.dot_product_attention(
+                q.reshape(-1, *seq_shape),
+                k.reshape(-1, *k.shape[-3:]),
+                v.reshape(-1, *v.shape[-3:]),
+                is_causal=True,
+            )
+            return self.project_out(attended.reshape(*lead_shape, *seq_shape))
 
     def cached_forward(
         self,

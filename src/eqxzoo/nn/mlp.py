@@ -47,8 +47,9 @@ class MLP(eqx.Module):
         self.activation = activation
 
     def __call__(self, x: Float[Array, "*batch embed"]) -> Float[Array, "*batch embed"]:
-        if self.gate is not None:
-            hidden = jax.nn.silu(self.gate(x)) * self.up(x)
-        else:
-            hidden = jax.nn.gelu(self.up(x), approximate=True)
-        return self.down(hidden)
+        with jax.named_scope("mlp"):
+            if self.gate is not None:
+                hidden = jax.nn.silu(self.gate(x)) * self.up(x)
+            else:
+                hidden = jax.nn.gelu(self.up(x), approximate=True)
+            return self.down(hidden)

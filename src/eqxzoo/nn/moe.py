@@ -235,30 +235,33 @@ class MoE(eqx.Module):
         capacity and load-balance statistics, then averaged), while the dropless path sorts
         the tokens of all sequences together into one grouped matmul per weight.
         """
-        n_tokens, d_model = x.shape[-2:]
-        tokens = x.reshape(-1, d_model)
-        with jax.named_scope("router"):
-            routing = self.router(tokens)
-        per_sequence = jax.tree.map(lambda a: a.reshape(-1, n_tokens, *a.shape[1:]), routing)
-        dropped_fraction = jnp.zeros((), jnp.float32)
-        with jax.named_scope("experts"):
-            if self.routing_mode == "dropless":
-                output = self.experts.dropless(tokens, routing)
-            elif self.routing_mode == "capacity":
-                output, dropped = jax.vmap(self.experts.capacity, in_axes=(0, 0, None))(
-                    tokens.reshape(-1, n_tokens, d_model), per_sequence, self.capacity_factor
-                )
-                output, dropped_fraction = output.reshape(-1, d_model), jnp.mean(dropped)
-            else:
-                output = self.experts.dense(tokens, routing)
-        if self.shared is not None:
-            with jax.named_scope("shared_experts"):
-                shared_output = self.shared(tokens)
-                if self.shared_gate is not None:
-                    shared_output = jax.nn.sigmoid(self.shared_gate(tokens)) * shared_output
-            output = output + shared_output
-        losses = jax.tree.map(lambda v: jnp.mean(v, axis=0), jax.vmap(router_losses)(per_sequence))
-        return output.reshape(x.shape), {**losses, "dropped_fraction": dropped_fraction}
+        with jax.named_scope("moe"):
+            n_tokens, d_model = x.shape[-2:]
+            tokens = x.reshape(-1, d_model)
+            with jax.named_scope("router"):
+                routing = self.router(tokens)
+            per_sequence = jax.tree.map(lambda a: a.reshape(-1, n_tokens, *a.shape[1:]), routing)
+            dropped_fraction = jnp.zeros((), jnp.float32)
+            with jax.named_scope("experts"):
+                if self.routing_mode == "dropless":
+                    output = self.experts.dropless(tokens, routing)
+                elif self.routing_mode == "capacity":
+                    output, dropped = jax.vmap(self.experts.capacity, in_axes=(0, 0, None))(
+                        tokens.reshape(-1, n_tokens, d_model), per_sequence, self.capacity_factor
+                    )
+                    output, dropped_fraction = output.reshape(-1, d_model), jnp.mean(dropped)
+                else:
+                    output = self.experts.dense(tokens, routing)
+            if self.shared is not None:
+                with jax.named_scope("shared_experts"):
+                    shared_output = self.shared(tokens)
+                    if self.shared_gate is not None:
+                        shared_output = jax.nn.sigmoid(self.shared_gate(tokens)) * shared_output
+                output = output + shared_output
+            losses = jax.tree.map(
+                lambda v: jnp.mean(v, axis=0), jax.vmap(router_losses)(per_sequence)
+            )
+            return output.reshape(x.shape), {**losses, "dropped_fraction": dropped_fraction}
 
 
 def router_losses(routing: Routing) -> dict[str, Array]:

@@ -77,10 +77,7 @@ def run_pipeline(
     tick's activations instead of recomputing them (faster, more memory). ``bubble_fill`` is
     what a skipped tick emits (tests fill bubbles with NaN to show nothing leaks from them).
     """
-    if mesh.shape["pp"] != schedule.stages:
-        raise ValueError(
-            f"the schedule has {schedule.stages} stages but the mesh has pp={mesh.shape['pp']}"
-        )
+    assert mesh.shape["pp"] == schedule.stages, (mesh.shape, schedule)  # checked by the state
     # With one stage there is nothing to shift: run the same table without shard_map (XLA's
     # partitioner rejects the autodiff all-reduce over a size-1 manual pp axis next to dp).
     manual = schedule.stages > 1

@@ -10,6 +10,7 @@ name is split over; `partition_spec` turns a parameter's names into a PartitionS
 import dataclasses
 from collections.abc import Mapping
 from functools import cached_property
+from types import MappingProxyType
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -17,9 +18,21 @@ from jaxtyping import PyTree
 
 from eqxzoo.nn import Axes
 from eqxzoo.parallel.mesh import MESH_AXES
-from eqxzoo.typed_config import check_fields, fail
+from eqxzoo.typed_config import check_fields, refuse
 
 MeshAxes = str | tuple[str, ...] | None
+
+FIXED_RULES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "stages": ("pp",),
+        "repeats": (),
+        "layers": (),
+        "grad_accum": (),
+        "microbatches": (),
+        "batch": ("dp",),
+        "seq": (),
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +44,10 @@ class ShardingConfig:
     ep or pp would be whole on each of those devices: the model dimension also takes ep
     where the experts have not (attention, norms, router, embeddings: FSDP over dp x ep),
     and the vocabulary takes pp (the embeddings live outside the pipeline stages).
-    ``stages`` (the pipeline runs manual over pp) and ``batch`` (the loader splits each
-    microbatch's sequences over dp) are fixed.
+    The parameter axes (``embed`` to ``experts``) are a user's to change; the pipeline and
+    batch axes are fixed by how the trainer works (`FIXED_RULES`: the pipeline runs manual
+    over pp, the loader splits each microbatch's sequences over dp) and named here so that
+    every sharding comes from this one table.
     """
 
     stages: tuple[str, ...] = ("pp",)
@@ -56,17 +71,21 @@ class ShardingConfig:
             axes = getattr(self, field.name)
             unknown = [axis for axis in axes if axis not in MESH_AXES]
             if unknown:
-                fail(field.name, f"{unknown} are not mesh axes; choose from {list(MESH_AXES)}")
+                refuse(field.name, f"{unknown} are not mesh axes; choose from {list(MESH_AXES)}")
             if len(set(axes)) != len(axes):
-                fail(field.name, f"{list(axes)} names a mesh axis twice")
-        for name, fixed in (("stages", ("pp",)), ("batch", ("dp",))):
+                refuse(field.name, f"{list(axes)} names a mesh axis twice")
+        for name, fixed in FIXED_RULES.items():
             if getattr(self, name) != fixed:
-                fail(name, f"must be {list(fixed)}, got {list(getattr(self, name))}")
+                refuse(
+                    name,
+                    f"must be {list(fixed)} (fixed by the trainer), got {list(getattr(self, name))}",
+                )
 
     @cached_property
     def rules(self) -> Mapping[str, MeshAxes]:
-        """``{logical name: mesh axes or None}``."""
-        return {field.name: getattr(self, field.name) or None for field in dataclasses.fields(self)}
+        """``{logical name: mesh axes or None}`` (read-only)."""
+        names = (field.name for field in dataclasses.fields(self))
+        return MappingProxyType({name: getattr(self, name) or None for name in names})
 
 
 DEFAULT_RULES: Mapping[str, MeshAxes] = ShardingConfig().rules

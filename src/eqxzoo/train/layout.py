@@ -5,28 +5,28 @@ layers per stage) and sharded over ``pp`` on ``P``: what the step reads. Checkpo
 every staged array as ``(L, ...)``, the layer axis sharded over ``pp`` where ``P`` was, so a
 checkpoint restores onto another ``pp`` or ``repeats`` (the layer order never changes). A
 leaf is staged when its logical axes (`eqxzoo.train.state.train_state_axes`) start with
-``repeats, stages``: the model's blocks and the optimizer moments that mirror them.
+``repeats, stages, layers``: the model's blocks and the optimizer moments that mirror them.
 """
 
 import functools
+from collections.abc import Mapping
 
 import equinox as eqx
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PyTree
 
-from eqxzoo.config import StepConfig
 from eqxzoo.nn import Axes, LanguageModel
-from eqxzoo.parallel import Schedule, stage_layers, unstage_layers
+from eqxzoo.parallel import MeshAxes, Schedule, partition_spec, stage_layers, unstage_layers
+from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import (
+    LAYER_AXES,
     ModelFactory,
     TrainState,
     abstract_state,
     abstract_train_state,
     train_state_axes,
 )
-
-STAGED = ("repeats", "stages")
 
 
 def to_pipeline_layout(model: LanguageModel, schedule: Schedule) -> LanguageModel:
@@ -44,14 +44,7 @@ def from_pipeline_layout(model: LanguageModel) -> LanguageModel:
 
 
 def _is_staged(axes: Axes) -> bool:
-    return tuple(axes.names[: len(STAGED)]) == STAGED
-
-
-def _merged_layers_sharding(sharding: NamedSharding, rank: int) -> NamedSharding:
-    """The sharding of a staged ``(R, P, k, ...)`` array of ``rank`` with its ``P`` entry
-    moved to the merged layer axis."""
-    spec = tuple(sharding.spec) + (None,) * (rank - len(sharding.spec))
-    return NamedSharding(sharding.mesh, PartitionSpec(spec[1], *spec[3:]))
+    return tuple(axes.names[: len(LAYER_AXES)]) == LAYER_AXES
 
 
 @functools.lru_cache(maxsize=64)
@@ -78,31 +71,38 @@ def _relayout(state: TrainState, target: TrainState, *, consume: bool) -> TrainS
     return jax.tree.map(convert, jax.block_until_ready(state), target)
 
 
-def abstract_checkpoint_layout(target: TrainState, axes: PyTree[Axes]) -> TrainState:
+def abstract_checkpoint_layout(
+    target: TrainState, axes: PyTree[Axes], rules: Mapping[str, MeshAxes]
+) -> TrainState:
     """`checkpoint_layout` of an abstract state (`abstract_train_state`) whose arrays have
-    logical ``axes``: a restore target."""
+    logical ``axes``: a restore target. The merged layer axis is split as ``stages`` was
+    (by ``rules``), the other axes as before."""
 
     def plain(leaf, leaf_axes: Axes):
         if not _is_staged(leaf_axes):
             return leaf
         repeats, stages, per_stage, *rest = leaf.shape
-        return jax.ShapeDtypeStruct(
-            (repeats * stages * per_stage, *rest),
-            leaf.dtype,
-            sharding=_merged_layers_sharding(leaf.sharding, len(leaf.shape)),
-        )
+        shape = (repeats * stages * per_stage, *rest)
+        merged_axes = Axes(("stages", *leaf_axes.names[len(LAYER_AXES) :]))
+        mesh = leaf.sharding.mesh
+        sharding = NamedSharding(mesh, partition_spec(merged_axes, shape, mesh, rules))
+        return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=sharding)
 
     return jax.tree.map(plain, target, axes)
 
 
 def checkpoint_layout(
-    state: TrainState, axes: PyTree[Axes], *, consume: bool = False
+    state: TrainState,
+    axes: PyTree[Axes],
+    rules: Mapping[str, MeshAxes],
+    *,
+    consume: bool = False,
 ) -> TrainState:
     """The state with every staged ``(R, P, k, ...)`` array viewed as ``(L, ...)``: what
     checkpoints hold. With ``consume`` the staged arrays of ``state`` are deleted as they
     are converted."""
     shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
-    target = abstract_checkpoint_layout(abstract_state(state, shardings), axes)
+    target = abstract_checkpoint_layout(abstract_state(state, shardings), axes, rules)
     return _relayout(state, target, consume=consume)
 
 
@@ -121,4 +121,5 @@ def abstract_checkpoint_state(
     return abstract_checkpoint_layout(
         abstract_train_state(make_model, config=config, mesh=mesh),
         train_state_axes(make_model, config=config),
+        config.rules,
     )

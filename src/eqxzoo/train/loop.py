@@ -11,7 +11,6 @@ A run directory holds ``config.toml`` (the resolved config), ``checkpoints/``,
 """
 
 import dataclasses
-import functools
 import time
 import warnings
 from collections.abc import Callable
@@ -48,7 +47,7 @@ from eqxzoo.train.report import (
 )
 from eqxzoo.train.state import abstract_train_state, init_train_state, train_state_axes
 from eqxzoo.train.step import batch_sharding, make_eval_step, make_train_step
-from models import DecoderLM
+from models import model_factory
 
 CONFIG_FILE = "config.toml"
 CHECKPOINT_DIR = "checkpoints"
@@ -136,7 +135,7 @@ class _Trainer:
         self.mesh = make_mesh(config.mesh)
         self.on_cpu = self.mesh.devices.flat[0].platform == "cpu"
         self.step_config = step_config(config)
-        self.make_model = functools.partial(DecoderLM, config.model)
+        self.make_model = model_factory(config.model)
         self.total_steps = config.run.steps
         if options.stop_after is not None:
             self.total_steps = min(self.total_steps, options.stop_after)
@@ -219,7 +218,8 @@ class _Trainer:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", CheckpointWarning)
             restored = self.checkpointer.restore_latest(
-                abstract_checkpoint_layout(self.target, self.axes), self.batches
+                abstract_checkpoint_layout(self.target, self.axes, self.step_config.rules),
+                self.batches,
             )
         for warning in caught:
             self.say(f"warning: {warning.message}")
@@ -375,7 +375,7 @@ class _Trainer:
         }
         # The state is converted to the checkpoint layout array by array, in place, and back
         # after the save: a second copy of a state that fills the host would not fit.
-        plain = checkpoint_layout(self.state, self.axes, consume=True)
+        plain = checkpoint_layout(self.state, self.axes, self.step_config.rules, consume=True)
         try:
             return self.checkpointer.save(self.step, plain, self.batches, meta)
         finally:

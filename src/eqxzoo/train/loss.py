@@ -7,9 +7,9 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
-from eqxzoo.config import StepConfig
 from eqxzoo.nn import LanguageModel, summarize_layer_aux
 from eqxzoo.parallel import activation_sharding, run_pipeline
+from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import cast_floats
 
 

@@ -2,7 +2,6 @@
 shapes alone (nothing is initialised), then reports parameter counts, each parameter's
 sharding and the compiled step's per-device memory."""
 
-import functools
 import math
 import time
 from collections.abc import Callable
@@ -16,7 +15,7 @@ from eqxzoo.train.loop import batch_shape
 from eqxzoo.train.report import flops_per_token, parameter_counts
 from eqxzoo.train.state import abstract_train_state
 from eqxzoo.train.step import batch_sharding, make_train_step
-from models import DecoderLM
+from models import model_factory
 
 
 def format_bytes(count: float) -> str:
@@ -50,9 +49,7 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
     """Print the plan of ``config``'s run; returns its figures (for tests and scripts)."""
     mesh = make_mesh(config.mesh)
     config_for_step = step_config(config)
-    target = abstract_train_state(
-        functools.partial(DecoderLM, config.model), config=config_for_step, mesh=mesh
-    )
+    target = abstract_train_state(model_factory(config.model), config=config_for_step, mesh=mesh)
     counts = parameter_counts(config.model)
     shape = batch_shape(config)
     batch = {

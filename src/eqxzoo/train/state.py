@@ -19,10 +19,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding, Sharding
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from eqxzoo.config import StepConfig
 from eqxzoo.nn import Axes, LanguageModel, logical_axes
 from eqxzoo.optim import OptimizerConfig, build_optimizer, trainable_mask
 from eqxzoo.parallel import MeshError, Schedule, stage_layers, staged_axes, tree_shardings
+from eqxzoo.train.settings import StepConfig
 
 ModelFactory = Callable[..., LanguageModel]
 
@@ -141,7 +141,7 @@ def abstract_state(shapes: PyTree, shardings: PyTree[Sharding]) -> PyTree:
 def abstract_train_state(make_model: ModelFactory, *, config: StepConfig, mesh: Mesh) -> TrainState:
     """The `TrainState` as `jax.ShapeDtypeStruct`s carrying their shardings, computing nothing:
     the target of a checkpoint restore and of ahead-of-time compilation."""
-    _check_stages(config, mesh)
+    _check_stages(make_model, config, mesh)
     state_shape = eqx.filter_eval_shape(_build_state, make_model, config, jax.random.key(0))
     axes = train_state_axes(make_model, config=config)
     return abstract_state(state_shape, state_shardings(state_shape, axes, config=config, mesh=mesh))
@@ -158,9 +158,17 @@ def init_train_state(
     return jax.jit(build, out_shardings=shardings)(key)
 
 
-def _check_stages(config: StepConfig, mesh: Mesh) -> None:
-    if config.schedule.stages != mesh.shape["pp"]:
+def _check_stages(make_model: ModelFactory, config: StepConfig, mesh: Mesh) -> None:
+    """The schedule's stages are the mesh's ``pp`` and divide the model's layers (with the
+    repeats); `eqxzoo.config.RunConfig` says the same of a run config, naming its keys."""
+    schedule = config.schedule
+    if schedule.stages != mesh.shape["pp"]:
         raise MeshError(
-            f"the schedule has {config.schedule.stages} stages but the mesh has "
-            f"pp={mesh.shape['pp']}"
+            f"the schedule has {schedule.stages} stages but the mesh has pp={mesh.shape['pp']}"
+        )
+    n_layers = eqx.filter_eval_shape(make_model, key=jax.random.key(0)).blocks.n_layers
+    if n_layers % (schedule.stages * schedule.repeats) != 0:
+        raise MeshError(
+            f"n_layers={n_layers} is not divisible by pp * repeats = "
+            f"{schedule.stages} * {schedule.repeats}"
         )

@@ -17,11 +17,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Float, Int
 
-from eqxzoo.config import StepConfig
 from eqxzoo.nn import LanguageModel
 from eqxzoo.optim import build_optimizer, learning_rate_schedule
 from eqxzoo.parallel import DEFAULT_RULES, MeshAxes, activation_sharding
 from eqxzoo.train.loss import pipelined_loss
+from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import TrainState, split_trainable
 
 Batch = dict[str, Int[Array, "grad_accum microbatches batch seq"]]

@@ -1,0 +1,50 @@
+"""What the train step needs besides the model: `StepConfig` (schedule, optimizer, precision,
+loss weights, stage remat, sharding rules) and the `Precision` policy.
+
+The run config (`eqxzoo.config`) declares `Precision` as its ``[precision]`` section and
+derives a `StepConfig` from a run (`eqxzoo.config.step_config`); this module imports nothing
+of the zoo, so the trainer depends on models only through the model contract.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Literal
+
+from eqxzoo.optim import OptimizerConfig
+from eqxzoo.parallel.rules import MeshAxes, ShardingConfig
+from eqxzoo.parallel.schedule import Schedule
+from eqxzoo.typed_config import check_fields
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """``[precision]``: parameters are stored in ``params`` (fp32 master weights), cast to
+    ``compute`` for the forward and backward pass, and the logits/loss are taken in ``output``."""
+
+    params: DType = "float32"
+    compute: DType = "float32"
+    output: DType = "float32"
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Everything the train step needs besides the model: schedule, optimizer, precision,
+    loss weights, stage remat and the sharding rules (`step_config` derives it from a run)."""
+
+    schedule: Schedule
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    precision: Precision = dataclasses.field(default_factory=Precision)
+    load_balance_weight: float = 0.01
+    router_z_weight: float = 0.001
+    remat_stages: bool = True
+    bubble_fill: float = 0.0
+    sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)
+
+    @property
+    def rules(self) -> Mapping[str, MeshAxes]:
+        return self.sharding.rules
