@@ -231,6 +231,6 @@ def test_a_profile_reads_like_the_model():
         moe=models.MoEConfig(n_experts=4, expert_mlp_dim=8, shared_mlp_dim=8, shared_gate=True),
     )
     model = models.DecoderLM(config, key=jax.random.key(0))
-    hlo = jax.jit(model).lower(jnp.arange(8)).compile().as_text()
+    hlo = jax.jit(lambda m, tokens: m(tokens)).lower(model, jnp.arange(8)).compile().as_text()
     for scope in ("attention", "moe/router", "moe/experts", "moe/shared_experts/mlp"):
         assert f"/{scope}/" in hlo, scope
