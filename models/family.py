@@ -167,8 +167,8 @@ class HFMapping:
             elif value is not None:
                 raise hf_config.error(
                     key,
-                    f"{value!r}: an option of {self.architecture} the zoo does not model; "
-                    "remove it if it does not change the computation",
+                    f"{value!r}: an option of {self.architecture} the zoo does not model "
+                    "(its family file lists the keys it reads or ignores)",
                 )
 
 
