@@ -1,6 +1,13 @@
 """Meshes, logical-axis sharding rules and pipeline schedules."""
 
-from eqxzoo.parallel.mesh import MESH_AXES, MeshConfig, MeshError, check_model_fits, make_mesh
+from eqxzoo.parallel.mesh import (
+    MESH_AXES,
+    MeshConfig,
+    MeshError,
+    check_layers_fit,
+    check_model_fits,
+    make_mesh,
+)
 from eqxzoo.parallel.pipeline import run_pipeline, stage_layers, staged_axes, unstage_layers
 from eqxzoo.parallel.rules import (
     DEFAULT_RULES,
@@ -25,6 +32,7 @@ __all__ = [
     "ShardingConfig",
     "activation_sharding",
     "activation_spec",
+    "check_layers_fit",
     "check_model_fits",
     "make_mesh",
     "partition_spec",

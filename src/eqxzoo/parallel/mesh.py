@@ -50,14 +50,19 @@ def make_mesh(config: MeshConfig, devices: list | None = None) -> Mesh:
     )
 
 
+def check_layers_fit(n_layers: int, *, stages: int, repeats: int) -> None:
+    """Raise `MeshError` unless the ``stages * repeats`` pipeline rounds divide the layers."""
+    if n_layers % (stages * repeats) != 0:
+        raise MeshError(
+            f"n_layers={n_layers} is not divisible by pp * repeats = {stages} * {repeats}"
+        )
+
+
 def check_model_fits(
     mesh: MeshConfig, *, n_layers: int, n_heads: int, n_experts: int | None, repeats: int = 1
 ) -> None:
     """Raise `MeshError` naming the numbers when the model cannot be split over ``mesh``."""
-    if n_layers % (mesh.pp * repeats) != 0:
-        raise MeshError(
-            f"n_layers={n_layers} is not divisible by pp * repeats = {mesh.pp} * {repeats}"
-        )
+    check_layers_fit(n_layers, stages=mesh.pp, repeats=repeats)
     if n_heads % mesh.tp != 0:
         raise MeshError(f"n_heads={n_heads} is not divisible by tp={mesh.tp}")
     if n_experts is None:

@@ -22,7 +22,13 @@ from jaxtyping import Array, Float, PyTree
 
 from eqxzoo.nn import Axes, apply_layers
 from eqxzoo.nn.stack import RematPolicy
-from eqxzoo.parallel.rules import DEFAULT_RULES, MeshAxes, activation_sharding, activation_spec
+from eqxzoo.parallel.rules import (
+    DEFAULT_RULES,
+    MeshAxes,
+    activation_sharding,
+    activation_spec,
+    rule_axes,
+)
 from eqxzoo.parallel.schedule import Schedule
 
 
@@ -93,9 +99,9 @@ def run_pipeline(
     last_stage = n_stages - 1
     shift = [(stage, (stage + 1) % n_stages) for stage in range(n_stages)]
 
-    batch_axes = rules.get("batch") or ()
-    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
-    split_over_batch = not manual and any(mesh.shape[axis] > 1 for axis in batch_axes)
+    split_over_batch = not manual and any(
+        mesh.shape[axis] > 1 for axis in rule_axes("batch", rules)
+    )
 
     def split_batch(h):
         if not split_over_batch:

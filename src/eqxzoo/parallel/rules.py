@@ -50,9 +50,9 @@ class ShardingConfig:
     every sharding comes from this one table.
     """
 
-    stages: tuple[str, ...] = ("pp",)
-    repeats: tuple[str, ...] = ()
-    layers: tuple[str, ...] = ()
+    stages: tuple[str, ...] = FIXED_RULES["stages"]
+    repeats: tuple[str, ...] = FIXED_RULES["repeats"]
+    layers: tuple[str, ...] = FIXED_RULES["layers"]
     embed: tuple[str, ...] = ("dp", "ep")
     vocab: tuple[str, ...] = ("tp", "pp")
     heads: tuple[str, ...] = ("tp",)
@@ -60,10 +60,10 @@ class ShardingConfig:
     head_dim: tuple[str, ...] = ()
     mlp: tuple[str, ...] = ("tp",)
     experts: tuple[str, ...] = ("ep",)
-    grad_accum: tuple[str, ...] = ()
-    microbatches: tuple[str, ...] = ()
-    batch: tuple[str, ...] = ("dp",)
-    seq: tuple[str, ...] = ()
+    grad_accum: tuple[str, ...] = FIXED_RULES["grad_accum"]
+    microbatches: tuple[str, ...] = FIXED_RULES["microbatches"]
+    batch: tuple[str, ...] = FIXED_RULES["batch"]
+    seq: tuple[str, ...] = FIXED_RULES["seq"]
 
     def __post_init__(self):
         check_fields(self)
@@ -91,6 +91,14 @@ class ShardingConfig:
 DEFAULT_RULES: Mapping[str, MeshAxes] = ShardingConfig().rules
 
 
+def rule_axes(name: str | None, rules: Mapping[str, MeshAxes]) -> tuple[str, ...]:
+    """The mesh axes ``rules`` split logical axis ``name`` over (``()``: replicated)."""
+    mesh_axes = rules.get(name) if name is not None else None
+    if isinstance(mesh_axes, str):
+        return (mesh_axes,)
+    return mesh_axes or ()
+
+
 def partition_spec(
     axes: Axes, shape: tuple[int, ...], mesh: Mesh, rules: Mapping[str, MeshAxes] = DEFAULT_RULES
 ) -> PartitionSpec:
@@ -103,10 +111,7 @@ def partition_spec(
     used: set[str] = set()
     spec = []
     for name, size in zip(axes, shape, strict=True):
-        mesh_axes = rules.get(name) if name is not None else None
-        if isinstance(mesh_axes, str):
-            mesh_axes = (mesh_axes,)
-        chosen = tuple(a for a in (mesh_axes or ()) if a not in used and mesh.shape[a] > 1)
+        chosen = tuple(a for a in rule_axes(name, rules) if a not in used and mesh.shape[a] > 1)
         n_shards = 1
         for axis in chosen:
             n_shards *= mesh.shape[axis]
@@ -127,10 +132,8 @@ def activation_spec(
     """
     spec = []
     for name in names:
-        mesh_axes = rules.get(name) if name is not None else None
-        if isinstance(mesh_axes, tuple) and len(mesh_axes) == 1:
-            mesh_axes = mesh_axes[0]
-        spec.append(mesh_axes or None)
+        mesh_axes = rule_axes(name, rules)
+        spec.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes or None)
     return PartitionSpec(*spec)
 
 

@@ -21,7 +21,14 @@ from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from eqxzoo.nn import Axes, LanguageModel, logical_axes
 from eqxzoo.optim import OptimizerConfig, build_optimizer, trainable_mask
-from eqxzoo.parallel import MeshError, Schedule, stage_layers, staged_axes, tree_shardings
+from eqxzoo.parallel import (
+    MeshError,
+    Schedule,
+    check_layers_fit,
+    stage_layers,
+    staged_axes,
+    tree_shardings,
+)
 from eqxzoo.train.settings import StepConfig
 
 ModelFactory = Callable[..., LanguageModel]
@@ -78,18 +85,25 @@ def train_state_axes(make_model: ModelFactory, *, config: StepConfig) -> PyTree[
     (`optax.tree_map_params`), factored ones their leading layer axes; the rest (counts) has
     no name.
     """
+    return _state_shape_and_axes(make_model, config)[1]
+
+
+def _state_shape_and_axes(
+    make_model: ModelFactory, config: StepConfig
+) -> tuple[TrainState, PyTree[Axes]]:
+    """The `TrainState`'s shapes and its logical axes (see `train_state_axes`), traced once."""
     key = jax.random.key(0)
-    model_axes = logical_axes(eqx.filter_eval_shape(make_model, key=key))
+    plain_model = eqx.filter_eval_shape(make_model, key=key)
+    schedule = config.schedule
+    check_layers_fit(plain_model.blocks.n_layers, stages=schedule.stages, repeats=schedule.repeats)
+    model_axes = logical_axes(plain_model)
     model_axes = eqx.tree_at(
         lambda m: m.blocks.layers, model_axes, staged_axes(model_axes.blocks.layers)
     )
     state_shape = eqx.filter_eval_shape(_build_state, make_model, config, key)
-    trainable_axes, _ = eqx.partition(
-        model_axes, trainable_mask(state_shape.model, config.optimizer.freeze)
-    )
-    trainable_shape, _ = eqx.partition(
-        state_shape.model, trainable_mask(state_shape.model, config.optimizer.freeze)
-    )
+    trainable = trainable_mask(state_shape.model, config.optimizer.freeze)
+    trainable_axes, _ = eqx.partition(model_axes, trainable)
+    trainable_shape, _ = eqx.partition(state_shape.model, trainable)
     opt_axes = optax.tree_map_params(
         build_optimizer(config.optimizer),
         _statistic_axes,
@@ -99,11 +113,12 @@ def train_state_axes(make_model: ModelFactory, *, config: StepConfig) -> PyTree[
         transform_non_params=lambda leaf: Axes((None,) * len(leaf.shape)),
         is_leaf=lambda x: isinstance(x, Axes) or x is None,
     )
-    return eqx.tree_at(
+    axes = eqx.tree_at(
         lambda state: (state.step, state.model, state.opt_state),
         state_shape,
         (Axes(()), model_axes, opt_axes),
     )
+    return state_shape, axes
 
 
 def _statistic_axes(statistic, axes: Axes | None, parameter) -> Axes | None:
@@ -141,9 +156,12 @@ def abstract_state(shapes: PyTree, shardings: PyTree[Sharding]) -> PyTree:
 def abstract_train_state(make_model: ModelFactory, *, config: StepConfig, mesh: Mesh) -> TrainState:
     """The `TrainState` as `jax.ShapeDtypeStruct`s carrying their shardings, computing nothing:
     the target of a checkpoint restore and of ahead-of-time compilation."""
-    _check_stages(make_model, config, mesh)
-    state_shape = eqx.filter_eval_shape(_build_state, make_model, config, jax.random.key(0))
-    axes = train_state_axes(make_model, config=config)
+    if config.schedule.stages != mesh.shape["pp"]:
+        raise MeshError(
+            f"the schedule has {config.schedule.stages} stages but the mesh has "
+            f"pp={mesh.shape['pp']}"
+        )
+    state_shape, axes = _state_shape_and_axes(make_model, config)
     return abstract_state(state_shape, state_shardings(state_shape, axes, config=config, mesh=mesh))
 
 
@@ -156,19 +174,3 @@ def init_train_state(
     shardings = jax.tree.map(lambda leaf: leaf.sharding, target)
     build = functools.partial(_build_state, make_model, config)
     return jax.jit(build, out_shardings=shardings)(key)
-
-
-def _check_stages(make_model: ModelFactory, config: StepConfig, mesh: Mesh) -> None:
-    """The schedule's stages are the mesh's ``pp`` and divide the model's layers (with the
-    repeats); `eqxzoo.config.RunConfig` says the same of a run config, naming its keys."""
-    schedule = config.schedule
-    if schedule.stages != mesh.shape["pp"]:
-        raise MeshError(
-            f"the schedule has {schedule.stages} stages but the mesh has pp={mesh.shape['pp']}"
-        )
-    n_layers = eqx.filter_eval_shape(make_model, key=jax.random.key(0)).blocks.n_layers
-    if n_layers % (schedule.stages * schedule.repeats) != 0:
-        raise MeshError(
-            f"n_layers={n_layers} is not divisible by pp * repeats = "
-            f"{schedule.stages} * {schedule.repeats}"
-        )
