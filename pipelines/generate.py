@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def generate_from_run(args: argparse.Namespace) -> int:
     from eqxzoo.config import load_config
-    from eqxzoo.train.loop import CHECKPOINT_DIR, CONFIG_FILE
+    from eqxzoo.train.rundir import CHECKPOINT_DIR, CONFIG_FILE
 
     config_file = args.run_dir / CONFIG_FILE
     if not config_file.is_file():

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from eqxzoo.config import RunConfig, devices_needed
 from eqxzoo.errors import UserError
@@ -148,3 +150,10 @@ def lost_processes_message(error: BaseException) -> str:
         who = f"lost the coordinator (process 0 of {count})"
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
     return f"{who}; this is process {jax.process_index()}: {first_line[:300]}"
+
+
+def on_every_process(ok: bool) -> bool:
+    """True if ``ok`` holds on every process (all of them take the same branch)."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))

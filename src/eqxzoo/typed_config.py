@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import functools
 import json
+import math
 import os
 import tomllib
 import types
@@ -110,6 +111,9 @@ def build_dataclass(cls: type, table: Any, where: str) -> Any:
 def _check_value(key: str, value: Any, hint: Any) -> None:
     if not _matches(value, hint):
         refuse(key, f"expected {_describe(hint)}, got {value!r}")
+    numbers = value if isinstance(value, (list, tuple)) else (value,)
+    if any(isinstance(number, float) and not math.isfinite(number) for number in numbers):
+        refuse(key, f"must be a finite number, got {value}")
 
 
 def _dataclass_in(hint: Any) -> type | None:

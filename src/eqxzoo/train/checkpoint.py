@@ -13,15 +13,30 @@ Restoring walks back from the newest checkpoint: one that cannot be read (a file
 or deleted, its metadata missing) is reported in one line and skipped for the one before.
 orbax writes a step under a temporary name and renames it when complete, so a save killed
 half-way is never listed as a checkpoint.
+
+A save that cannot be written (no space left, a quota, an I/O error) is one
+`CheckpointError` naming the step, the cause and the newest good checkpoint; its partial
+temporary directory is removed and the earlier checkpoints are untouched. Before each save,
+a free space smaller than the last checkpoint's size is warned about. orbax's own reports
+of a failed write (its threads' error logs, and the closed event loops its pending writes
+call back into) are silenced: the failure reaches the caller as that one error.
 """
 
+import contextlib
 import dataclasses
+import errno
 import json
+import logging
 import os
 import re
+import shutil
 import signal
+import sys
 import textwrap
+import time
+import traceback
 import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -34,11 +49,14 @@ from jax.experimental import multihost_utils
 from jaxtyping import PyTree
 
 from eqxzoo.errors import UserError
+from eqxzoo.runtime import on_every_process
 
 ITEMS = ("state", "data", "meta")
 ASYNC_SAVE_GB = 96  # orbax's default
 SYNC_SAVE_GB = 1
 STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+PARTIAL_REMOVAL_SECONDS = 10
 _DATA_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
 
@@ -146,7 +164,11 @@ class Checkpointer:
     decides); the caller asks before preparing the state and `save` does not ask again.
     Saves are asynchronous by default: `save` returns once the arrays are copied off the
     devices (the caller may then donate them) and the files are written in the background.
-    `wait` blocks until they are on disk; `close` also releases the manager.
+    `wait` blocks until they are on disk; `close` also releases the manager, and is safe
+    to call on every path (after a failed save it releases without waiting).
+
+    Warnings (a skipped checkpoint, short free space) go to ``warn``; by default they are
+    `CheckpointWarning` warnings.
     """
 
     def __init__(
@@ -156,10 +178,15 @@ class Checkpointer:
         every: int,
         keep: int,
         async_save: bool = True,
+        warn: Callable[[str], None] | None = None,
     ):
         assert every >= 1 and keep >= 1, (every, keep)  # `CheckpointConfig` refuses others
+        _silence_orbax_write_failures()
         self.every = every
         self.directory = epath.Path(_absolute(directory))
+        self._warn = warn or _warn_checkpoint
+        self._writing_step: int | None = None  # an asynchronous save still being written
+        self._failed = False
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             enable_async_checkpointing=async_save,
@@ -195,9 +222,11 @@ class Checkpointer:
 
         Whether the step is due is the caller's question (`is_due`). Returns whether a
         checkpoint was started; a step already saved is not saved again. Raises
-        `CheckpointError` if a floating array of ``state`` holds NaN or Inf, or if ``meta``
-        or the iterator state is not JSON-serialisable.
+        `CheckpointError` if a floating array of ``state`` holds NaN or Inf, if ``meta`` or
+        the iterator state is not JSON-serialisable, or if this save (or the asynchronous
+        one before it) cannot be written.
         """
+        self.wait()
         self._drop_stale_steps()
         if step in self._manager.all_steps():
             return False
@@ -215,7 +244,11 @@ class Checkpointer:
             data=DataStateSave(data_state),
             meta=ocp.args.JsonSave(meta),
         )
-        return self._manager.save(step, args=args, force=True)
+        self._warn_if_space_is_short(step)
+        with self._writing(step):
+            started = self._manager.save(step, args=args, force=True)
+            self._writing_step = step
+        return started
 
     def restore_latest(
         self,
@@ -239,9 +272,9 @@ class Checkpointer:
                 failure = None
             except Exception as error:  # noqa: BLE001 - any read failure makes it unusable
                 failure = _one_line(error)
-            if not _on_every_process(failure is None):
+            if not on_every_process(failure is None):
                 unusable = Unusable(step, failure or "unreadable on another process")
-                warnings.warn(str(unusable), CheckpointWarning, stacklevel=2)
+                self._warn(str(unusable))
                 skipped.append(unusable)
                 continue
             if data_iterator is not None:
@@ -263,13 +296,82 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def wait(self) -> None:
-        """Block until every started save is on disk (and raise if one failed)."""
-        self._manager.wait_until_finished()
+        """Block until every started save is on disk; `CheckpointError` if one failed."""
+        if self._writing_step is None:
+            return
+        with self._writing(self._writing_step):
+            self._manager.wait_until_finished()
+        self._writing_step = None
 
     def close(self) -> None:
-        """Finish pending saves and release the manager."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Finish pending saves and release the manager; after a failed save, only release."""
+        try:
+            if not self._failed:
+                self.wait()
+        finally:
+            with contextlib.suppress(Exception):
+                self._manager.close()
+
+    def good_steps(self) -> list[int]:
+        """The steps whose checkpoint is complete on disk (renamed from its temporary name)."""
+        return sorted(
+            int(path.name)
+            for path in self.directory.iterdir()
+            if path.name.isdigit() and (path / STEP_METADATA_FILE).exists()
+        )
+
+    @contextlib.contextmanager
+    def _writing(self, step: int) -> Iterator[None]:
+        """Turn a failure to write step ``step`` into one `CheckpointError`, having removed its
+        partial directory."""
+        try:
+            yield
+        except Exception as error:
+            self._failed = True
+            self._writing_step = None
+            # orbax leaves the failed save's other write coroutines un-awaited.
+            warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
+            self._remove_partial(step)
+            older = [good for good in self.good_steps() if good != step]
+            newest = (
+                f"the newest good checkpoint is step {older[-1]}"
+                if older
+                else "there is no earlier checkpoint"
+            )
+            raise CheckpointError(
+                f"checkpoint of step {step} not written: {_write_failure(error)} at "
+                f"{self.directory}; {newest}"
+            ) from error
+
+    def _remove_partial(self, step: int) -> None:
+        """Remove the temporary directory of the failed save of ``step``. TensorStore may
+        still be finishing the save's other writes into it: try until it stays gone."""
+        deadline = time.monotonic() + PARTIAL_REMOVAL_SECONDS
+        while partials := list(self.directory.glob(f"{step}{TMP_SUFFIX}*")):
+            for partial in partials:
+                shutil.rmtree(partial, ignore_errors=True)
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+
+    def _warn_if_space_is_short(self, step: int) -> None:
+        """Warn when the free space is smaller than the newest checkpoint's size."""
+        steps = self.good_steps()
+        if not steps or "://" in str(self.directory):
+            return
+        newest = self.directory / str(steps[-1])
+        size = sum(
+            os.path.getsize(os.path.join(root, name))
+            for root, _, names in os.walk(newest)
+            for name in names
+        )
+        free = shutil.disk_usage(self.directory).free
+        if free < size:
+            self._warn(
+                f"{free / 2**20:.1f} MiB free at {self.directory}, less than the last checkpoint "
+                f"(step {steps[-1]}, {size / 2**20:.1f} MiB): the checkpoint of step {step} "
+                "may not fit"
+            )
 
     def __enter__(self):
         return self
@@ -384,6 +486,67 @@ class StopSignal:
 
 # --- helpers -----------------------------------------------------------------------------
 
+_WRITE_FAILURES = (
+    (errno.ENOSPC, "No space left on device", "no space left on device"),
+    (errno.EDQUOT, "Disk quota exceeded", "disk quota exceeded"),
+    (errno.EROFS, "Read-only file system", "read-only file system"),
+    (errno.EACCES, "Permission denied", "permission denied"),
+)
+
+
+def _write_failure(error: BaseException) -> str:
+    """What stopped a write, in a few words: the OS error when one can be found in the chain
+    (TensorStore reports it inside its message), else the root cause's first line."""
+    chain = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    for error in chain:
+        for code, text, words in _WRITE_FAILURES:
+            if getattr(error, "errno", None) == code or text in str(error):
+                return words
+    return _one_line(chain[0])
+
+
+def _warn_checkpoint(message: str) -> None:
+    warnings.warn(message, CheckpointWarning, stacklevel=3)
+
+
+def _silence_orbax_write_failures() -> None:
+    """Silence orbax's own reports of a failed write, once per process.
+
+    When one write of a save fails, orbax closes the save's event loop while TensorStore
+    still completes the other writes: each completion calls back into the closed loop
+    ("RuntimeError: Event loop is closed", printed as an unraisable exception), the pending
+    write coroutines are collected ("Task exception was never retrieved", or at exit "sys.meta_path
+    is None"), and orbax's threads log the failure with its traceback. The failure itself reaches the caller of the save
+    (or of the wait for it), which reports it; these echoes are dropped.
+    """
+    if getattr(_silence_orbax_write_failures, "done", False):
+        return
+    _silence_orbax_write_failures.done = True
+    previous_hook = sys.unraisablehook
+
+    def unraisable_hook(unraisable) -> None:
+        error = unraisable.exc_value
+        closed_loop = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+        code = getattr(unraisable.object, "cr_code", None)
+        orbax_coroutine = code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+        if not (closed_loop or orbax_coroutine):
+            previous_hook(unraisable)
+
+    sys.unraisablehook = unraisable_hook
+    for logger in ("absl", "asyncio"):
+        logging.getLogger(logger).addFilter(lambda record: not _echoes_orbax_failure(record))
+
+
+def _echoes_orbax_failure(record: logging.LogRecord) -> bool:
+    """Whether a log record reports an exception raised in orbax's code."""
+    if not record.exc_info or record.exc_info[2] is None:
+        return False
+    frames = traceback.extract_tb(record.exc_info[2])
+    return any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in frames)
+
 
 def _absolute(directory: str | os.PathLike) -> str:
     """Local paths made absolute (orbax needs it); URLs such as ``gs://...`` unchanged."""
@@ -411,10 +574,3 @@ def _one_line(error: BaseException) -> str:
     for cut in (" [tensorstore_spec", " See full TensorStore details", "\n"):
         text = text.split(cut)[0]
     return textwrap.shorten(text, 240, placeholder=" ...")
-
-
-def _on_every_process(ok: bool) -> bool:
-    """True if ``ok`` holds on every process: all of them must resume from the same step."""
-    if jax.process_count() == 1:
-        return ok
-    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))

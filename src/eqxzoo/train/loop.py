@@ -6,13 +6,16 @@ torch_xla's asynchronous step closures). The loop blocks only where it must: eva
 checkpoint saves (orbax copies the arrays off the devices, then writes in the background)
 and the end of the run.
 
-A run directory holds ``config.toml`` (the resolved config), ``checkpoints/``,
-``metrics.jsonl``, ``tensorboard/``, ``loss.png`` and, with ``--profile``, ``profile/``.
+A run directory holds ``run.lock`` (see `eqxzoo.train.rundir`), ``config.toml`` (the
+resolved config), ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/``, ``loss.png`` and,
+with ``--profile``, ``profile/``. Before anything is initialised, the run locks its directory,
+checks that a resume is the same run, and compiles the step to check that it fits in memory.
+Whatever a phase opens is closed on every way out.
 """
 
+import contextlib
 import dataclasses
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from eqxzoo.config import RunConfig, config_to_dict, config_to_toml, step_config
+from eqxzoo.config import RunConfig, config_to_dict, step_config
 from eqxzoo.data import (
     BatchShape,
     check_vocab,
@@ -31,11 +34,18 @@ from eqxzoo.data import (
 from eqxzoo.data.prepare import prepare_stdlib_corpus
 from eqxzoo.errors import EXIT_STOPPED, UserError
 from eqxzoo.parallel import make_mesh
-from eqxzoo.train.checkpoint import Checkpointer, CheckpointWarning, StopSignal
+from eqxzoo.runtime import on_every_process
+from eqxzoo.train.checkpoint import Checkpointer, StopSignal
 from eqxzoo.train.layout import (
     abstract_checkpoint_layout,
     checkpoint_layout,
     from_checkpoint_layout,
+)
+from eqxzoo.train.memory import (
+    StepMemory,
+    check_fits,
+    run_memory_checks,
+    saves_asynchronously,
 )
 from eqxzoo.train.report import (
     LOSS_PLOT_FILE,
@@ -45,12 +55,11 @@ from eqxzoo.train.report import (
     peak_flops,
     plot_losses,
 )
+from eqxzoo.train.rundir import CHECKPOINT_DIR, prepare_run_dir
 from eqxzoo.train.state import abstract_train_state, init_train_state, train_state_axes
-from eqxzoo.train.step import batch_sharding, make_eval_step, make_train_step
+from eqxzoo.train.step import batch_sharding, compile_train_step, make_eval_step
 from models import model_factory
 
-CONFIG_FILE = "config.toml"
-CHECKPOINT_DIR = "checkpoints"
 PROFILE_DIR = "profile"
 STDLIB = "stdlib"
 
@@ -133,7 +142,7 @@ class _Trainer:
         self.say = say if self.is_main else (lambda text: None)
         self.run_dir = options.run_dir
         self.mesh = make_mesh(config.mesh)
-        self.on_cpu = self.mesh.devices.flat[0].platform == "cpu"
+        self.async_save = saves_asynchronously(config, self.mesh.devices.flat[0].platform)
         self.step_config = step_config(config)
         self.make_model = model_factory(config.model)
         self.total_steps = config.run.steps
@@ -143,43 +152,56 @@ class _Trainer:
         self.stopped_by_signal = False
 
     def run(self) -> RunSummary:
-        self.prepare_run_dir()
-        self.open_data()
-        self.open_state()
-        first_step = self.step
-        self.make_steps()
-        self.open_reports()
-        try:
+        with contextlib.ExitStack() as opened:
+            self.open_run_dir(opened)
+            self.compile_steps()
+            self.open_data(opened)
+            self.open_state(opened)
+            first_step = self.step
+            self.open_reports(opened)
             with StopSignal() as stop:
                 self.train_until_done(stop)
                 self.finish()
-        except BaseException:
-            if jax.process_count() > 1:
-                # The other processes may be waiting for this one inside a collective: a
-                # cooperative clean-up (orbax's barriers) would wait for them forever. Leave at
-                # once; their coordination service notices this process is gone.
-                self.batches.close()
-                raise
-            self.checkpointer.close()
-            raise
-        else:
-            self.checkpointer.close()
-        finally:
-            self.batches.close()
-            if self.writer is not None:
-                self.writer.close()
         self.maybe_plot()
         return self.summary(first_step)
 
-    def prepare_run_dir(self) -> None:
-        """Create the run directory; process 0 writes the resolved config into it."""
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise UserError(f"--run-dir {self.run_dir}: exists and is not a directory")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+    def open_run_dir(self, opened: contextlib.ExitStack) -> None:
+        """Process 0 locks the run directory, checks that this config may resume what it
+        holds and writes the config into it (`eqxzoo.train.rundir`); the other processes
+        follow its verdict."""
+        refusal = None
         if self.is_main:
-            (self.run_dir / CONFIG_FILE).write_text(config_to_toml(self.config), encoding="utf-8")
+            try:
+                run_lock = prepare_run_dir(self.run_dir, self.config, lock=True, warn=self.say)
+                opened.callback(run_lock.release)
+            except UserError as error:
+                refusal = error
+        if not on_every_process(refusal is None):
+            raise refusal or UserError(
+                f"process 0 refused --run-dir {self.run_dir} (its error line says why)"
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
 
-    def open_data(self) -> None:
+    def compile_steps(self) -> None:
+        """Compile the train step from the state's shapes alone and refuse a plan whose
+        memory does not fit (`eqxzoo.train.memory`), before anything is initialised; the
+        evaluation step compiles on its first call."""
+        self.target = abstract_train_state(self.make_model, config=self.step_config, mesh=self.mesh)
+        self.axes = train_state_axes(self.make_model, config=self.step_config)
+        self.train_step = compile_train_step(
+            self.step_config, self.mesh, self.target, batch_shape(self.config).shape
+        )
+        self.eval_step = make_eval_step(self.step_config, self.mesh)
+        step_memory = StepMemory.of(self.train_step)
+        if step_memory is None:
+            return
+        check_fits(
+            run_memory_checks(step_memory, self.config, self.mesh.local_devices),
+            step_memory,
+            remat_stages=self.config.pipeline.remat_stages,
+        )
+
+    def open_data(self, opened: contextlib.ExitStack) -> None:
         """Open the training batches and, when ``run.eval_every`` > 0, the validation batches."""
         directory = data_directory(self.config)
         train_documents = open_split(directory, "train")
@@ -193,6 +215,7 @@ class _Trainer:
             prefetch=self.config.data.prefetch,
             num_threads=self.config.data.num_threads,
         )
+        opened.callback(self.batches.close)
         self.val_batches = []
         if self.config.run.eval_every > 0:
             val_documents = open_split(directory, "val", verify=False)
@@ -203,26 +226,20 @@ class _Trainer:
                 batches=self.config.run.eval_batches,
             )
 
-    def open_state(self) -> None:
+    def open_state(self, opened: contextlib.ExitStack) -> None:
         """Resume from the newest usable checkpoint, or initialise."""
-        self.target = abstract_train_state(self.make_model, config=self.step_config, mesh=self.mesh)
-        self.axes = train_state_axes(self.make_model, config=self.step_config)
         self.checkpointer = Checkpointer(
             self.run_dir / CHECKPOINT_DIR,
             every=self.config.checkpoint.every,
             keep=self.config.checkpoint.keep,
-            # Simulated CPU devices already live in host memory: an asynchronous save would
-            # first copy the whole state there again.
-            async_save=self.config.checkpoint.async_save and not self.on_cpu,
+            async_save=self.async_save,
+            warn=lambda text: self.say(f"warning: {text}"),
         )
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", CheckpointWarning)
-            restored = self.checkpointer.restore_latest(
-                abstract_checkpoint_layout(self.target, self.axes, self.step_config.rules),
-                self.batches,
-            )
-        for warning in caught:
-            self.say(f"warning: {warning.message}")
+        opened.push(self.close_checkpointer)
+        restored = self.checkpointer.restore_latest(
+            abstract_checkpoint_layout(self.target, self.axes, self.step_config.rules),
+            self.batches,
+        )
         if restored is None:
             key = jax.random.key(self.config.run.seed)
             self.state = init_train_state(
@@ -236,12 +253,15 @@ class _Trainer:
         self.skipped_total = int(restored.meta.get("skipped_total", 0))
         self.say(f"resumed from the checkpoint at step {self.step}")
 
-    def make_steps(self) -> None:
-        """The jitted train and evaluation steps (compiled on their first call)."""
-        self.train_step = make_train_step(self.step_config, self.mesh)
-        self.eval_step = make_eval_step(self.step_config, self.mesh)
+    def close_checkpointer(self, error_type, error, traceback) -> None:
+        """Close the checkpointer on the way out, unless a multi-process run is failing: the
+        others may be waiting for this process inside a collective, and orbax's cooperative
+        clean-up (its barriers) would wait for them forever. Leave at once; their
+        coordination service notices this process is gone."""
+        if error_type is None or jax.process_count() == 1:
+            self.checkpointer.close()
 
-    def open_reports(self) -> None:
+    def open_reports(self, opened: contextlib.ExitStack) -> None:
         """Open the metrics writer (process 0) and the progress bar, say what will run, and
         start the step clock."""
         self.model_flops_per_token = flops_per_token(self.config.model, self.config.data.seq_len)
@@ -255,6 +275,7 @@ class _Trainer:
                 config=config_to_dict(self.config),
                 resume_from_step=self.step,
             )
+            opened.callback(self.writer.close)
         self.progress = ProgressBar(
             self.total_steps, every=self.config.run.log_every, enabled=self.is_main
         )

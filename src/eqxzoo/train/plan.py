@@ -12,9 +12,10 @@ import jax.numpy as jnp
 from eqxzoo.config import RunConfig, step_config
 from eqxzoo.parallel import make_mesh
 from eqxzoo.train.loop import batch_shape
+from eqxzoo.train.memory import StepMemory, run_memory_checks
 from eqxzoo.train.report import flops_per_token, parameter_counts
 from eqxzoo.train.state import abstract_train_state
-from eqxzoo.train.step import batch_sharding, make_train_step
+from eqxzoo.train.step import compile_train_step
 from models import model_factory
 
 
@@ -52,16 +53,10 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
     target = abstract_train_state(model_factory(config.model), config=config_for_step, mesh=mesh)
     counts = parameter_counts(config.model)
     shape = batch_shape(config)
-    batch = {
-        name: jax.ShapeDtypeStruct(
-            shape.shape, jnp.int32, sharding=batch_sharding(mesh, config_for_step.rules)
-        )
-        for name in ("tokens", "targets")
-    }
     start = time.perf_counter()
-    compiled = make_train_step(config_for_step, mesh).lower(target, batch).compile()
+    compiled = compile_train_step(config_for_step, mesh, target, shape.shape)
     compile_seconds = time.perf_counter() - start
-    memory = compiled.memory_analysis()
+    memory = StepMemory.of(compiled)
 
     say(
         f"config {config.run.name}: mesh {dict(mesh.shape)} on {mesh.devices.size} {mesh.devices.flat[0].platform} devices"
@@ -87,24 +82,16 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
     }
     if memory is not None:
         figures |= {
-            "argument_bytes": memory.argument_size_in_bytes,
-            "output_bytes": memory.output_size_in_bytes,
-            "alias_bytes": memory.alias_size_in_bytes,
-            "temp_bytes": memory.temp_size_in_bytes,
+            "argument_bytes": memory.arguments,
+            "output_bytes": memory.outputs,
+            "alias_bytes": memory.donated,
+            "temp_bytes": memory.temporaries,
+            "device_bytes": memory.total,
         }
-        total = (
-            memory.argument_size_in_bytes
-            + memory.output_size_in_bytes
-            - memory.alias_size_in_bytes
-            + memory.temp_size_in_bytes
-        )
-        figures["device_bytes"] = total
-        say(
-            f"per-device memory of the compiled step: {format_bytes(total)} = arguments "
-            f"{format_bytes(memory.argument_size_in_bytes)} + outputs "
-            f"{format_bytes(memory.output_size_in_bytes)} - donated "
-            f"{format_bytes(memory.alias_size_in_bytes)} + temporaries "
-            f"{format_bytes(memory.temp_size_in_bytes)}"
-        )
+        say(f"per-device memory of the compiled step: {memory.describe()}")
+        checks = run_memory_checks(memory, config, mesh.local_devices)
+        for check in checks:
+            say(f"memory: {check}")
+        figures["fits"] = all(check.fits for check in checks)
     say(f"compiled the train step in {compile_seconds:.1f} s; dry run: nothing was trained")
     return figures

@@ -97,6 +97,20 @@ def batch_sharding(mesh: Mesh, rules: Mapping[str, MeshAxes] = DEFAULT_RULES) ->
     return activation_sharding(mesh, "grad_accum", "microbatches", "batch", "seq", rules=rules)
 
 
+def compile_train_step(
+    config: StepConfig, mesh: Mesh, state: TrainState, batch_shape: tuple[int, int, int, int]
+) -> jax.stages.Compiled:
+    """`make_train_step` compiled for ``state`` (arrays or `jax.ShapeDtypeStruct` leaves) and
+    ``(G, M, B, T)`` batches, without running it: the run checks its memory analysis before
+    initialising anything, then calls it (the state and batch must match exactly)."""
+    sharding = batch_sharding(mesh, config.rules)
+    batch = {
+        name: jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=sharding)
+        for name in ("tokens", "targets")
+    }
+    return make_train_step(config, mesh).lower(state, batch).compile()
+
+
 def make_train_step(
     config: StepConfig, mesh: Mesh
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Array]]]:

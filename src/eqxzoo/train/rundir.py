@@ -1,0 +1,224 @@
+"""A run directory holds one run: an OS lock keeps a second run out, and a resume must be
+the same run.
+
+**The lock.** `RunDirLock` takes an exclusive ``flock`` on ``RUN_DIR/run.lock`` and writes
+its holder (pid, host, start time) into the file. The kernel releases the lock when the
+process ends, however it ends (SIGKILL, OOM kill, a crash), so a dead run never leaves a
+stale lock behind; the file itself stays and is reused. A second run on the directory is
+refused at once with one line naming the holder. In a multi-process run only process 0
+locks, and the others follow its verdict. Readers (``--dry-run``, ``pipelines.generate``)
+take no lock.
+
+**The same run.** A directory with checkpoints is resumed only by a config that differs
+from its ``config.toml`` in `RESUMABLE` keys alone: what changes how the same run is carried
+out (steps, mesh and schedule, batch shape, logging, checkpoint cadence, the learning-rate
+schedule, ...), never what it is (the architecture, its parameters' dtype, the optimizer's
+state, the data and its order, the seeds). Any other change is refused in one line naming
+every changed key with both values.
+"""
+
+import dataclasses
+import datetime
+import fcntl
+import fnmatch
+import json
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from eqxzoo.config import RunConfig, config_from_dict, config_to_dict, config_to_toml
+from eqxzoo.errors import ConfigError, UserError
+from eqxzoo.typed_config import read_toml
+
+CONFIG_FILE = "config.toml"
+CHECKPOINT_DIR = "checkpoints"
+LOCK_FILE = "run.lock"
+
+# Keys a resume may change, as `fnmatch` patterns over dotted keys (README lists them).
+RESUMABLE = (
+    "run.name",
+    "run.steps",
+    "run.log_every",
+    "run.eval_every",
+    "run.eval_batches",
+    "run.max_nonfinite",
+    "run.compilation_cache_dir",
+    "run.tensorboard",
+    "run.wandb",
+    "run.wandb_project",
+    "run.plot",
+    "mesh.*",
+    "sharding.*",
+    "pipeline.*",
+    "data.batch_size",
+    "data.grad_accum",
+    "data.prefetch",
+    "data.num_threads",
+    "checkpoint.*",
+    "optimizer.learning_rate",
+    "optimizer.warmup_steps",
+    "optimizer.decay_steps",
+    "optimizer.final_lr_fraction",
+    "optimizer.b1",
+    "optimizer.b2",
+    "optimizer.eps",
+    "optimizer.weight_decay",
+    "optimizer.clip_norm",
+    "precision.compute",
+    "precision.output",
+    "loss.*",
+)
+
+
+class RunDirBusy(UserError, RuntimeError):
+    """Another run holds the run directory's lock."""
+
+
+class NotTheSameRun(UserError, ValueError):
+    """A resume whose config changes what the run is."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    key: str
+    saved: Any
+    new: Any
+
+    def __str__(self) -> str:
+        return f"{self.key} = {_show(self.saved)} in the run, {_show(self.new)} now"
+
+
+class RunDirLock:
+    """An exclusive OS lock on ``run_dir/run.lock``, held until `release` or the process ends.
+
+    `acquire` raises `RunDirBusy` naming the holder when another process holds it. On a
+    filesystem without locks (``flock`` unsupported) it warns through ``warn`` and runs
+    unlocked rather than refusing every run there.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self, warn=print) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise RunDirBusy(
+                f"--run-dir {self.path.parent} is in use by another run ({holder}); wait for "
+                "it to end or stop it, or give this run another --run-dir"
+            ) from None
+        except OSError as error:
+            os.close(fd)
+            warn(
+                f"warning: cannot lock {self.path} ({error.strerror}): nothing keeps a "
+                "second run out of this directory"
+            )
+            return
+        holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def _read_holder(fd: int) -> str:
+    """``pid 123 on host, started 2026-...``: who holds the lock, as its holder wrote it."""
+    text = os.pread(fd, 4096, 0).decode(errors="replace")
+    try:
+        holder = json.loads(text)
+        return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "holder unknown: the lock file names none yet"
+
+
+def has_checkpoints(run_dir: Path) -> bool:
+    """Whether ``run_dir/checkpoints`` holds a finished checkpoint (a step-numbered directory)."""
+    directory = run_dir / CHECKPOINT_DIR
+    return directory.is_dir() and any(
+        entry.name.isdigit() and entry.is_dir() for entry in directory.iterdir()
+    )
+
+
+def changed_keys(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
+    """Every dotted key whose value differs between two config documents, in key order
+    (a key missing on one side is `None` there)."""
+    saved_flat, new_flat = _flatten(saved), _flatten(new)
+    return [
+        Change(key, saved_flat.get(key), new_flat.get(key))
+        for key in sorted(saved_flat.keys() | new_flat.keys())
+        if saved_flat.get(key) != new_flat.get(key)
+    ]
+
+
+def is_resumable(key: str) -> bool:
+    return any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUMABLE)
+
+
+def check_same_run(run_dir: Path, config: RunConfig) -> None:
+    """Raise `NotTheSameRun` if ``run_dir`` has checkpoints and ``config`` changes a key of
+    its ``config.toml`` that `RESUMABLE` does not list."""
+    saved_file = run_dir / CONFIG_FILE
+    if not (has_checkpoints(run_dir) and saved_file.is_file()):
+        return
+    saved = read_toml(saved_file)
+    try:
+        saved = config_to_dict(config_from_dict(saved))  # defaults filled in, as `config`'s
+    except ConfigError:
+        pass  # written by another version: compare the keys as written
+    refused = [
+        change
+        for change in changed_keys(saved, config_to_dict(config))
+        if not is_resumable(change.key)
+    ]
+    if refused:
+        raise NotTheSameRun(
+            f"--run-dir {run_dir} holds another run: {'; '.join(map(str, refused))}. Resume it "
+            f"with its own config ({saved_file}), or start this one in a new --run-dir"
+        )
+
+
+def prepare_run_dir(run_dir: Path, config: RunConfig, *, lock: bool, warn=print) -> RunDirLock:
+    """Create ``run_dir``, lock it (if ``lock``), check that ``config`` may resume what it
+    holds, and write ``config`` as its ``config.toml``. Returns the lock (held or not)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--run-dir {run_dir}: exists and is not a directory")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_lock = RunDirLock(run_dir)
+    if lock:
+        run_lock.acquire(warn)
+    try:
+        check_same_run(run_dir, config)
+        (run_dir / CONFIG_FILE).write_text(config_to_toml(config), encoding="utf-8")
+    except BaseException:
+        run_lock.release()
+        raise
+    return run_lock
+
+
+def _flatten(document: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in document.items():
+        if isinstance(value, Mapping):
+            flat |= _flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return flat
+
+
+def _show(value: Any) -> str:
+    return "(unset)" if value is None else json.dumps(value)
