@@ -2,6 +2,7 @@
 tiny models, random batches and tolerance checks the test files share."""
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -12,6 +13,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from runs import records, run  # noqa: E402
 
 import models  # noqa: E402
 
@@ -68,3 +70,27 @@ def assert_trees_close():
     """``assert_trees_close(actual, expected, rtol=1e-5)``: every leaf equal within ``rtol``
     of the leaf's own scale (fp32 rounding, not a loose match)."""
     return _assert_trees_close
+
+
+# --- end-to-end runs of pipelines.run (tests/runs.py) ----------------------------------
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("compilation-cache")
+
+
+@pytest.fixture(scope="session")
+def reference_dir(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
+    """An uninterrupted run of 6 steps, traced at steps 2..3."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    result = run(run_dir, cache_dir, extra=("--profile", "2:3"))
+    assert "done: steps 1..6" in result.stdout
+    assert (run_dir / "config.toml").exists()
+    assert list((run_dir / "profile").rglob("*.xplane.pb")), "the --profile trace"
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def reference(reference_dir: Path) -> list[dict]:
+    return records(reference_dir)

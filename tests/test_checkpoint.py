@@ -1,6 +1,7 @@
 """Checkpoints: bitwise round trips, resharding onto other meshes, keep-N, unusable
 checkpoints, non-finite refusal, data iterator state across process counts, SIGTERM."""
 
+import errno
 import functools
 import json
 import os
@@ -352,3 +353,44 @@ def test_meta_must_be_json(tmp_path):
         pytest.raises(CheckpointError, match=meta_error),
     ):
         checkpointer.save(1, small_state(), data_iterator(), {"loss": np.zeros(2)})
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_that_cannot_be_written_is_one_error_and_the_older_ones_stay(
+    tmp_path, monkeypatch, async_save
+):
+    with Checkpointer(tmp_path, every=1, keep=5, async_save=async_save) as checkpointer:
+        checkpointer.save(1, small_state(1), data_iterator(10), {"step": 1})
+        checkpointer.wait()
+
+        def disk_full(self, directory, args):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+
+        monkeypatch.setattr(checkpoint.DataStateHandler, "save", disk_full)
+        with pytest.raises(CheckpointError) as failed:
+            checkpointer.save(2, small_state(2), data_iterator(20), {"step": 2})
+            checkpointer.wait()
+    assert str(failed.value) == (
+        f"checkpoint of step 2 not written: no space left on device at {tmp_path}; "
+        "the newest good checkpoint is step 1"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["1"], "the partial directory is removed"
+    monkeypatch.undo()
+    restored = Checkpointer(tmp_path, every=1, keep=5).restore_latest(small_abstract(), None)
+    assert restored.step == 1
+
+
+def test_a_save_warns_when_the_free_space_is_smaller_than_the_last_checkpoint(
+    tmp_path, monkeypatch
+):
+    warned = []
+    with Checkpointer(tmp_path, every=1, keep=5, async_save=False, warn=warned.append) as saver:
+        saver.save(1, small_state(1), data_iterator(10), {"step": 1})
+        assert warned == []
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1, 1, 0))
+        saver.save(2, small_state(2), data_iterator(20), {"step": 2})
+    assert len(warned) == 1
+    assert warned[0].startswith(
+        f"0.0 MiB free at {tmp_path}, less than the last checkpoint (step 1, "
+    )
+    assert warned[0].endswith("MiB): the checkpoint of step 2 may not fit")

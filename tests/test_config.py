@@ -197,6 +197,16 @@ def error_for(overrides, path=TINY) -> str:
         ),
         (["run.name=''"], r"^run\.name: must not be empty$"),
         (
+            ["optimizer.learning_rate=nan"],
+            r"^optimizer\.learning_rate: must be a finite number, got nan$",
+        ),
+        (["optimizer.clip_norm=inf"], r"^optimizer\.clip_norm: must be a finite number, got inf$"),
+        (["model.rope_theta=-inf"], r"^model\.rope_theta: must be a finite number, got -inf$"),
+        (
+            ["loss.load_balance_weight=nan"],
+            r"^loss\.load_balance_weight: must be a finite number, got nan$",
+        ),
+        (
             ["run.wandb=true", "run.wandb_project=''"],
             r"^run\.wandb_project: must not be empty when wandb",
         ),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_run import SMALL, environment, losses, run_command, spawn, wait_for_step
+from runs import SMALL, environment, losses, run_command, spawn, wait_for_step
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.toml")
@@ -47,11 +47,6 @@ def listening_addresses(pid: int) -> set[str]:
 
 # 127.0.0.1, ::1, ::ffff:127.0.0.1 as /proc/net/tcp{,6} write them.
 LOOPBACK_HEX = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("compilation-cache")
 
 
 def alive(pid: int) -> bool:

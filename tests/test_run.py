@@ -5,131 +5,28 @@ Runs `configs/tiny.toml` shrunk by ``--set`` overrides, as subprocesses (each wi
 simulated CPU devices) sharing one compilation cache.
 """
 
-import json
 import os
 import random
+import re
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from runs import (
+    GPIPE,
+    TINY,
+    losses,
+    records,
+    run,
+    run_command,
+    start_and_signal,
+)
 
 from pipelines.run import main
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny.toml")
-SMALL = (
-    "model.d_model=32",
-    "model.moe.expert_mlp_dim=32",
-    "model.moe.shared_mlp_dim=32",
-    "data.seq_len=32",
-    "data.batch_size=4",
-    "pipeline.microbatches=2",
-    "run.steps=6",
-    "optimizer.warmup_steps=2",
-    "run.eval_every=3",
-    "run.eval_batches=1",
-    "run.log_every=1",
-    "run.tensorboard=false",
-    "run.plot=false",
-    "checkpoint.every=2",
-    "checkpoint.keep=2",
-)
-GPIPE = ("pipeline.schedule=gpipe", "pipeline.repeats=1")
-
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("compilation-cache")
-
-
-def command(run_dir: Path, cache_dir: Path, overrides=(), extra=()) -> list[str]:
-    sets = [f"run.compilation_cache_dir={cache_dir}", *SMALL, *overrides]
-    args = [sys.executable, "-m", "pipelines.run", TINY, "--run-dir", str(run_dir)]
-    return args + [part for item in sets for part in ("--set", item)] + list(extra)
-
-
-def environment() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return env | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-
-
-def run_command(args: list[str], expect: int = 0) -> subprocess.CompletedProcess:
-    """Run ``args`` to the end; its exit code must be ``expect``."""
-    result = subprocess.run(
-        args, env=environment(), cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == expect, result.stderr[-3000:]
-    return result
-
-
-def run(
-    run_dir: Path, cache_dir: Path, overrides=(), extra=(), expect: int = 0
-) -> subprocess.CompletedProcess:
-    return run_command(command(run_dir, cache_dir, overrides, extra), expect)
-
-
-def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-
-
-def losses(run_dir: Path) -> list[float]:
-    return [r["loss"] for r in records(run_dir) if "loss" in r]
-
-
-def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start ``args`` with stdout and stderr going to ``log`` (a pipe nobody reads while the
-    test waits could fill up and stall the run)."""
-    with open(log, "w") as out:
-        return subprocess.Popen(
-            args, env=env or environment(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
-        )
-
-
-def wait_for_step(run_dir: Path, step: int, processes: list[subprocess.Popen], log: Path):
-    deadline = time.monotonic() + 600
-    while not any(r.get("step", 0) >= step for r in records(run_dir)):
-        for process in processes:
-            assert process.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-
-
-def start_and_signal(run_dir: Path, cache_dir: Path, after_step: int, signum: int):
-    """Start a run, send ``signum`` once step ``after_step`` is logged; its exit code and output."""
-    log = run_dir.parent / f"{run_dir.name}.log"
-    process = spawn(command(run_dir, cache_dir), log)
-    try:
-        wait_for_step(run_dir, after_step, [process], log)
-        process.send_signal(signum)
-        process.wait(timeout=600)
-    finally:
-        process.kill()
-    return process.returncode, log.read_text()
-
-
-@pytest.fixture(scope="module")
-def reference_dir(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
-    """An uninterrupted run of 6 steps, traced at steps 2..3."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    result = run(run_dir, cache_dir, extra=("--profile", "2:3"))
-    assert "done: steps 1..6" in result.stdout
-    assert (run_dir / "config.toml").exists()
-    assert list((run_dir / "profile").rglob("*.xplane.pb")), "the --profile trace"
-    return run_dir
-
-
-@pytest.fixture(scope="module")
-def reference(reference_dir: Path) -> list[dict]:
-    return records(reference_dir)
 
 
 def test_reference_run_reports_every_step(reference: list[dict]):
@@ -146,6 +43,7 @@ def test_sigkill_then_rerun_reproduces_the_losses_exactly(
     kill_after = random.Random(os.getpid()).randint(3, 5)
     code, _ = start_and_signal(tmp_path / "run", cache_dir, kill_after, signal.SIGKILL)
     assert code == -signal.SIGKILL
+    assert (tmp_path / "run" / "run.lock").exists(), "the lock file stays, its lock is gone"
     result = run(tmp_path / "run", cache_dir)
     assert "resumed from the checkpoint at step" in result.stdout
     assert losses(tmp_path / "run") == [r["loss"] for r in reference if "loss" in r]
@@ -193,6 +91,11 @@ def test_dry_run_plans_without_training(tmp_path: Path, cache_dir: Path):
     result = run(tmp_path / "dry", cache_dir, extra=("--dry-run",))
     assert "total" in result.stdout and "active per token" in result.stdout
     assert "per-device memory of the compiled step" in result.stdout
+    assert re.search(
+        r"memory: host RAM: needs [0-9.]+ GiB \(8 devices x [0-9.]+ GiB \+ host buffers "
+        r"[0-9.]+ GiB\), [0-9.]+ GiB available: fits",
+        result.stdout,
+    ), result.stdout
     assert "blocks.layers.attention.wq" in result.stdout
     assert not (tmp_path / "dry" / "checkpoints").exists()
 

@@ -96,7 +96,7 @@ class MemoryCheck:
         )
 
 
-def gib(count: float) -> str:
+def gib(count: int) -> str:
     return f"{count / GIB:.1f} GiB"
 
 

@@ -169,6 +169,12 @@ def is_resumable(key: str) -> bool:
     return any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUMABLE)
 
 
+def refused_changes(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
+    """The changes from the ``saved`` config document to the ``new`` one that a resume may
+    not make."""
+    return [change for change in changed_keys(saved, new) if not is_resumable(change.key)]
+
+
 def check_same_run(run_dir: Path, config: RunConfig) -> None:
     """Raise `NotTheSameRun` if ``run_dir`` has checkpoints and ``config`` changes a key of
     its ``config.toml`` that `RESUMABLE` does not list."""
@@ -180,11 +186,7 @@ def check_same_run(run_dir: Path, config: RunConfig) -> None:
         saved = config_to_dict(config_from_dict(saved))  # defaults filled in, as `config`'s
     except ConfigError:
         pass  # written by another version: compare the keys as written
-    refused = [
-        change
-        for change in changed_keys(saved, config_to_dict(config))
-        if not is_resumable(change.key)
-    ]
+    refused = refused_changes(saved, config_to_dict(config))
     if refused:
         raise NotTheSameRun(
             f"--run-dir {run_dir} holds another run: {'; '.join(map(str, refused))}. Resume it "

@@ -1,0 +1,101 @@
+"""Helpers for the end-to-end tests of `python -m pipelines.run`: `configs/tiny.toml` shrunk
+by ``--set`` overrides, run as subprocesses (each with its own 8 simulated CPU devices)
+sharing one compilation cache (conftest's ``cache_dir``; its ``reference`` is an
+uninterrupted run of 6 steps).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.toml")
+SMALL = (
+    "model.d_model=32",
+    "model.moe.expert_mlp_dim=32",
+    "model.moe.shared_mlp_dim=32",
+    "data.seq_len=32",
+    "data.batch_size=4",
+    "pipeline.microbatches=2",
+    "run.steps=6",
+    "optimizer.warmup_steps=2",
+    "run.eval_every=3",
+    "run.eval_batches=1",
+    "run.log_every=1",
+    "run.tensorboard=false",
+    "run.plot=false",
+    "checkpoint.every=2",
+    "checkpoint.keep=2",
+)
+GPIPE = ("pipeline.schedule=gpipe", "pipeline.repeats=1")
+
+
+def command(run_dir: Path, cache_dir: Path, overrides=(), extra=()) -> list[str]:
+    sets = [f"run.compilation_cache_dir={cache_dir}", *SMALL, *overrides]
+    args = [sys.executable, "-m", "pipelines.run", TINY, "--run-dir", str(run_dir)]
+    return args + [part for item in sets for part in ("--set", item)] + list(extra)
+
+
+def environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return env | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+
+
+def run_command(args: list[str], expect: int = 0) -> subprocess.CompletedProcess:
+    """Run ``args`` to the end; its exit code must be ``expect``."""
+    result = subprocess.run(
+        args, env=environment(), cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == expect, result.stderr[-3000:]
+    return result
+
+
+def run(
+    run_dir: Path, cache_dir: Path, overrides=(), extra=(), expect: int = 0
+) -> subprocess.CompletedProcess:
+    return run_command(command(run_dir, cache_dir, overrides, extra), expect)
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in records(run_dir) if "loss" in r]
+
+
+def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``args`` with stdout and stderr going to ``log`` (a pipe nobody reads while the
+    test waits could fill up and stall the run)."""
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            args, env=env or environment(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+        )
+
+
+def wait_for_step(run_dir: Path, step: int, processes: list[subprocess.Popen], log: Path):
+    deadline = time.monotonic() + 600
+    while not any(r.get("step", 0) >= step for r in records(run_dir)):
+        for process in processes:
+            assert process.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def start_and_signal(run_dir: Path, cache_dir: Path, after_step: int, signum: int):
+    """Start a run, send ``signum`` once step ``after_step`` is logged; its exit code and output."""
+    log = run_dir.parent / f"{run_dir.name}.log"
+    process = spawn(command(run_dir, cache_dir), log)
+    try:
+        wait_for_step(run_dir, after_step, [process], log)
+        process.send_signal(signum)
+        process.wait(timeout=600)
+    finally:
+        process.kill()
+    return process.returncode, log.read_text()

@@ -1,0 +1,221 @@
+"""Runs that fail safely, through `python -m pipelines.run` (subprocesses of the shrunk
+`configs/tiny.toml` of `tests/runs.py`): one run per directory, resume only the same run,
+a full disk loses nothing, a plan that cannot fit is refused, and no error exit shows a
+traceback."""
+
+import re
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from runs import ROOT, command, environment, losses, records, run, run_command, spawn, wait_for_step
+
+pytestmark = pytest.mark.slow
+
+
+def reference_losses(reference: list[dict]) -> list[float]:
+    return [r["loss"] for r in reference if "loss" in r]
+
+
+def assert_no_traceback(*outputs: str) -> None:
+    for output in outputs:
+        assert "Traceback" not in output, output[-3000:]
+
+
+def test_a_second_run_on_the_directory_is_refused_at_once_and_the_first_finishes(
+    tmp_path: Path, cache_dir: Path
+):
+    run_dir = tmp_path / "run"
+    log = tmp_path / "first.log"
+    first = spawn(command(run_dir, cache_dir), log)
+    try:
+        wait_for_step(run_dir, 1, [first], log)
+        started = time.monotonic()
+        second = run(run_dir, cache_dir, expect=2)
+        refused_after = time.monotonic() - started
+        assert first.wait(timeout=600) == 0, log.read_text()[-3000:]
+    finally:
+        first.kill()
+    assert re.fullmatch(
+        rf"error: --run-dir {run_dir} is in use by another run \(pid {first.pid} on "
+        rf"{re.escape(socket.gethostname())}, started [-0-9T:+]+\); wait for it to end or stop "
+        r"it, or give this run another --run-dir\n",
+        second.stderr,
+    ), second.stderr
+    assert second.stdout == ""
+    assert refused_after < 30, refused_after
+    steps = [r["step"] for r in records(run_dir) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6], "each step exactly once"
+    assert [r["step"] for r in records(run_dir) if "val_loss" in r] == [3, 6]
+    assert_no_traceback(log.read_text(), second.stderr)
+
+
+REFUSED_RESUMES = {
+    "architecture": (
+        ("model.d_model=48", "model.n_layers=8"),
+        "model.d_model = 32 in the run, 48 now; model.n_layers = 4 in the run, 8 now",
+    ),
+    "data order": (
+        ("data.seed=1", "data.seq_len=16"),
+        "data.seed = 0 in the run, 1 now; data.seq_len = 32 in the run, 16 now",
+    ),
+}
+
+
+def test_a_resume_that_changes_what_the_run_is_is_refused(tmp_path: Path, cache_dir: Path):
+    """Another architecture, another data order: refused naming every changed key; then a
+    checkpoint that cannot be read (an error once the checkpointer is open) exits with one
+    line too."""
+    run(tmp_path, cache_dir, extra=("--steps", "2"))
+    saved = (tmp_path / "config.toml").read_text()
+    for overrides, changes in REFUSED_RESUMES.values():
+        refused = run(tmp_path, cache_dir, overrides=overrides, expect=2)
+        assert refused.stderr == (
+            f"error: --run-dir {tmp_path} holds another run: {changes}. Resume it with its own "
+            f"config ({tmp_path / 'config.toml'}), or start this one in a new --run-dir\n"
+        )
+        assert (tmp_path / "config.toml").read_text() == saved
+        assert_no_traceback(refused.stdout, refused.stderr)
+
+    (tmp_path / "checkpoints" / "2" / "_CHECKPOINT_METADATA").unlink()
+    result = run(tmp_path, cache_dir, expect=2)
+    assert result.stderr.splitlines()[-1] == (
+        f"error: no usable checkpoint in {tmp_path / 'checkpoints'}: step 2: its metadata file "
+        "_CHECKPOINT_METADATA is missing"
+    )
+    assert_no_traceback(result.stdout, result.stderr)
+
+
+def test_what_may_change_on_resume_resumes(tmp_path: Path, cache_dir: Path, reference: list[dict]):
+    """Mesh, schedule cadence and reporting changed: the same losses as the uninterrupted run.
+    Then steps, batch size, learning-rate schedule and schedule changed: it resumes."""
+    run(tmp_path, cache_dir, extra=("--steps", "2"))
+    same_losses = (
+        "mesh.dp=4",
+        "mesh.pp=1",
+        "run.log_every=2",
+        "run.max_nonfinite=5",
+        "run.name=renamed",
+        "checkpoint.every=3",
+        "checkpoint.keep=3",
+        "data.prefetch=1",
+        "sharding.embed=[]",
+    )
+    result = run(tmp_path, cache_dir, overrides=same_losses)
+    assert "resumed from the checkpoint at step 2" in result.stdout
+    np.testing.assert_allclose(losses(tmp_path), reference_losses(reference), rtol=1e-5)
+    other_training = (
+        *same_losses,
+        "run.steps=8",
+        "data.batch_size=8",
+        "pipeline.schedule=gpipe",
+        "pipeline.repeats=1",
+        "pipeline.microbatches=4",
+        "optimizer.learning_rate=1e-3",
+        "optimizer.decay_steps=8",
+        "loss.load_balance_weight=0.02",
+        "precision.compute=bfloat16",
+    )
+    result = run(tmp_path, cache_dir, overrides=other_training)
+    assert "resumed from the checkpoint at step 6" in result.stdout
+    assert "done: steps 7..8" in result.stdout
+    assert [r["step"] for r in records(tmp_path) if "loss" in r] == list(range(1, 9))
+
+
+def can_mount_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+        capture_output=True,
+    )
+    return probe.returncode == 0
+
+
+DISK_FULL_SCRIPT = """
+set -u
+mkdir -p "$OUT/first" "$OUT/second"
+mount -t tmpfs -o size=6m tmpfs "$MOUNT"
+"$@" > "$OUT/first.log" 2>&1; echo $? > "$OUT/first.rc"
+ls -A "$MOUNT/run/checkpoints" > "$OUT/first.ls"
+cp "$MOUNT/run/metrics.jsonl" "$OUT/first/"
+mount -o remount,size=64m "$MOUNT"
+"$@" > "$OUT/second.log" 2>&1; echo $? > "$OUT/second.rc"
+cp "$MOUNT/run/metrics.jsonl" "$OUT/second/"
+"""
+
+
+@pytest.mark.skipif(
+    not can_mount_tmpfs(), reason="needs `unshare -rm` to mount a small tmpfs (not permitted)"
+)
+def test_a_full_disk_loses_nothing_and_the_rerun_resumes_exactly(
+    tmp_path: Path, cache_dir: Path, reference: list[dict]
+):
+    """A 6 MiB tmpfs holds two checkpoints (steps 2 and 4, ~2.4 MiB each) but not the third:
+    the save of step 6 fails. Once the tmpfs is grown, the rerun resumes from step 4."""
+    mount, out = tmp_path / "mount", tmp_path / "out"
+    mount.mkdir()
+    out.mkdir()
+    run_dir = mount / "run"
+    script = ["unshare", "-rm", "bash", "-c", DISK_FULL_SCRIPT, "disk-full"]
+    env = environment() | {"MOUNT": str(mount), "OUT": str(out)}
+    subprocess.run(
+        [*script, *command(run_dir, cache_dir)], env=env, cwd=ROOT, check=True, timeout=900
+    )
+    first, second = (out / "first.log").read_text(), (out / "second.log").read_text()
+    assert (out / "first.rc").read_text().strip() == "2", first[-3000:]
+    assert first.splitlines()[-1] == (
+        f"error: checkpoint of step 6 not written: no space left on device at "
+        f"{run_dir / 'checkpoints'}; the newest good checkpoint is step 4"
+    )
+    assert re.search(
+        rf"warning: [0-9.]+ MiB free at {run_dir / 'checkpoints'}, less than the last "
+        r"checkpoint \(step 4, [0-9.]+ MiB\): the checkpoint of step 6 may not fit",
+        first,
+    ), first[-3000:]
+    assert (out / "first.ls").read_text().split() == ["2", "4"], "the partial step 6 is removed"
+    first_losses = [r["loss"] for r in records(out / "first") if "loss" in r]
+    assert first_losses == reference_losses(reference), "metrics.jsonl is intact"
+    assert (out / "second.rc").read_text().strip() == "0", second[-3000:]
+    assert "resumed from the checkpoint at step 4" in second
+    assert losses(out / "second") == reference_losses(reference)
+    assert_no_traceback(first, second)
+
+
+MEM_TOTAL = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
+
+
+@pytest.mark.skipif(MEM_TOTAL > 256 * 2**30, reason="this host may have the RAM moe_1b needs")
+def test_moe_1b_as_configured_is_refused_on_this_host_before_it_starts(
+    tmp_path: Path, cache_dir: Path
+):
+    """The mission's own command on a CPU host: about 350 GiB of step memory for 8 simulated
+    devices, refused right after compiling, before anything is initialised."""
+    started = time.monotonic()
+    result = run_command(
+        [
+            *command(tmp_path, cache_dir)[:3],
+            str(ROOT / "configs" / "moe_1b.toml"),
+            "--run-dir",
+            str(tmp_path),
+            "--set",
+            f"run.compilation_cache_dir={cache_dir}",
+        ],
+        expect=2,
+    )
+    seconds = time.monotonic() - started
+    assert re.fullmatch(
+        r"error: this plan does not fit: host RAM: needs [0-9.]+ GiB \(8 devices x [0-9.]+ GiB "
+        r"\+ host buffers [0-9.]+ GiB\), [0-9.]+ GiB available: does not fit; per device the "
+        r"step takes .*; activations dominate: lower data\.batch_size, data\.seq_len or "
+        r"pipeline\.microbatches \(python -m pipelines\.run CONFIG --dry-run shows the plan\)",
+        result.stderr.splitlines()[-1],
+    ), result.stderr
+    assert "training steps" not in result.stdout
+    assert not (tmp_path / "checkpoints").exists()
+    assert seconds < 180, seconds
+    assert_no_traceback(result.stdout, result.stderr)

@@ -1,0 +1,164 @@
+"""Run directories (one run at a time, resumed only by the same run) and the memory check
+of a plan, in process; `tests/test_run_safety.py` shows them through `pipelines.run`."""
+
+import dataclasses
+import fnmatch
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from eqxzoo.config import RunConfig, config_to_dict, load_config
+from eqxzoo.train.memory import (
+    GIB,
+    MemoryCheck,
+    PlanDoesNotFit,
+    StepMemory,
+    check_fits,
+    host_memory_available,
+)
+from eqxzoo.train.rundir import (
+    RESUMABLE,
+    NotTheSameRun,
+    RunDirBusy,
+    RunDirLock,
+    changed_keys,
+    check_same_run,
+    is_resumable,
+    prepare_run_dir,
+    refused_changes,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.toml"
+
+
+def flat_keys(document: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in document.items():
+        if isinstance(value, dict):
+            keys += flat_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def test_a_second_lock_names_the_holder_and_a_released_lock_is_free(tmp_path: Path):
+    first = RunDirLock(tmp_path)
+    first.acquire()
+    with pytest.raises(RunDirBusy) as refused:
+        RunDirLock(tmp_path).acquire()
+    assert re.fullmatch(
+        rf"--run-dir {tmp_path} is in use by another run \(pid {os.getpid()} on \S+, started "
+        r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d\); wait for it to end or stop it, or give "
+        r"this run another --run-dir",
+        str(refused.value),
+    ), str(refused.value)
+    first.release()
+    second = RunDirLock(tmp_path)
+    second.acquire()
+    second.release()
+
+
+def test_a_refused_run_directory_keeps_its_config_and_releases_nothing_it_did_not_take(
+    tmp_path: Path,
+):
+    config = load_config(TINY)
+    prepare_run_dir(tmp_path, config, lock=True).release()
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    saved = (tmp_path / "config.toml").read_text()
+    other = load_config(TINY, ["model.d_model=128"])
+    with pytest.raises(NotTheSameRun):
+        prepare_run_dir(tmp_path, other, lock=True)
+    assert (tmp_path / "config.toml").read_text() == saved
+    prepare_run_dir(tmp_path, config, lock=True).release()  # the refusal released its lock
+
+
+def test_another_architecture_or_data_order_is_refused_naming_every_key(tmp_path: Path):
+    prepare_run_dir(tmp_path, load_config(TINY), lock=False)
+    (tmp_path / "checkpoints" / "100").mkdir(parents=True)
+    changed = load_config(TINY, ["model.d_model=128", "data.seed=7", "run.steps=400"])
+    with pytest.raises(NotTheSameRun) as refused:
+        check_same_run(tmp_path, changed)
+    assert str(refused.value) == (
+        f"--run-dir {tmp_path} holds another run: data.seed = 0 in the run, 7 now; "
+        "model.d_model = 96 in the run, 128 now. Resume it with its own config "
+        f"({tmp_path / 'config.toml'}), or start this one in a new --run-dir"
+    )
+
+
+def test_without_checkpoints_any_config_may_start_over(tmp_path: Path):
+    prepare_run_dir(tmp_path, load_config(TINY), lock=False)
+    (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp").mkdir(parents=True)
+    check_same_run(tmp_path, load_config(TINY, ["model.d_model=128"]))
+
+
+def documented_resumable() -> set[str]:
+    """The keys README's "Run directories" says a resume may change (``mesh.*`` patterns)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Run directories", 1)[1].split("\n### ", 1)[0]
+    allowed = section.split("What may change between a run and its resume:", 1)[1]
+    allowed = allowed.split("\n\n", 2)[1]  # the list: the paragraph after the colon
+    return set(re.findall(r"`([a-z_]+\.[a-z0-9_*]+)`", allowed))
+
+
+@pytest.mark.parametrize("key", flat_keys(config_to_dict(RunConfig())))
+def test_each_key_may_change_on_resume_exactly_when_readme_lists_it(key: str):
+    """Every key of a config, changed alone: refused unless README's list names it."""
+    saved = config_to_dict(load_config(TINY))
+    new = config_to_dict(load_config(TINY))
+    *sections, name = key.split(".")
+    table = new
+    for section in sections:
+        table = table.setdefault(section, {})
+    table[name] = "changed"
+    assert [change.key for change in changed_keys(saved, new)] == [key]
+    documented = any(fnmatch.fnmatchcase(key, pattern) for pattern in documented_resumable())
+    assert (refused_changes(saved, new) == []) == documented
+
+
+def test_what_defines_the_run_is_never_resumable():
+    for key in (
+        "model.d_model",
+        "model.family",
+        "model.moe.n_experts",
+        "model.vocab_size",
+        "data.path",
+        "data.seed",
+        "data.seq_len",
+        "data.vocab_size",
+        "run.seed",
+        "optimizer.name",
+        "optimizer.freeze",
+        "precision.params",
+    ):
+        assert not is_resumable(key), key
+
+
+def test_readme_lists_exactly_the_resumable_keys():
+    assert documented_resumable() == set(RESUMABLE)
+
+
+def test_a_plan_that_does_not_fit_says_what_it_needs_and_what_to_change():
+    step = StepMemory(arguments=GIB, outputs=GIB, donated=GIB, temporaries=40 * GIB)
+    checks = [MemoryCheck("host RAM", 8 * step.total + GIB, 20 * GIB, "8 devices x 41.0 GiB")]
+    with pytest.raises(PlanDoesNotFit) as refused:
+        check_fits(checks, step, remat_stages=False)
+    assert str(refused.value) == (
+        "this plan does not fit: host RAM: needs 329.0 GiB (8 devices x 41.0 GiB), 20.0 GiB "
+        "available: does not fit; per device the step takes 41.0 GiB = arguments 1.0 GiB + "
+        "outputs 1.0 GiB - donated 1.0 GiB + temporaries 40.0 GiB; activations dominate: lower "
+        "data.batch_size, data.seq_len or pipeline.microbatches, or set "
+        "pipeline.remat_stages = true (python -m pipelines.run CONFIG --dry-run shows the plan)"
+    )
+    state_bound = dataclasses.replace(step, arguments=50 * GIB, temporaries=GIB)
+    with pytest.raises(PlanDoesNotFit, match="the parameters and optimizer state dominate"):
+        check_fits(checks, state_bound, remat_stages=True)
+    check_fits([MemoryCheck("host RAM", GIB, 2 * GIB, "")], step, remat_stages=True)
+
+
+def test_host_memory_available_is_plausible():
+    available = host_memory_available()
+    total = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
+    assert 0 < available <= total
