@@ -96,8 +96,6 @@ def run(args: argparse.Namespace) -> int:
                 started_at=STARTED_AT,
             ),
         )
-    except UserError:
-        raise
     except BaseException as error:
         import jax
 
@@ -106,9 +104,13 @@ def run(args: argparse.Namespace) -> int:
         from eqxzoo.runtime import lost_processes_message
 
         # Exit now: the interpreter's exit hooks (jax.distributed.shutdown's barrier) would
-        # wait minutes for peers that are gone or stuck.
-        fail(lost_processes_message(error), EXIT_LOST_PEER)
-        os._exit(EXIT_LOST_PEER)
+        # wait minutes for peers that are gone, stuck, or waiting for this one.
+        if isinstance(error, UserError):
+            code = fail(str(error), error.exit_code)
+        else:
+            code = fail(lost_processes_message(error), EXIT_LOST_PEER)
+        sys.stdout.flush()
+        os._exit(code)
     import jax
 
     if jax.process_index() == 0:

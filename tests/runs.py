@@ -4,12 +4,13 @@ sharing one compilation cache (conftest's ``cache_dir``; its ``reference`` is an
 uninterrupted run of 6 steps).
 """
 
-import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from eqxzoo.train.report import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.toml")
@@ -60,10 +61,8 @@ def run(
 
 
 def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    """The run's ``metrics.jsonl`` records (none before its first line is written)."""
+    return read_metrics(run_dir / "metrics.jsonl")
 
 
 def losses(run_dir: Path) -> list[float]:

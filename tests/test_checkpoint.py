@@ -5,8 +5,10 @@ import errno
 import functools
 import json
 import os
+import resource
 import shutil
 import signal
+import types
 import warnings
 
 import equinox as eqx
@@ -355,11 +357,8 @@ def test_meta_must_be_json(tmp_path):
         checkpointer.save(1, small_state(), data_iterator(), {"loss": np.zeros(2)})
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-def test_a_save_that_cannot_be_written_is_one_error_and_the_older_ones_stay(
-    tmp_path, monkeypatch, async_save
-):
-    with Checkpointer(tmp_path, every=1, keep=5, async_save=async_save) as checkpointer:
+def test_a_save_that_cannot_be_written_is_one_error_and_the_older_ones_stay(tmp_path, monkeypatch):
+    with Checkpointer(tmp_path, every=1, keep=5, async_save=False) as checkpointer:
         checkpointer.save(1, small_state(1), data_iterator(10), {"step": 1})
         checkpointer.wait()
 
@@ -369,7 +368,6 @@ def test_a_save_that_cannot_be_written_is_one_error_and_the_older_ones_stay(
         monkeypatch.setattr(checkpoint.DataStateHandler, "save", disk_full)
         with pytest.raises(CheckpointError) as failed:
             checkpointer.save(2, small_state(2), data_iterator(20), {"step": 2})
-            checkpointer.wait()
     assert str(failed.value) == (
         f"checkpoint of step 2 not written: no space left on device at {tmp_path}; "
         "the newest good checkpoint is step 1"
@@ -387,10 +385,46 @@ def test_a_save_warns_when_the_free_space_is_smaller_than_the_last_checkpoint(
     with Checkpointer(tmp_path, every=1, keep=5, async_save=False, warn=warned.append) as saver:
         saver.save(1, small_state(1), data_iterator(10), {"step": 1})
         assert warned == []
-        monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1, 1, 0))
+        monkeypatch.setattr(
+            shutil, "disk_usage", lambda path: types.SimpleNamespace(total=1, used=1, free=0)
+        )
         saver.save(2, small_state(2), data_iterator(20), {"step": 2})
     assert len(warned) == 1
     assert warned[0].startswith(
         f"0.0 MiB free at {tmp_path}, less than the last checkpoint (step 1, "
     )
     assert warned[0].endswith("MiB): the checkpoint of step 2 may not fit")
+
+
+def test_an_asynchronous_save_that_fails_in_the_background_fails_the_next_save(tmp_path):
+    """A 1 MiB array written under a 64 KiB file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored):
+    the save returns, its background write fails, and the next save reports it by step."""
+    state = {"weight": jnp.arange(2**18, dtype=jnp.float32)}
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    with Checkpointer(tmp_path, every=1, keep=5, async_save=True) as checkpointer:
+        checkpointer.save(1, state, data_iterator(10), {"step": 1})
+        checkpointer.wait()
+        previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2**16, hard))
+        try:
+            assert checkpointer.save(2, state, data_iterator(20), {"step": 2})
+            with pytest.raises(CheckpointError) as failed:
+                checkpointer.save(3, state, data_iterator(30), {"step": 3})
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            signal.signal(signal.SIGXFSZ, previous)
+    assert str(failed.value) == (
+        f"checkpoint of step 2 not written: file too large at {tmp_path}; "
+        "the newest good checkpoint is step 1"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["1"]
+
+
+def test_a_save_that_fails_for_another_reason_keeps_its_traceback(tmp_path, monkeypatch):
+    def bug(self, directory, args):
+        raise TypeError("a bug in a handler")
+
+    monkeypatch.setattr(checkpoint.DataStateHandler, "save", bug)
+    with Checkpointer(tmp_path, every=1, keep=5, async_save=False) as checkpointer:
+        with pytest.raises(TypeError, match="a bug in a handler"):
+            checkpointer.save(1, small_state(1), data_iterator(10), {"step": 1})

@@ -61,7 +61,7 @@ def test_a_second_lock_names_the_holder_and_a_released_lock_is_free(tmp_path: Pa
     second.release()
 
 
-def test_a_refused_run_directory_keeps_its_config_and_releases_nothing_it_did_not_take(
+def test_a_refused_resume_keeps_the_saved_config_and_releases_its_lock(
     tmp_path: Path,
 ):
     config = load_config(TINY)

@@ -25,7 +25,6 @@ names the key (``mesh.dp: expected int, got 'two'``).
 """
 
 import dataclasses
-import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -134,10 +133,7 @@ class LossConfig:
 
     def __post_init__(self):
         check_fields(self)
-        for name in ("load_balance_weight", "router_z_weight"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                refuse(name, f"must be a finite number >= 0, got {value}")
+        require_at_least(self, 0, "load_balance_weight", "router_z_weight")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ call back into) are silenced: the failure reaches the caller as that one error.
 
 import contextlib
 import dataclasses
-import errno
+import functools
 import json
 import logging
 import os
@@ -312,35 +312,31 @@ class Checkpointer:
             with contextlib.suppress(Exception):
                 self._manager.close()
 
-    def good_steps(self) -> list[int]:
-        """The steps whose checkpoint is complete on disk (renamed from its temporary name)."""
-        return sorted(
-            int(path.name)
-            for path in self.directory.iterdir()
-            if path.name.isdigit() and (path / STEP_METADATA_FILE).exists()
-        )
-
     @contextlib.contextmanager
     def _writing(self, step: int) -> Iterator[None]:
-        """Turn a failure to write step ``step`` into one `CheckpointError`, having removed its
-        partial directory."""
+        """Turn a failure of the filesystem to write step ``step`` (no space, a quota, an I/O
+        error) into one `CheckpointError`, having removed the step's partial directory.
+        Other failures (a bug) propagate as they are."""
         try:
             yield
         except Exception as error:
+            cause = _write_failure(error)
+            if cause is None:
+                raise
             self._failed = True
             self._writing_step = None
             # orbax leaves the failed save's other write coroutines un-awaited.
             warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
-            self._remove_partial(step)
-            older = [good for good in self.good_steps() if good != step]
+            if jax.process_count() == 1:  # else the others may still write there
+                self._remove_partial(step)
+            older = [good for good in finished_steps(self.directory) if good != step]
             newest = (
                 f"the newest good checkpoint is step {older[-1]}"
                 if older
                 else "there is no earlier checkpoint"
             )
             raise CheckpointError(
-                f"checkpoint of step {step} not written: {_write_failure(error)} at "
-                f"{self.directory}; {newest}"
+                f"checkpoint of step {step} not written: {cause} at {self.directory}; {newest}"
             ) from error
 
     def _remove_partial(self, step: int) -> None:
@@ -356,7 +352,7 @@ class Checkpointer:
 
     def _warn_if_space_is_short(self, step: int) -> None:
         """Warn when the free space is smaller than the newest checkpoint's size."""
-        steps = self.good_steps()
+        steps = finished_steps(self.directory)
         if not steps or "://" in str(self.directory):
             return
         newest = self.directory / str(steps[-1])
@@ -407,6 +403,24 @@ class Checkpointer:
             if step in self._manager.all_steps():
                 self._manager.delete(step)
         self._stale_steps = ()
+
+
+def finished_steps(directory: epath.Path | os.PathLike) -> list[int]:
+    """The steps under ``directory`` whose save finished: renamed from its temporary name, with
+    its metadata file written (whether they are readable is `restore_latest`'s question)."""
+    directory = epath.Path(directory)
+    return sorted(
+        int(path.name)
+        for path in directory.iterdir()
+        if path.name.isdigit() and (path / STEP_METADATA_FILE).exists()
+    )
+
+
+def saves_asynchronously(requested: bool, platform: str) -> bool:
+    """Whether a run's checkpoints are written in the background: as ``requested``, except on
+    CPU devices, which already live in host memory (an asynchronous save would first copy
+    the whole state there again)."""
+    return requested and platform != "cpu"
 
 
 def check_complete(step_directory: epath.Path) -> None:
@@ -486,45 +500,38 @@ class StopSignal:
 
 # --- helpers -----------------------------------------------------------------------------
 
-_WRITE_FAILURES = (
-    (errno.ENOSPC, "No space left on device", "no space left on device"),
-    (errno.EDQUOT, "Disk quota exceeded", "disk quota exceeded"),
-    (errno.EROFS, "Read-only file system", "read-only file system"),
-    (errno.EACCES, "Permission denied", "permission denied"),
-)
+_OS_ERROR_CODE = re.compile(r"os_error_code='(\d+)'")  # how TensorStore reports errno
 
 
-def _write_failure(error: BaseException) -> str:
-    """What stopped a write, in a few words: the OS error when one can be found in the chain
-    (TensorStore reports it inside its message), else the root cause's first line."""
-    chain = []
-    while error is not None and error not in chain:
-        chain.append(error)
+def _write_failure(error: BaseException) -> str | None:
+    """The operating system's reason (``no space left on device``) when ``error`` or one in its
+    chain is a failed file operation, else None."""
+    while error is not None:
+        code = getattr(error, "errno", None) if isinstance(error, OSError) else None
+        if code is None and (match := _OS_ERROR_CODE.search(str(error))):
+            code = int(match.group(1))
+        if code:
+            return os.strerror(code).lower()
         error = error.__cause__ or error.__context__
-    for error in chain:
-        for code, text, words in _WRITE_FAILURES:
-            if getattr(error, "errno", None) == code or text in str(error):
-                return words
-    return _one_line(chain[0])
+    return None
 
 
 def _warn_checkpoint(message: str) -> None:
     warnings.warn(message, CheckpointWarning, stacklevel=3)
 
 
+@functools.cache
 def _silence_orbax_write_failures() -> None:
-    """Silence orbax's own reports of a failed write, once per process.
+    """Silence orbax's own reports of a failed write (installed once per process).
 
     When one write of a save fails, orbax closes the save's event loop while TensorStore
     still completes the other writes: each completion calls back into the closed loop
     ("RuntimeError: Event loop is closed", printed as an unraisable exception), the pending
-    write coroutines are collected ("Task exception was never retrieved", or at exit "sys.meta_path
-    is None"), and orbax's threads log the failure with its traceback. The failure itself reaches the caller of the save
-    (or of the wait for it), which reports it; these echoes are dropped.
+    write coroutines are collected ("Task exception was never retrieved"; at exit,
+    "sys.meta_path is None"), and orbax's threads log the failure with its traceback. The
+    failure itself reaches the caller of the save (or of the wait for it): these echoes are
+    dropped.
     """
-    if getattr(_silence_orbax_write_failures, "done", False):
-        return
-    _silence_orbax_write_failures.done = True
     previous_hook = sys.unraisablehook
 
     def unraisable_hook(unraisable) -> None:

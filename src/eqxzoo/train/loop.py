@@ -35,17 +35,17 @@ from eqxzoo.data.prepare import prepare_stdlib_corpus
 from eqxzoo.errors import EXIT_STOPPED, UserError
 from eqxzoo.parallel import make_mesh
 from eqxzoo.runtime import on_every_process
-from eqxzoo.train.checkpoint import Checkpointer, StopSignal
+from eqxzoo.train.checkpoint import Checkpointer, StopSignal, saves_asynchronously
 from eqxzoo.train.layout import (
     abstract_checkpoint_layout,
     checkpoint_layout,
     from_checkpoint_layout,
 )
 from eqxzoo.train.memory import (
+    PlanDoesNotFit,
     StepMemory,
     check_fits,
     run_memory_checks,
-    saves_asynchronously,
 )
 from eqxzoo.train.report import (
     LOSS_PLOT_FILE,
@@ -142,7 +142,9 @@ class _Trainer:
         self.say = say if self.is_main else (lambda text: None)
         self.run_dir = options.run_dir
         self.mesh = make_mesh(config.mesh)
-        self.async_save = saves_asynchronously(config, self.mesh.devices.flat[0].platform)
+        self.async_save = saves_asynchronously(
+            config.checkpoint.async_save, self.mesh.devices.flat[0].platform
+        )
         self.step_config = step_config(config)
         self.make_model = model_factory(config.model)
         self.total_steps = config.run.steps
@@ -154,15 +156,14 @@ class _Trainer:
     def run(self) -> RunSummary:
         with contextlib.ExitStack() as opened:
             self.open_run_dir(opened)
-            self.compile_steps()
             self.open_data(opened)
+            self.compile_steps()
             self.open_state(opened)
             first_step = self.step
             self.open_reports(opened)
             with StopSignal() as stop:
                 self.train_until_done(stop)
                 self.finish()
-        self.maybe_plot()
         return self.summary(first_step)
 
     def open_run_dir(self, opened: contextlib.ExitStack) -> None:
@@ -174,7 +175,8 @@ class _Trainer:
             try:
                 run_lock = prepare_run_dir(self.run_dir, self.config, lock=True, warn=self.say)
                 opened.callback(run_lock.release)
-            except UserError as error:
+                opened.push(self.plot_at_the_end)
+            except (UserError, OSError) as error:
                 refusal = error
         if not on_every_process(refusal is None):
             raise refusal or UserError(
@@ -195,11 +197,10 @@ class _Trainer:
         step_memory = StepMemory.of(self.train_step)
         if step_memory is None:
             return
-        check_fits(
-            run_memory_checks(step_memory, self.config, self.mesh.local_devices),
-            step_memory,
-            remat_stages=self.config.pipeline.remat_stages,
-        )
+        checks = run_memory_checks(step_memory, self.config, self.mesh.local_devices)
+        if not on_every_process(all(check.fits for check in checks)):
+            check_fits(checks, step_memory, remat_stages=self.config.pipeline.remat_stages)
+            raise PlanDoesNotFit("this plan does not fit on another host (its error line says why)")
 
     def open_data(self, opened: contextlib.ExitStack) -> None:
         """Open the training batches and, when ``run.eval_every`` > 0, the validation batches."""
@@ -402,9 +403,10 @@ class _Trainer:
         finally:
             self.state = from_checkpoint_layout(plain, self.target, consume=True)
 
-    def maybe_plot(self) -> None:
-        """Process 0 plots ``metrics.jsonl`` into ``loss.png`` if ``run.plot``."""
-        if self.is_main and self.config.run.plot:
+    def plot_at_the_end(self, error_type, error, traceback) -> None:
+        """On process 0, once the run ended well and its metrics are closed, but with the run
+        directory still locked: plot ``metrics.jsonl`` into ``loss.png`` if ``run.plot``."""
+        if error_type is None and self.config.run.plot:
             plot_losses(
                 self.run_dir / "metrics.jsonl",
                 self.run_dir / LOSS_PLOT_FILE,

@@ -11,8 +11,10 @@ share the bill:
 - **Accelerators** each have their own memory: each device's need against what its
   allocator can still hand out; the host-side buffers are checked against the host's RAM.
 
-A plan that does not fit is refused with one line: the need, the availability and what to
-change.
+The figures are an estimate on the safe side (replicated state counted on every device
+that holds it, the host buffers at their largest), meant to refuse a plan that cannot fit
+rather than to promise that one will. A plan that does not fit is refused with one line: the
+need, the availability and what to change.
 """
 
 import dataclasses
@@ -25,16 +27,19 @@ from jax.experimental import multihost_utils
 
 from eqxzoo.config import RunConfig
 from eqxzoo.errors import UserError
-from eqxzoo.train.checkpoint import SYNC_SAVE_GB
+from eqxzoo.train.checkpoint import SYNC_SAVE_GB, saves_asynchronously
 
 MEMINFO = Path("/proc/meminfo")
-CGROUP_LIMITS = (  # (limit, usage) files: cgroup v2, then v1
-    (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
+CGROUP_FILES = (  # (limit, usage, stat) of this cgroup: v2, then v1
+    ("memory.max", "memory.current", "memory.stat", "inactive_file"),
     (
-        Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
-        Path("/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+        "memory/memory.limit_in_bytes",
+        "memory/memory.usage_in_bytes",
+        "memory/memory.stat",
+        "total_inactive_file",
     ),
 )
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 GIB = 2**30
 
 
@@ -69,9 +74,9 @@ class StepMemory:
 
     def describe(self) -> str:
         return (
-            f"{gib(self.total)} = arguments {gib(self.arguments)} + outputs "
-            f"{gib(self.outputs)} - donated {gib(self.donated)} + temporaries "
-            f"{gib(self.temporaries)}"
+            f"{format_bytes(self.total)} = arguments {format_bytes(self.arguments)} + outputs "
+            f"{format_bytes(self.outputs)} - donated {format_bytes(self.donated)} + temporaries "
+            f"{format_bytes(self.temporaries)}"
         )
 
 
@@ -91,26 +96,34 @@ class MemoryCheck:
     def __str__(self) -> str:
         verdict = "fits" if self.fits else "does not fit"
         return (
-            f"{self.where}: needs {gib(self.need)} ({self.breakdown}), {gib(self.available)} "
+            f"{self.where}: needs {format_bytes(self.need)} ({self.breakdown}), {format_bytes(self.available)} "
             f"available: {verdict}"
         )
 
 
-def gib(count: int) -> str:
-    return f"{count / GIB:.1f} GiB"
+def format_bytes(count: int | float) -> str:
+    """``512 B``, ``1.5 KiB``, ... ``348.5 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024 or unit == "GiB":
+            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
+        count /= 1024
+    raise AssertionError
 
 
 def host_memory_available() -> int:
-    """Bytes of RAM this host can still give: ``MemAvailable``, capped by the cgroup's room."""
+    """Bytes of RAM this host can still give: ``MemAvailable``, capped by the room left under
+    the cgroup's limit (its usage less the page cache it may drop, ``inactive_file``)."""
     fields = dict(line.split(":", 1) for line in MEMINFO.read_text().splitlines())
     available = int(fields["MemAvailable"].split()[0]) * 1024
-    for limit_file, usage_file in CGROUP_LIMITS:
+    for limit_file, usage_file, stat_file, reclaimable in CGROUP_FILES:
         try:
-            limit = limit_file.read_text().strip()
-            usage = int(usage_file.read_text())
+            limit = (CGROUP_ROOT / limit_file).read_text().strip()
+            usage = int((CGROUP_ROOT / usage_file).read_text())
+            stat = dict(line.split() for line in (CGROUP_ROOT / stat_file).read_text().splitlines())
         except (OSError, ValueError):
             continue
         if limit.isdigit():
+            usage -= int(stat.get(reclaimable, 0))
             available = min(available, int(limit) - usage)
         break
     return available
@@ -137,9 +150,7 @@ def memory_checks(
     if devices[0].platform == "cpu":
         count = len(devices) * processes
         need = count * step.total + processes * host_buffers
-        breakdown = (
-            f"{count} devices x {gib(step.total)} + host buffers {gib(processes * host_buffers)}"
-        )
+        breakdown = f"{count} devices x {format_bytes(step.total)} + host buffers {format_bytes(processes * host_buffers)}"
         return [MemoryCheck("host RAM", need, host_memory_available(), breakdown)]
     checks = [
         MemoryCheck(
@@ -179,13 +190,6 @@ def check_fits(checks: list[MemoryCheck], step: StepMemory, *, remat_stages: boo
         )
 
 
-def saves_asynchronously(config: RunConfig, platform: str) -> bool:
-    """Whether the run's checkpoints are written in the background: as configured, except on
-    CPU devices, which already live in host memory (an asynchronous save would first copy
-    the whole state there again)."""
-    return config.checkpoint.async_save and platform != "cpu"
-
-
 def run_memory_checks(
     step: StepMemory, config: RunConfig, devices: list[jax.Device]
 ) -> list[MemoryCheck]:
@@ -193,9 +197,9 @@ def run_memory_checks(
     host_buffers = host_buffer_bytes(
         step,
         len(devices),
-        batch_tokens=config.tokens_per_step,
+        batch_tokens=config.tokens_per_step // jax.process_count(),
         prefetch=config.data.prefetch,
-        async_save=saves_asynchronously(config, devices[0].platform),
+        async_save=saves_asynchronously(config.checkpoint.async_save, devices[0].platform),
     )
     return memory_checks(step, devices, host_buffers=host_buffers)
 

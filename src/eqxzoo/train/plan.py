@@ -12,19 +12,11 @@ import jax.numpy as jnp
 from eqxzoo.config import RunConfig, step_config
 from eqxzoo.parallel import make_mesh
 from eqxzoo.train.loop import batch_shape
-from eqxzoo.train.memory import StepMemory, run_memory_checks
+from eqxzoo.train.memory import StepMemory, format_bytes, run_memory_checks
 from eqxzoo.train.report import flops_per_token, parameter_counts
 from eqxzoo.train.state import abstract_train_state
 from eqxzoo.train.step import compile_train_step
 from models import model_factory
-
-
-def format_bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(count) < 1024 or unit == "GiB":
-            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
-        count /= 1024
-    raise AssertionError
 
 
 def sharding_table(state) -> list[tuple[str, str, str, str, str]]:

@@ -8,6 +8,7 @@ import dataclasses
 import io
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -189,7 +190,13 @@ def truncate_after(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [r for r in read_metrics(path) if r["step"] <= step]
-    path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    # Written aside, then renamed over: a disk that fills half-way leaves the file as it was.
+    partial = path.with_name(path.name + ".tmp")
+    try:
+        partial.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 class ProgressBar:

@@ -13,7 +13,8 @@ take no lock.
 from its ``config.toml`` in `RESUMABLE` keys alone: what changes how the same run is carried
 out (steps, mesh and schedule, batch shape, logging, checkpoint cadence, the learning-rate
 schedule, ...), never what it is (the architecture, its parameters' dtype, the optimizer's
-state, the data and its order, the seeds). Any other change is refused in one line naming
+state, the data and its order, the seeds). Any other change, or turning gradient clipping or
+weight decay on or off (which adds or removes optimizer state), is refused in one line naming
 every changed key with both values.
 """
 
@@ -30,6 +31,7 @@ from typing import Any
 
 from eqxzoo.config import RunConfig, config_from_dict, config_to_dict, config_to_toml
 from eqxzoo.errors import ConfigError, UserError
+from eqxzoo.train.checkpoint import finished_steps
 from eqxzoo.typed_config import read_toml
 
 CONFIG_FILE = "config.toml"
@@ -70,6 +72,9 @@ RESUMABLE = (
     "precision.output",
     "loss.*",
 )
+
+# Resumable keys whose 0 turns a transformation off, and with it its optimizer state.
+SWITCHED_OFF_BY_ZERO = ("optimizer.clip_norm", "optimizer.weight_decay")
 
 
 class RunDirBusy(UserError, RuntimeError):
@@ -120,14 +125,19 @@ class RunDirLock:
                 "second run out of this directory"
             )
             return
+        self._fd = fd
         holder = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
-        self._fd = fd
+        text = (json.dumps(holder) + "\n").encode()
+        try:
+            os.pwrite(fd, text, 0)
+            os.ftruncate(fd, len(text))
+        except OSError:
+            self.release()
+            raise
 
     def release(self) -> None:
         if self._fd is not None:
@@ -147,11 +157,9 @@ def _read_holder(fd: int) -> str:
 
 
 def has_checkpoints(run_dir: Path) -> bool:
-    """Whether ``run_dir/checkpoints`` holds a finished checkpoint (a step-numbered directory)."""
+    """Whether ``run_dir/checkpoints`` holds a finished checkpoint."""
     directory = run_dir / CHECKPOINT_DIR
-    return directory.is_dir() and any(
-        entry.name.isdigit() and entry.is_dir() for entry in directory.iterdir()
-    )
+    return directory.is_dir() and bool(finished_steps(directory))
 
 
 def changed_keys(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
@@ -171,8 +179,14 @@ def is_resumable(key: str) -> bool:
 
 def refused_changes(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
     """The changes from the ``saved`` config document to the ``new`` one that a resume may
-    not make."""
-    return [change for change in changed_keys(saved, new) if not is_resumable(change.key)]
+    not make: to a key `RESUMABLE` does not list, or one of `SWITCHED_OFF_BY_ZERO` to or from
+    0."""
+    return [
+        change
+        for change in changed_keys(saved, new)
+        if not is_resumable(change.key)
+        or (change.key in SWITCHED_OFF_BY_ZERO and (change.saved == 0) != (change.new == 0))
+    ]
 
 
 def check_same_run(run_dir: Path, config: RunConfig) -> None:
@@ -205,7 +219,10 @@ def prepare_run_dir(run_dir: Path, config: RunConfig, *, lock: bool, warn=print)
         run_lock.acquire(warn)
     try:
         check_same_run(run_dir, config)
-        (run_dir / CONFIG_FILE).write_text(config_to_toml(config), encoding="utf-8")
+        # Written aside, then renamed over: a disk that fills half-way leaves the old one.
+        partial = run_dir / f"{CONFIG_FILE}.tmp"
+        partial.write_text(config_to_toml(config), encoding="utf-8")
+        os.replace(partial, run_dir / CONFIG_FILE)
     except BaseException:
         run_lock.release()
         raise
