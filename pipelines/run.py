@@ -5,14 +5,18 @@
 
 ``--steps N`` stops after step N (the schedule still spans ``run.steps``); ``--run-dir``
 defaults to ``runs/<run.name>``; a rerun with the same run directory resumes from its latest
-checkpoint. ``--dry-run`` validates the config, builds the mesh and compiles the step,
-prints parameter counts, shardings and per-device memory, and exits without training.
+checkpoint, if its config changes only what README's "Run directories" lists. The run locks
+its directory: a second run on it is refused. Before anything is initialised, the compiled
+step's memory is checked against the machine's. ``--dry-run`` validates the config, builds
+the mesh and compiles the step, prints parameter counts, shardings, per-device memory and
+whether it fits, and exits without training (and without the lock).
 ``--profile START:STOP`` traces steps START..STOP into ``RUN_DIR/profile``.
 
 With no accelerator the mesh's devices are simulated on the CPU. Under a cluster launcher
 (SLURM, Open MPI, or JAX_COORDINATOR_ADDRESS set) or `pipelines.launch`, the processes
-join one global mesh through `jax.distributed.initialize`. A config, data, mesh or
-checkpoint problem is one ``error:`` line and exit code 2; repeated non-finite steps stop
+join one global mesh through `jax.distributed.initialize`. A config, data, mesh,
+memory or checkpoint problem (a busy run directory, a full disk) is one ``error:`` line and
+exit code 2; repeated non-finite steps stop
 the run with exit code 3; a process of a multi-process run that loses a peer exits with code
 4, naming the lost process.
 """

@@ -92,8 +92,8 @@ def test_dry_run_plans_without_training(tmp_path: Path, cache_dir: Path):
     assert "total" in result.stdout and "active per token" in result.stdout
     assert "per-device memory of the compiled step" in result.stdout
     assert re.search(
-        r"memory: host RAM: needs [0-9.]+ GiB \(8 devices x [0-9.]+ GiB \+ host buffers "
-        r"[0-9.]+ GiB\), [0-9.]+ GiB available: fits",
+        r"memory: host RAM: needs [0-9.]+ .iB \(8 devices x [0-9.]+ .iB \+ host buffers "
+        r"[0-9.]+ .iB\), [0-9.]+ .iB available: fits",
         result.stdout,
     ), result.stdout
     assert "blocks.layers.attention.wq" in result.stdout

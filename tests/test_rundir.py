@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from eqxzoo.config import RunConfig, config_to_dict, load_config
+from eqxzoo.train.checkpoint import STEP_METADATA_FILE
 from eqxzoo.train.memory import (
     GIB,
     MemoryCheck,
@@ -44,6 +45,12 @@ def flat_keys(document: dict, prefix: str = "") -> list[str]:
     return keys
 
 
+def finished_checkpoint(run_dir: Path, step: int) -> None:
+    """A directory as a finished save leaves it (enough for the run directory's checks)."""
+    (run_dir / "checkpoints" / str(step)).mkdir(parents=True)
+    (run_dir / "checkpoints" / str(step) / STEP_METADATA_FILE).write_text("{}")
+
+
 def test_a_second_lock_names_the_holder_and_a_released_lock_is_free(tmp_path: Path):
     first = RunDirLock(tmp_path)
     first.acquire()
@@ -66,7 +73,7 @@ def test_a_refused_resume_keeps_the_saved_config_and_releases_its_lock(
 ):
     config = load_config(TINY)
     prepare_run_dir(tmp_path, config, lock=True).release()
-    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    finished_checkpoint(tmp_path, 4)
     saved = (tmp_path / "config.toml").read_text()
     other = load_config(TINY, ["model.d_model=128"])
     with pytest.raises(NotTheSameRun):
@@ -77,7 +84,7 @@ def test_a_refused_resume_keeps_the_saved_config_and_releases_its_lock(
 
 def test_another_architecture_or_data_order_is_refused_naming_every_key(tmp_path: Path):
     prepare_run_dir(tmp_path, load_config(TINY), lock=False)
-    (tmp_path / "checkpoints" / "100").mkdir(parents=True)
+    finished_checkpoint(tmp_path, 100)
     changed = load_config(TINY, ["model.d_model=128", "data.seed=7", "run.steps=400"])
     with pytest.raises(NotTheSameRun) as refused:
         check_same_run(tmp_path, changed)
@@ -162,3 +169,15 @@ def test_host_memory_available_is_plausible():
     available = host_memory_available()
     total = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
     assert 0 < available <= total
+
+
+@pytest.mark.parametrize("key", ["optimizer.clip_norm", "optimizer.weight_decay"])
+def test_turning_clipping_or_weight_decay_on_or_off_is_refused(key: str):
+    """0 removes the transformation and its optimizer state: the checkpoint would not restore."""
+    section, name = key.split(".")
+    saved = config_to_dict(load_config(TINY, [f"{key}=0.5"]))
+    for value, refused in ((0.25, False), (0.0, True)):
+        new = config_to_dict(load_config(TINY, [f"{key}={value}"]))
+        assert [change.key for change in refused_changes(saved, new)] == ([key] if refused else [])
+    off = config_to_dict(load_config(TINY, [f"{key}=0"]))
+    assert [change.key for change in refused_changes(off, saved)] == [key]
