@@ -6,21 +6,29 @@
 Reads ``RUN_DIR/config.toml`` (written by `pipelines.run`), the corpus tokenizer and the
 newest usable checkpoint, then decodes with a KV cache (`models.generate`) on one device.
 Prints the prompt followed by the continuation. Problems are one ``error:`` line, exit 2.
+
+Every option is checked before anything is read (`check_options`), and the length asked for
+before the checkpoint is restored (`check_cache_fits`): the KV cache `models.generate`
+allocates must fit the memory of the device it runs on.
 """
 
 import argparse
 import dataclasses
+import math
 import sys
 from pathlib import Path
 
 from eqxzoo.errors import ConfigError, UserError, run_command
+
+SEED_BOUNDS = (-(2**63), 2**63 - 1)  # what jax.random.key takes
+MAX_CACHE_POSITIONS = 2**31 - 1  # the KV cache's position counter is int32
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m pipelines.generate", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("run_dir", type=Path, help="a pipelines.run output directory")
+    parser.add_argument("run_dir", help="a pipelines.run output directory")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -33,18 +41,85 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """Raise a `UserError` naming the first option out of range.
+
+    Done here rather than left to `models.generate`, whose checks let a NaN temperature
+    through (it then samples nothing) and cannot know that ``""`` came from an unset variable.
+    """
+    if not args.run_dir:
+        raise UserError("RUN_DIR is empty (an unset variable?): give a pipelines.run directory")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UserError(
+            f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}"
+        )
+    if args.top_k is not None and args.top_k < 1:
+        raise UserError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    low, high = SEED_BOUNDS
+    if not low <= args.seed <= high:
+        raise UserError(f"--seed must fit in 64 bits (-2**63 to 2**63 - 1), got {args.seed}")
+
+
+def kv_cache_bytes_per_position(*, layers: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Bytes of one position of the KV cache `models.generate` allocates: a key and a value
+    of ``kv_heads x head_dim`` for every layer, in the parameters' dtype
+    (`models.DecoderLM.init_cache`)."""
+    return 2 * layers * kv_heads * head_dim * itemsize
+
+
+def check_cache_fits(
+    *,
+    prompt_tokens: int,
+    max_new_tokens: int,
+    bytes_per_position: int,
+    memory: str,
+    available: int | None,
+) -> None:
+    """Refuse a generation whose KV cache cannot exist: `models.generate` allocates one of
+    ``prompt_tokens + max_new_tokens - 1`` positions.
+
+    The rule: at most `MAX_CACHE_POSITIONS`, and the cache alone no larger than the memory
+    ``available`` now (not checked where that is unknown). No config defines a maximum
+    context (RoPE positions are unbounded), so memory is the bound, and the cache is the
+    bulk of what grows with ``max_new_tokens``. Counting the cache alone never turns away
+    a generation that would fit; one it lets through can still run short with a long
+    prompt (prefill's attention scores grow with prompt x positions) or a large model.
+    """
+    from eqxzoo.train.memory import format_bytes
+
+    positions = prompt_tokens + max_new_tokens - 1
+    if positions > MAX_CACHE_POSITIONS:
+        raise UserError(
+            f"--max-new-tokens {max_new_tokens} with a prompt of {prompt_tokens} tokens exceeds "
+            f"the KV cache's limit of {MAX_CACHE_POSITIONS} positions; lower --max-new-tokens"
+        )
+    need = positions * bytes_per_position
+    if available is not None and need > available:
+        raise UserError(
+            f"--max-new-tokens {max_new_tokens} needs a KV cache of {format_bytes(need)} "
+            f"({positions} positions x {format_bytes(bytes_per_position)}), more than the "
+            f"{format_bytes(available)} of {memory} available; lower --max-new-tokens"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     return run_command(lambda: generate_from_run(args))
 
 
 def generate_from_run(args: argparse.Namespace) -> int:
+    check_options(args)
     from eqxzoo.config import load_config
     from eqxzoo.train.rundir import CHECKPOINT_DIR, CONFIG_FILE
 
-    config_file = args.run_dir / CONFIG_FILE
+    run_dir = Path(args.run_dir)
+    config_file = run_dir / CONFIG_FILE
     if not config_file.is_file():
-        raise UserError(f"{args.run_dir} has no {CONFIG_FILE}: not a pipelines.run directory")
+        raise UserError(f"{run_dir} has no {CONFIG_FILE}: not a pipelines.run directory")
     try:
         config = load_config(config_file)
     except ConfigError as error:
@@ -60,27 +135,50 @@ def generate_from_run(args: argparse.Namespace) -> int:
     from eqxzoo.train.checkpoint import Checkpointer
     from eqxzoo.train.layout import abstract_checkpoint_state
     from eqxzoo.train.loop import data_directory
+    from eqxzoo.train.memory import host_memory_available
     from models import generate, model_factory
+
+    tokenizer = load_tokenizer(data_directory(config) / TOKENIZER_FILE)
+    prompt = tokenizer.encode(args.prompt).ids
+    if not prompt:
+        raise UserError("--prompt encodes to no tokens")
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        memory, available = "host RAM", host_memory_available()
+    else:
+        stats = device.memory_stats() or {}
+        memory, available = str(device), stats.get("bytes_limit")
+        if available is not None:
+            available -= stats.get("bytes_in_use", 0)
+    bytes_per_position = kv_cache_bytes_per_position(
+        layers=config.model.n_layers,
+        kv_heads=config.model.kv_heads,
+        head_dim=config.model.attention_head_dim,
+        itemsize=jnp.dtype(config.precision.params).itemsize,
+    )
+    check_cache_fits(
+        prompt_tokens=len(prompt),
+        max_new_tokens=args.max_new_tokens,
+        bytes_per_position=bytes_per_position,
+        memory=memory,
+        available=available,
+    )
 
     one_device = dataclasses.replace(
         config,
         mesh=MeshConfig(),
         pipeline=dataclasses.replace(config.pipeline, schedule="gpipe", repeats=1),
     )
-    mesh = make_mesh(one_device.mesh, jax.devices()[:1])
+    mesh = make_mesh(one_device.mesh, [device])
     target = abstract_checkpoint_state(
         model_factory(config.model), config=step_config(one_device), mesh=mesh
     )
-    tokenizer = load_tokenizer(data_directory(config) / TOKENIZER_FILE)
-    with Checkpointer(args.run_dir / CHECKPOINT_DIR, every=1, keep=1) as checkpointer:
+    with Checkpointer(run_dir / CHECKPOINT_DIR, every=1, keep=1) as checkpointer:
         restored = checkpointer.restore_latest(target, None)
     if restored is None:
-        raise UserError(f"{args.run_dir / CHECKPOINT_DIR} holds no checkpoint yet")
+        raise UserError(f"{run_dir / CHECKPOINT_DIR} holds no checkpoint yet")
     model = restored.state.model  # the checkpoint layout is the plain model
 
-    prompt = tokenizer.encode(args.prompt).ids
-    if not prompt:
-        raise UserError("--prompt encodes to no tokens")
     eod = tokenizer.token_to_id(EOD_TOKEN)
     try:
         new_tokens = generate(

@@ -7,8 +7,11 @@
 INPUTs are UTF-8 text files (one document each), JSONL files (``.jsonl``, one document per
 line, its text under ``--text-field``) or directories walked recursively in sorted order;
 any of them may be gzipped (``.gz``). ``--stdlib`` adds the built-in corpus: this Python's
-standard-library sources. Re-running with unchanged inputs and options prints "up to date".
-Bad input is one ``error:`` line on stderr and exit code 2.
+standard-library sources. Re-running with unchanged inputs and options prints "up to date";
+with changed ones it replaces DIR, but only while DIR holds nothing but earlier outputs of
+this command: anything else in it is named and refused, and nothing is touched. An empty
+``--out`` or INPUT (an unset shell variable) is refused rather than taken as the current
+directory. Bad input is one ``error:`` line on stderr and exit code 2.
 """
 
 import argparse
@@ -35,8 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m pipelines.prepare",
         description="Tokenise text into ArrayRecord training shards.",
     )
-    parser.add_argument("inputs", nargs="*", type=Path, help="text/JSONL files or directories")
-    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument("inputs", nargs="*", help="text/JSONL files or directories")
+    parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument(
         "--stdlib", action="store_true", help="add the Python standard library's sources"
     )
@@ -139,10 +142,14 @@ def main(argv: list[str] | None = None) -> int:
 def prepare(args: argparse.Namespace) -> int:
     if not args.inputs and not args.stdlib:
         raise DataError("no inputs: give files or directories, or --stdlib")
+    if not all(args.inputs):
+        raise DataError("an INPUT is empty (an unset variable?): give files or directories")
+    if not args.out:
+        raise DataError("--out is empty (an unset variable?): give the output directory")
     with PhaseProgress(sys.stdout) as progress:
         result = prepare_corpus(
-            args.inputs,
-            args.out,
+            [Path(path) for path in args.inputs],
+            Path(args.out),
             options_from_args(args),
             include_stdlib=args.stdlib,
             progress=progress,

@@ -44,6 +44,14 @@ def parse_profile(text: str) -> tuple[int, int]:
     return start, stop
 
 
+def non_empty_path(text: str) -> Path:
+    """A path argument; an empty one (an unset shell variable) is refused, not the current
+    directory."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return Path(text)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m pipelines.run", description=__doc__.split("\n")[0]
@@ -58,7 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="override a config key, e.g. --set mesh.dp=4 (repeatable)",
     )
     parser.add_argument("--steps", type=int, help="stop after this step")
-    parser.add_argument("--run-dir", type=Path, help="outputs and checkpoints (default runs/NAME)")
+    parser.add_argument(
+        "--run-dir", type=non_empty_path, help="outputs and checkpoints (default runs/NAME)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="plan the run, do not train")
     parser.add_argument("--profile", type=parse_profile, metavar="START:STOP")
     args = parser.parse_args(argv)

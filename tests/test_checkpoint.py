@@ -428,3 +428,45 @@ def test_a_save_that_fails_for_another_reason_keeps_its_traceback(tmp_path, monk
     with Checkpointer(tmp_path, every=1, keep=5, async_save=False) as checkpointer:
         with pytest.raises(TypeError, match="a bug in a handler"):
             checkpointer.save(1, small_state(1), data_iterator(10), {"step": 1})
+
+
+def flip_a_byte(step_directory) -> None:
+    """Flip one bit in the middle of the largest file of the step's ``state`` item (array
+    data): the size and every file name stay as they were."""
+    data = max(
+        (p for p in (step_directory / "state").rglob("*") if p.is_file()), key=os.path.getsize
+    )
+    content = bytearray(data.read_bytes())
+    content[len(content) // 2] ^= 0x10
+    data.write_bytes(bytes(content))
+
+
+def test_a_checkpoint_damaged_after_it_was_written_falls_back_to_the_one_before(tmp_path):
+    save_steps(tmp_path, [1, 2])
+    flip_a_byte(tmp_path / "2")
+    warned = []
+    restored = Checkpointer(tmp_path, every=1, keep=5, warn=warned.append).restore_latest(
+        small_abstract(), data_iterator()
+    )
+    assert restored.step == 1
+    assert_bitwise_equal(restored.state, small_state(1))
+    assert len(warned) == 1
+    assert warned[0].startswith("checkpoint at step 2 is unusable (state: "), warned[0]
+    assert warned[0].endswith(
+        "does not match its checksum: the files were damaged after they were written); "
+        "trying an older one"
+    ), warned[0]
+
+
+def test_an_iterator_state_of_the_wrong_type_falls_back_to_the_one_before(tmp_path):
+    save_steps(tmp_path, [1, 2])
+    (tmp_path / "2" / "data" / "process_0-of-1.json").write_text("[]")
+    warned = []
+    restored = Checkpointer(tmp_path, every=1, keep=5, warn=warned.append).restore_latest(
+        small_abstract(), data_iterator()
+    )
+    assert restored.step == 1
+    assert warned == [
+        "checkpoint at step 2 is unusable (data: the iterator state is not a JSON object); "
+        "trying an older one"
+    ]

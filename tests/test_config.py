@@ -197,6 +197,11 @@ def error_for(overrides, path=TINY) -> str:
         ),
         (["run.name=''"], r"^run\.name: must not be empty$"),
         (
+            ["data.seq_len=100000000"],
+            r"^data\.seq_len: must be <= 4,194,304, got 100,000,000 \(far longer windows "
+            r"overflow the compiler's array sizes\)$",
+        ),
+        (
             ["optimizer.learning_rate=nan"],
             r"^optimizer\.learning_rate: must be a finite number, got nan$",
         ),

@@ -1,6 +1,7 @@
 """KV-cache generation: cached logits equal full recomputation; sampling and its filters."""
 
 import dataclasses
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -9,6 +10,13 @@ import numpy as np
 import pytest
 
 import models
+from eqxzoo.config import config_to_toml, load_config
+from eqxzoo.data import load_tokenizer
+from eqxzoo.data.manifest import TOKENIZER_FILE
+from eqxzoo.data.tokenizer import train_byte_level_bpe
+from eqxzoo.train import memory
+from eqxzoo.train.rundir import CONFIG_FILE
+from pipelines.generate import main as generate_main
 
 SMALL = {"vocab_size": 97, "d_model": 32, "n_layers": 2, "n_heads": 4, "mlp_dim": 48}
 MOE = models.MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=24)
@@ -199,3 +207,103 @@ def test_cache_overflow_is_an_error():
     model = build(CONFIGS["llama_gqa"])
     with pytest.raises(Exception, match="KVCache overflow"):
         model.cached_forward(prompt(6), model.init_cache(4))
+
+
+# --- python -m pipelines.generate: its options are checked before anything is loaded -----
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml")
+GIB = 2**30
+
+
+@pytest.fixture
+def run_without_checkpoint(tmp_path: Path) -> Path:
+    """A run directory as `pipelines.run` starts it (configs/tiny.toml, whose KV cache takes
+    1.5 KiB a position) over a corpus of just a tokenizer, before its first checkpoint."""
+    data = tmp_path / "data"
+    data.mkdir()
+    train_byte_level_bpe(["def main(): return 0\n"], 300).save(str(data / TOKENIZER_FILE))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = load_config(TINY, [f"data.path={data}"])
+    (run_dir / CONFIG_FILE).write_text(config_to_toml(config), encoding="utf-8")
+    return run_dir
+
+
+def generate_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = generate_main(argv)
+    return code, capsys.readouterr().err
+
+
+BAD_OPTIONS = {
+    "temperature nan": (
+        ["--temperature", "nan"],
+        "--temperature must be a finite number >= 0 (0: greedy), got nan",
+    ),
+    "temperature -1": (
+        ["--temperature", "-1"],
+        "--temperature must be a finite number >= 0 (0: greedy), got -1.0",
+    ),
+    "temperature inf": (
+        ["--temperature", "inf"],
+        "--temperature must be a finite number >= 0 (0: greedy), got inf",
+    ),
+    "top-p 0": (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    "top-p 1.5": (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    "top-p nan": (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
+    "top-k 0": (["--top-k", "0"], "--top-k must be >= 1, got 0"),
+    "max-new-tokens 0": (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    "seed 2**64": (
+        ["--seed", str(2**64)],
+        f"--seed must fit in 64 bits (-2**63 to 2**63 - 1), got {2**64}",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OPTIONS))
+def test_bad_option_is_one_line_before_the_run_is_read(case, tmp_path: Path, capsys):
+    options, message = BAD_OPTIONS[case]
+    code, stderr = generate_cli([str(tmp_path), "--prompt", "x", *options], capsys)
+    assert code == 2
+    assert stderr == f"error: {message}\n"
+
+
+def test_empty_run_dir_is_refused(tmp_path: Path, monkeypatch, capsys):
+    """An unset shell variable must not mean the current directory, even a run directory."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / CONFIG_FILE).write_text("", encoding="utf-8")
+    code, stderr = generate_cli(["", "--prompt", "x"], capsys)
+    assert code == 2
+    assert (
+        stderr == "error: RUN_DIR is empty (an unset variable?): give a pipelines.run directory\n"
+    )
+
+
+def prompt_tokens(run_dir: Path, prompt: str) -> int:
+    tokenizer = load_tokenizer(run_dir.parent / "data" / TOKENIZER_FILE)
+    return len(tokenizer.encode(prompt).ids)
+
+
+def test_max_new_tokens_must_fit_the_memory(run_without_checkpoint: Path, monkeypatch, capsys):
+    monkeypatch.setattr(memory, "host_memory_available", lambda: 8 * GIB)
+    run_dir = run_without_checkpoint
+    positions = prompt_tokens(run_dir, "def main(") + 100_000_000 - 1
+    argv = [str(run_dir), "--prompt", "def main(", "--max-new-tokens", "100000000"]
+    code, stderr = generate_cli(argv, capsys)
+    assert code == 2
+    assert stderr == (
+        f"error: --max-new-tokens 100000000 needs a KV cache of 143.1 GiB ({positions} "
+        "positions x 1.5 KiB), more than the 8.0 GiB of host RAM available; lower "
+        "--max-new-tokens\n"
+    )
+
+    code, stderr = generate_cli([*argv[:-1], "3000000000"], capsys)
+    assert code == 2
+    assert stderr == (
+        "error: --max-new-tokens 3000000000 with a prompt of "
+        f"{prompt_tokens(run_dir, 'def main(')} tokens exceeds the KV cache's limit of "
+        "2147483647 positions; lower --max-new-tokens\n"
+    )
+
+    code, stderr = generate_cli([*argv[:-1], "64"], capsys)  # fits: on to the checkpoint
+    assert code == 2
+    assert stderr == f"error: {run_dir / 'checkpoints'} holds no checkpoint yet\n"

@@ -311,13 +311,108 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys, case: str):
 
 
 def test_refuses_to_replace_a_foreign_directory(tmp_path: Path, capsys):
+    """Without a manifest nothing in a directory is prepare's, even files of its names."""
     (tmp_path / "good.txt").write_text("some good text\n", encoding="utf-8")
     foreign = tmp_path / "home"
     foreign.mkdir()
-    (foreign / "precious.txt").write_text("keep me", encoding="utf-8")
+    names = ["precious.txt", "tokenizer.json", *(f"note-{index}.md" for index in range(5))]
+    for name in names:
+        (foreign / name).write_text("keep me", encoding="utf-8")
     code, _, stderr = run_cli([str(tmp_path / "good.txt"), "--out", str(foreign)], capsys)
-    assert code == 2 and "not empty and holds no manifest.json" in stderr
-    assert (foreign / "precious.txt").read_text(encoding="utf-8") == "keep me"
+    assert code == 2
+    assert stderr == (
+        f"error: --out {foreign} holds entries pipelines.prepare did not write: note-0.md, "
+        "note-1.md, note-2.md, note-3.md, note-4.md and 2 more; choose another --out or move "
+        "them out of it\n"
+    )
+    assert sorted(path.name for path in foreign.iterdir()) == sorted(names)
+    assert all((foreign / name).read_text(encoding="utf-8") == "keep me" for name in names)
+
+
+def prepared_files(out_dir: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in out_dir.iterdir() if path.is_file()}
+
+
+def test_rerun_refuses_an_output_holding_foreign_entries(tmp_path: Path, capsys):
+    files = write_text_files(tmp_path / "corpus", make_documents(8))
+    out_dir = tmp_path / "out"
+    argv = [*map(str, files), "--out", str(out_dir)]
+    assert run_cli([*argv, "--vocab-size", str(VOCAB)], capsys)[0] == 0
+    earlier = prepared_files(out_dir)
+    (out_dir / "NOTES.md").write_text("my notes\n", encoding="utf-8")
+    (out_dir / "runs").mkdir()
+    (out_dir / "runs" / "metrics.jsonl").write_text("{}\n", encoding="utf-8")
+
+    code, stdout, stderr = run_cli([*argv, "--vocab-size", str(VOCAB + 20)], capsys)
+    assert code == 2
+    assert stderr == (
+        f"error: --out {out_dir} holds entries pipelines.prepare did not write: NOTES.md, "
+        "runs/; choose another --out or move them out of it\n"
+    )
+    assert "reading" not in stdout  # refused before any work
+    assert (out_dir / "NOTES.md").read_text(encoding="utf-8") == "my notes\n"
+    assert (out_dir / "runs" / "metrics.jsonl").read_text(encoding="utf-8") == "{}\n"
+    assert prepared_files(out_dir) == {**earlier, "NOTES.md": b"my notes\n"}
+    verify_shards(out_dir)
+    assert not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_rerun_into_its_own_output_replaces_it(tmp_path: Path, capsys):
+    files = write_text_files(tmp_path / "corpus", make_documents(30))
+    out_dir = tmp_path / "out"
+    argv = [*map(str, files), "--out", str(out_dir), "--records-per-shard", "2"]
+    assert run_cli([*argv, "--vocab-size", str(VOCAB)], capsys)[0] == 0
+    earlier = read_manifest(out_dir)
+    code, stdout, _ = run_cli(
+        [*argv, "--vocab-size", str(VOCAB + 20), "--val-fraction", "0"], capsys
+    )
+    assert code == 0 and "up to date" not in stdout
+    manifest = verify_shards(out_dir)
+    assert manifest.options["tokenizer"] == {"train_vocab_size": VOCAB + 20}
+    assert manifest != earlier
+    shards = {shard.file for split in manifest.splits.values() for shard in split.shards}
+    assert {path.name for path in out_dir.iterdir()} == shards | {"manifest.json", "tokenizer.json"}
+    assert not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_entries_appearing_during_a_run_are_kept(tmp_path: Path, monkeypatch, capsys):
+    """The check is made again just before the old output is replaced."""
+    files = write_text_files(tmp_path / "corpus", make_documents(8))
+    out_dir = tmp_path / "out"
+    earlier = prepare(files, out_dir).manifest
+    train = prep.train_byte_level_bpe
+
+    def train_while_someone_writes(documents, vocab_size):
+        (out_dir / "NOTES.md").write_text("written meanwhile\n", encoding="utf-8")
+        return train(documents, vocab_size)
+
+    monkeypatch.setattr(prep, "train_byte_level_bpe", train_while_someone_writes)
+    argv = [*map(str, files), "--out", str(out_dir), "--vocab-size", str(VOCAB + 20)]
+    code, _, stderr = run_cli(argv, capsys)
+    assert code == 2
+    assert stderr == (
+        f"error: --out {out_dir} holds entries pipelines.prepare did not write: NOTES.md; "
+        "choose another --out or move them out of it\n"
+    )
+    assert (out_dir / "NOTES.md").read_text(encoding="utf-8") == "written meanwhile\n"
+    assert verify_shards(out_dir) == earlier
+    assert not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_empty_out_or_input_is_refused(tmp_path: Path, monkeypatch, capsys):
+    """An unset shell variable must not mean the current directory."""
+    good = tmp_path / "good.txt"
+    good.write_text("some good text\n", encoding="utf-8")
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    code, _, stderr = run_cli([str(good), "--out", ""], capsys)
+    assert code == 2
+    assert stderr == "error: --out is empty (an unset variable?): give the output directory\n"
+    code, _, stderr = run_cli(["", "--out", str(tmp_path / "out")], capsys)
+    assert code == 2
+    assert stderr == "error: an INPUT is empty (an unset variable?): give files or directories\n"
+    assert not list(here.iterdir()) and not (tmp_path / "out").exists()
 
 
 def test_stdlib_corpus_enumerator():

@@ -136,6 +136,9 @@ class LossConfig:
         require_at_least(self, 0, "load_balance_weight", "router_z_weight")
 
 
+MAX_SEQ_LEN = 2**22
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """``[data]``: where the tokens come from and the ``(G, M, B, T)`` batch they form.
@@ -163,6 +166,12 @@ class DataConfig:
             refuse("path", f"must name a prepared data directory or {STDLIB_DATA!r}")
         require_at_least(self, MIN_VOCAB_SIZE, "vocab_size")
         require_at_least(self, 1, "seq_len", "batch_size", "grad_accum", "num_threads")
+        if self.seq_len > MAX_SEQ_LEN:
+            refuse(
+                "seq_len",
+                f"must be <= {MAX_SEQ_LEN:,}, got {self.seq_len:,} (far longer windows "
+                "overflow the compiler's array sizes)",
+            )
         require_at_least(self, 0, "prefetch")
 
     @property

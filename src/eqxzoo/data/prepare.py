@@ -14,6 +14,12 @@ a hidden staging directory beside the output and renamed into place at the end, 
 killed at any moment leaves no valid manifest; a later run with the same inputs and options
 finds the manifest and does nothing.
 
+Nothing a run did not write is deleted or overwritten. An existing output directory is
+replaced only when it holds a manifest and otherwise only files named like those above
+(checked before any work and again just before the swap); anything else is refused with
+the names. Beside it a run writes a lock file ``.DIR.lock`` and staging directories
+``.DIR.partial-*``, and deletes from those only files named like its outputs.
+
 This module is the run itself (options, up-to-date check, lock, staging, publishing); reading
 the inputs is `eqxzoo.data.sources`, writing shards `eqxzoo.data.shards`, and the manifest
 and its checks (all the loader needs) `eqxzoo.data.manifest`.
@@ -25,6 +31,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -39,6 +46,7 @@ from tokenizers import Tokenizer
 from eqxzoo.data.manifest import (
     FORMAT_VERSION,
     MANIFEST_FILE,
+    SPLITS,
     TOKEN_DTYPE,
     TOKENIZER_FILE,
     DataError,
@@ -155,16 +163,53 @@ def is_up_to_date(out_dir: Path, inputs_fingerprint: str, options: dict[str, obj
     )
 
 
+SHARD_NAME = re.compile(rf"({'|'.join(SPLITS)})-\d{{5,}}\.array_record")
+FOREIGN_NAMES_SHOWN = 5
+
+
+def is_prepared_file(path: Path) -> bool:
+    """True for a regular file named like one a run writes into its output: the manifest, the
+    tokenizer or a shard (`eqxzoo.data.manifest.shard_file_name`). Never a link or a folder."""
+    name = path.name
+    if name not in (MANIFEST_FILE, TOKENIZER_FILE) and not SHARD_NAME.fullmatch(name):
+        return False
+    return path.is_file() and not path.is_symlink()
+
+
+def foreign_entries(out_dir: Path) -> list[str]:
+    """The sorted names in the directory ``out_dir`` that no run of prepare wrote there:
+    all of them without a manifest (it is then no output of ours, whatever its files are
+    called), else those that are not `is_prepared_file`; folders end in ``/``."""
+    entries = sorted(out_dir.iterdir())
+    if not is_prepared_file(out_dir / MANIFEST_FILE):
+        foreign = entries
+    else:
+        foreign = [entry for entry in entries if not is_prepared_file(entry)]
+    return [entry.name + ("/" if entry.is_dir() else "") for entry in foreign]
+
+
+def listing(names: Sequence[str], shown: int = FOREIGN_NAMES_SHOWN) -> str:
+    """``a, b, c and 4 more``: the first ``shown`` names, unprintable ones quoted, so the
+    message stays one line."""
+    quoted = [name if name.isprintable() else repr(name) for name in names[:shown]]
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(quoted) + more
+
+
 def _check_replaceable(out_dir: Path) -> None:
-    """Refuse to replace a path that is not an earlier output (or an empty directory)."""
+    """Refuse an ``out_dir`` whose replacement would delete anything prepare did not write.
+
+    Absent or empty is fine; a directory of earlier outputs only is replaced.
+    """
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
         raise DataError(f"--out {out_dir} exists and is not a directory")
-    if any(out_dir.iterdir()) and not (out_dir / MANIFEST_FILE).is_file():
+    foreign = foreign_entries(out_dir)
+    if foreign:
         raise DataError(
-            f"--out {out_dir} is not empty and holds no {MANIFEST_FILE}; "
-            "choose a new or empty directory"
+            f"--out {out_dir} holds entries pipelines.prepare did not write: {listing(foreign)}; "
+            "choose another --out or move them out of it"
         )
 
 
@@ -183,24 +228,41 @@ def _exclusive_lock(out_dir: Path) -> Iterator[None]:
             fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
 
 
+def _remove_prepared_files(directory: Path) -> None:
+    """Delete the `is_prepared_file` files in ``directory``, then the directory if that
+    emptied it; anything else (something put there meanwhile) stays, and so does the
+    directory. Best effort: what cannot be deleted is left for the next run."""
+    with contextlib.suppress(OSError):
+        for entry in directory.iterdir():
+            if is_prepared_file(entry):
+                entry.unlink()
+        directory.rmdir()
+
+
 def _remove_stale_staging(out_dir: Path) -> None:
-    """Delete staging directories of killed runs (safe: we hold the lock, so none is live)."""
-    for stale in out_dir.parent.glob(_staging_prefix(out_dir) + "*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    """Clear staging directories of killed runs (safe: we hold the lock, so none is live)."""
+    prefix = _staging_prefix(out_dir)
+    for stale in out_dir.parent.iterdir():
+        if stale.name.startswith(prefix) and stale.is_dir() and not stale.is_symlink():
+            _remove_prepared_files(stale)
 
 
 def _publish(staging: Path, out_dir: Path) -> None:
-    """Move the finished ``staging`` directory to ``out_dir``, replacing an earlier output."""
+    """Move the finished ``staging`` directory to ``out_dir``, replacing an earlier output.
+
+    ``out_dir`` is checked again first, as something may have been put there during the run.
+    """
     directory_fd = os.open(staging, os.O_RDONLY)
     try:
         os.fsync(directory_fd)
     finally:
         os.close(directory_fd)
+    _check_replaceable(out_dir)
     if out_dir.exists():
         retired = staging.with_name(staging.name + "-retired")
         os.replace(out_dir, retired)
         os.replace(staging, out_dir)
-        shutil.rmtree(retired, ignore_errors=True)
+        _remove_prepared_files(retired)
     else:
         os.replace(staging, out_dir)
 

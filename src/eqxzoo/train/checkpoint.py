@@ -57,6 +57,7 @@ SYNC_SAVE_GB = 1
 STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 PARTIAL_REMOVAL_SECONDS = 10
+CHECKSUMS = "checksums"  # the key of the arrays' checksums in the meta item
 _DATA_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
 
@@ -98,7 +99,7 @@ class DataStateHandler(ocp.CheckpointHandler):
         index, count = process_index_and_count()
         own = directory / data_state_file(index, count)
         if own.exists():
-            return json.loads(own.read_text())
+            return _read_data_state(own)
         counts = {
             int(match.group(2))
             for path in directory.iterdir()
@@ -112,13 +113,20 @@ class DataStateHandler(ocp.CheckpointHandler):
         first = directory / data_state_file(0, saved_count)
         if not first.exists():
             raise CheckpointError(f"data iterator state {first.name} is missing")
-        return json.loads(first.read_text())
+        return _read_data_state(first)
 
     def metadata(self, directory: epath.Path) -> None:
         return None
 
     def close(self) -> None:
         pass
+
+
+def _read_data_state(path: epath.Path) -> dict:
+    state = json.loads(path.read_text())
+    if not isinstance(state, dict):
+        raise CheckpointError("the iterator state is not a JSON object")
+    return state
 
 
 @ocp.args.register_with_handler(DataStateHandler, for_save=True)
@@ -230,7 +238,8 @@ class Checkpointer:
         self._drop_stale_steps()
         if step in self._manager.all_steps():
             return False
-        bad = non_finite_paths(state)
+        inspection = inspect_arrays(state)
+        bad = inspection.non_finite
         if bad:
             more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
             raise CheckpointError(
@@ -242,7 +251,7 @@ class Checkpointer:
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=DataStateSave(data_state),
-            meta=ocp.args.JsonSave(meta),
+            meta=ocp.args.JsonSave({**meta, CHECKSUMS: inspection.checksums}),
         )
         self._warn_if_space_is_short(step)
         with self._writing(step):
@@ -269,6 +278,8 @@ class Checkpointer:
         for step in sorted(self._manager.all_steps(), reverse=True):
             try:
                 state, data_state, meta = self._restore_step(step, abstract_state)
+                if data_iterator is not None:
+                    data_iterator.set_state(data_state)
                 failure = None
             except Exception as error:  # noqa: BLE001 - any read failure makes it unusable
                 failure = _one_line(error)
@@ -278,7 +289,6 @@ class Checkpointer:
                 skipped.append(unusable)
                 continue
             if data_iterator is not None:
-                data_iterator.set_state(data_state)
                 data_iterator.start_prefetch()
             self._stale_steps = tuple(unusable.step for unusable in skipped)
             return Restored(step=step, state=state, meta=meta, skipped=tuple(skipped))
@@ -391,7 +401,11 @@ class Checkpointer:
                 )[item]
             except Exception as error:
                 raise CheckpointError(f"{item}: {_one_line(error)}") from error
-        return restored["state"], restored["data"], restored["meta"]
+        meta = restored["meta"]
+        verify_arrays(
+            restored["state"], meta.pop(CHECKSUMS, None) if isinstance(meta, dict) else None
+        )
+        return restored["state"], restored["data"], meta
 
     def _drop_stale_steps(self) -> None:
         """Delete the unusable checkpoints newer than the one this run resumed from.
@@ -423,6 +437,24 @@ def saves_asynchronously(requested: bool, platform: str) -> bool:
     return requested and platform != "cpu"
 
 
+def verify_arrays(state: PyTree, checksums: dict[str, list[int]] | None) -> None:
+    """Raise `CheckpointError` if a restored array is not what was saved (its checksum differs;
+    checkpoints written before checksums existed have none to compare) or holds NaN/Inf."""
+    inspection = inspect_arrays(state)
+    if checksums is not None:
+        damaged = [
+            path for path, sums in inspection.checksums.items() if checksums.get(path) != sums
+        ]
+        if damaged:
+            more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+            raise CheckpointError(
+                f"state: {damaged[0]}{more} does not match its checksum: the files were "
+                "damaged after they were written"
+            )
+    if inspection.non_finite:
+        raise CheckpointError(f"state: non-finite values in {inspection.non_finite[0]}")
+
+
 def check_complete(step_directory: epath.Path) -> None:
     """Raise `CheckpointError` if the step's metadata or one of its items is missing.
 
@@ -440,23 +472,59 @@ def check_complete(step_directory: epath.Path) -> None:
             raise CheckpointError(f"item {item!r} is missing")
 
 
-def non_finite_paths(state: PyTree) -> list[str]:
-    """Paths (``.model.embedding.weight``) of the floating arrays holding a NaN or an Inf."""
+@dataclasses.dataclass(frozen=True)
+class Inspection:
+    """What `inspect_arrays` found in a state: per array path (``.model.embedding.weight``),
+    whether its values are all finite (integer arrays are) and its checksum."""
+
+    finite: dict[str, bool]
+    checksums: dict[str, list[int]]
+
+    @property
+    def non_finite(self) -> list[str]:
+        return [path for path, ok in self.finite.items() if not ok]
+
+
+def inspect_arrays(state: PyTree) -> Inspection:
+    """Check every array of ``state`` for NaN/Inf and checksum it, in one compiled pass.
+
+    The checksum of an array is two sums (mod 2^32) over its values' bits, as unsigned
+    words: their plain sum, which any single flipped bit changes, and a sum weighted by each
+    word's position, which catches words moved around. Both are sums of integers, so they do
+    not depend on how the array is sharded: a checkpoint restored onto another mesh gives
+    the same checksums.
+    """
     leaves_with_paths, _ = jax.tree_util.tree_flatten_with_path(state)
-    floating = [
+    arrays = [
         (jax.tree_util.keystr(path), leaf)
         for path, leaf in leaves_with_paths
-        if isinstance(leaf, jax.Array | np.ndarray) and jnp.issubdtype(leaf.dtype, jnp.inexact)
+        if isinstance(leaf, jax.Array | np.ndarray)
+        and (jnp.issubdtype(leaf.dtype, jnp.number) or leaf.dtype == jnp.bool_)
+        and leaf.dtype.itemsize in (1, 2, 4)
     ]
-    if not floating:
-        return []
-    finite = np.asarray(_all_finite(tuple(leaf for _, leaf in floating)))
-    return [path for (path, _), ok in zip(floating, finite, strict=True) if not ok]
+    if not arrays:
+        return Inspection({}, {})
+    finite, sums = jax.device_get(_inspect(tuple(leaf for _, leaf in arrays)))
+    paths = [path for path, _ in arrays]
+    return Inspection(
+        finite=dict(zip(paths, map(bool, finite), strict=True)),
+        checksums={path: [int(a), int(b)] for path, (a, b) in zip(paths, sums, strict=True)},
+    )
 
 
 @jax.jit
-def _all_finite(leaves):
-    return jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves])
+def _inspect(leaves):
+    finite, sums = [], []
+    for leaf in leaves:
+        finite.append(
+            jnp.all(jnp.isfinite(leaf)) if jnp.issubdtype(leaf.dtype, jnp.inexact) else True
+        )
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[leaf.dtype.itemsize]
+        bits = leaf.astype(jnp.uint8) if leaf.dtype == jnp.bool_ else leaf
+        words = jax.lax.bitcast_convert_type(bits, unsigned).astype(jnp.uint32).reshape(-1)
+        position = jax.lax.iota(jnp.uint32, words.size) + jnp.uint32(1)
+        sums.append(jnp.stack([jnp.sum(words), jnp.sum(words * position)]))
+    return jnp.stack(finite), jnp.stack(sums)
 
 
 class StopSignal:
@@ -466,7 +534,8 @@ class StopSignal:
     Use as a context manager; the loop force-saves and stops when `should_stop(step)`.
     With one process a handler sets the flag. With several, JAX's preemption service
     (started by ``jax.distributed.initialize``) owns SIGTERM and picks one step at which
-    every process stops, so they all save the same step.
+    every process stops, so they all save the same step; SIGINT is passed on to it as a
+    SIGTERM.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -476,8 +545,11 @@ class StopSignal:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self):
-        for signum in self.SIGNALS if jax.process_count() == 1 else ():
-            self._previous[signum] = signal.signal(signum, self._on_signal)
+        if jax.process_count() == 1:
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+        else:
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._as_sigterm)
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -496,6 +568,11 @@ class StopSignal:
 
     def _on_signal(self, signum, frame) -> None:
         self.received = True
+
+    def _as_sigterm(self, signum, frame) -> None:
+        """Ctrl-C in a multi-process run: a SIGTERM to this process, which the preemption
+        service turns into a stop at a step every process agrees on."""
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 # --- helpers -----------------------------------------------------------------------------

@@ -150,6 +150,12 @@ class _Trainer:
         self.total_steps = config.run.steps
         if options.stop_after is not None:
             self.total_steps = min(self.total_steps, options.stop_after)
+        if options.profile is not None and options.profile[1] > self.total_steps:
+            start, stop = options.profile
+            raise UserError(
+                f"--profile {start}:{stop}: the run ends at step {self.total_steps}, so the "
+                "trace would never be written"
+            )
         self.val_loss: float | None = None
         self.stopped_by_signal = False
 
@@ -253,6 +259,12 @@ class _Trainer:
         self.step = restored.step
         self.skipped_total = int(restored.meta.get("skipped_total", 0))
         self.say(f"resumed from the checkpoint at step {self.step}")
+        if self.options.profile is not None and self.options.profile[0] <= self.step:
+            start, stop = self.options.profile
+            raise UserError(
+                f"--profile {start}:{stop}: the run resumes after step {self.step}; profile "
+                "steps still to come"
+            )
 
     def close_checkpointer(self, error_type, error, traceback) -> None:
         """Close the checkpointer on the way out, unless a multi-process run is failing: the
@@ -390,6 +402,9 @@ class _Trainer:
         """
         if not self.checkpointer.is_due(self.step, force=force):
             return False
+        # The step's metrics line goes first: a kill once the checkpoint is committed (whose
+        # resume starts after it) must not lose it.
+        self.report_pending_step()
         meta = {
             "step": self.step,
             "skipped_total": self.skipped_total,

@@ -213,6 +213,8 @@ def prepare_run_dir(run_dir: Path, config: RunConfig, *, lock: bool, warn=print)
     holds, and write ``config`` as its ``config.toml``. Returns the lock (held or not)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir {run_dir}: exists and is not a directory")
+    if (run_dir / CHECKPOINT_DIR).exists() and not (run_dir / CHECKPOINT_DIR).is_dir():
+        raise UserError(f"--run-dir {run_dir}: {CHECKPOINT_DIR} exists and is not a directory")
     run_dir.mkdir(parents=True, exist_ok=True)
     run_lock = RunDirLock(run_dir)
     if lock:
