@@ -4,7 +4,9 @@ sharing one compilation cache (conftest's ``cache_dir``; its ``reference`` is an
 uninterrupted run of 6 steps).
 """
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -98,3 +100,29 @@ def start_and_signal(run_dir: Path, cache_dir: Path, after_step: int, signum: in
     finally:
         process.kill()
     return process.returncode, log.read_text()
+
+
+def reference_losses(reference: list[dict]) -> list[float]:
+    """The losses of the conftest ``reference`` run's records."""
+    return [r["loss"] for r in reference if "loss" in r]
+
+
+def launch(args: list[str], log: Path) -> subprocess.Popen:
+    """Start ``python -m pipelines.launch ARGS`` (its processes simulate their own devices)."""
+    return spawn(
+        [sys.executable, "-m", "pipelines.launch", *args],
+        log,
+        env=environment() | {"XLA_FLAGS": ""},
+    )
+
+
+def child_pids(parent: int) -> list[int]:
+    listing = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True)
+    return [int(pid) for pid in listing.stdout.split()]
+
+
+def kill_all(pids: list[int]) -> None:
+    """SIGKILL whichever of ``pids`` are still alive (a test's clean-up)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -1,18 +1,16 @@
 """Multi-process runs on one machine: 2 processes x 4 devices equal 1 process x 8, a lost peer
 ends the run, resume with another process count, everything on 127.0.0.1."""
 
-import contextlib
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from runs import SMALL, environment, losses, run_command, spawn, wait_for_step
+from runs import SMALL, child_pids, kill_all, launch, losses, run_command, wait_for_step
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.toml")
@@ -70,21 +68,11 @@ def test_two_processes_equal_one_survive_a_lost_peer_and_resume_as_one(
     multi = tmp_path / "multi"
     endless = run_args(multi, cache_dir, *same_schedule, "--set", "run.steps=1000")
     log = tmp_path / "launch.log"
-    launcher = spawn(
-        [sys.executable, "-m", "pipelines.launch", "--processes", "2", "--heartbeat", "10"]
-        + ["--grace", "300", *endless],
-        log,
-        env=environment() | {"XLA_FLAGS": ""},
-    )
+    launcher = launch(["--processes", "2", "--heartbeat", "10", "--grace", "300", *endless], log)
     workers = []
     try:
         wait_for_step(multi, 1, [launcher], log)
-        workers = [
-            int(pid)
-            for pid in subprocess.run(
-                ["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True
-            ).stdout.split()
-        ]
+        workers = child_pids(launcher.pid)
         assert len(workers) == 2
         for pid in workers:
             assert listening_addresses(pid) <= LOOPBACK_HEX, listening_addresses(pid)
@@ -96,9 +84,7 @@ def test_two_processes_equal_one_survive_a_lost_peer_and_resume_as_one(
         elapsed = time.monotonic() - killed_at
         launcher.wait(timeout=60)
     finally:
-        for pid in [launcher.pid, *workers]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_all([launcher.pid, *workers])
         launcher.wait()
     output = log.read_text()
     assert elapsed < LOST_PEER_BOUND_S, output[-3000:]

@@ -4,26 +4,32 @@ damaged newest checkpoint falls back, a kill right after a save loses no metrics
 Ctrl-C saves and exits 0 under the launcher, and the values that used to fail late or
 silently are refused up front."""
 
-import contextlib
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from runs import command, environment, losses, records, run, spawn, wait_for_step
+from runs import (
+    child_pids,
+    command,
+    environment,
+    kill_all,
+    launch,
+    losses,
+    records,
+    reference_losses,
+    run,
+    spawn,
+    wait_for_step,
+)
 
 from eqxzoo.train.checkpoint import STEP_METADATA_FILE
 
 pytestmark = pytest.mark.slow
-
-
-def reference_losses(reference: list[dict]) -> list[float]:
-    return [r["loss"] for r in reference if "loss" in r]
 
 
 def flip_a_byte(step_directory: Path) -> None:
@@ -80,27 +86,16 @@ def test_ctrl_c_under_the_launcher_saves_exits_0_and_resumes_exactly(
     endless = ("run.steps=100000", "optimizer.decay_steps=6", "run.eval_every=0")
     run_args = command(run_dir, cache_dir, endless)[3:]
     log = tmp_path / "launch.log"
-    launcher = spawn(
-        [sys.executable, "-m", "pipelines.launch", "--processes", "2", *run_args],
-        log,
-        env=environment() | {"XLA_FLAGS": ""},
-    )
+    launcher = launch(["--processes", "2", *run_args], log)
     workers = []
     try:
         wait_for_step(run_dir, 2, [launcher], log)
-        workers = [
-            int(pid)
-            for pid in subprocess.run(
-                ["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True
-            ).stdout.split()
-        ]
+        workers = child_pids(launcher.pid)
         for pid in [launcher.pid, *workers]:
             os.kill(pid, signal.SIGINT)
         assert launcher.wait(timeout=300) == 0, log.read_text()[-3000:]
     finally:
-        for pid in [launcher.pid, *workers]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_all([launcher.pid, *workers])
         launcher.wait()
     output = log.read_text()
     assert "stopped by a signal: checkpoint saved at step" in output, output[-3000:]

@@ -13,13 +13,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runs import ROOT, command, environment, losses, records, run, run_command, spawn, wait_for_step
+from runs import (
+    ROOT,
+    command,
+    environment,
+    losses,
+    records,
+    reference_losses,
+    run,
+    run_command,
+    spawn,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.slow
-
-
-def reference_losses(reference: list[dict]) -> list[float]:
-    return [r["loss"] for r in reference if "loss" in r]
 
 
 def assert_no_traceback(*outputs: str) -> None:
