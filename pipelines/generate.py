@@ -135,7 +135,7 @@ def generate_from_run(args: argparse.Namespace) -> int:
     from eqxzoo.train.checkpoint import Checkpointer
     from eqxzoo.train.layout import abstract_checkpoint_state
     from eqxzoo.train.loop import data_directory
-    from eqxzoo.train.memory import host_memory_available
+    from eqxzoo.train.memory import memory_available
     from models import generate, model_factory
 
     tokenizer = load_tokenizer(data_directory(config) / TOKENIZER_FILE)
@@ -143,13 +143,7 @@ def generate_from_run(args: argparse.Namespace) -> int:
     if not prompt:
         raise UserError("--prompt encodes to no tokens")
     device = jax.devices()[0]
-    if device.platform == "cpu":
-        memory, available = "host RAM", host_memory_available()
-    else:
-        stats = device.memory_stats() or {}
-        memory, available = str(device), stats.get("bytes_limit")
-        if available is not None:
-            available -= stats.get("bytes_in_use", 0)
+    memory, available = memory_available(device)
     bytes_per_position = kv_cache_bytes_per_position(
         layers=config.model.n_layers,
         kv_heads=config.model.kv_heads,

@@ -26,6 +26,7 @@ from eqxzoo.train.rundir import (
     RunDirLock,
     changed_keys,
     check_same_run,
+    flatten,
     is_resumable,
     prepare_run_dir,
     refused_changes,
@@ -33,16 +34,6 @@ from eqxzoo.train.rundir import (
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
-
-
-def flat_keys(document: dict, prefix: str = "") -> list[str]:
-    keys = []
-    for key, value in document.items():
-        if isinstance(value, dict):
-            keys += flat_keys(value, f"{prefix}{key}.")
-        else:
-            keys.append(f"{prefix}{key}")
-    return keys
 
 
 def finished_checkpoint(run_dir: Path, step: int) -> None:
@@ -110,7 +101,7 @@ def documented_resumable() -> set[str]:
     return set(re.findall(r"`([a-z_]+\.[a-z0-9_*]+)`", allowed))
 
 
-@pytest.mark.parametrize("key", flat_keys(config_to_dict(RunConfig())))
+@pytest.mark.parametrize("key", list(flatten(config_to_dict(RunConfig()))))
 def test_each_key_may_change_on_resume_exactly_when_readme_lists_it(key: str):
     """Every key of a config, changed alone: refused unless README's list names it."""
     saved = config_to_dict(load_config(TINY))

@@ -150,7 +150,10 @@ def memory_checks(
     if devices[0].platform == "cpu":
         count = len(devices) * processes
         need = count * step.total + processes * host_buffers
-        breakdown = f"{count} devices x {format_bytes(step.total)} + host buffers {format_bytes(processes * host_buffers)}"
+        breakdown = (
+            f"{count} devices x {format_bytes(step.total)} + host buffers "
+            f"{format_bytes(processes * host_buffers)}"
+        )
         return [MemoryCheck("host RAM", need, host_memory_available(), breakdown)]
     checks = [
         MemoryCheck(
@@ -161,11 +164,21 @@ def memory_checks(
         )
     ]
     for device in devices:
-        stats = device.memory_stats() or {}
-        if "bytes_limit" in stats:
-            available = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            checks.append(MemoryCheck(str(device), step.total, available, "the compiled step"))
+        where, available = memory_available(device)
+        if available is not None:
+            checks.append(MemoryCheck(where, step.total, available, "the compiled step"))
     return checks
+
+
+def memory_available(device: jax.Device) -> tuple[str, int | None]:
+    """The memory ``device``'s arrays live in and the bytes it can still give: the host's RAM
+    for a CPU device, else what the device's allocator has left (None where it does not say)."""
+    if device.platform == "cpu":
+        return "host RAM", host_memory_available()
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return str(device), None
+    return str(device), stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
 def check_fits(checks: list[MemoryCheck], step: StepMemory, *, remat_stages: bool) -> None:

@@ -190,10 +190,15 @@ def truncate_after(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [r for r in read_metrics(path) if r["step"] <= step]
-    # Written aside, then renamed over: a disk that fills half-way leaves the file as it was.
+    replace_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write ``text`` as ``path`` aside, then rename it over: a disk that fills half-way leaves
+    the file as it was, never half written."""
     partial = path.with_name(path.name + ".tmp")
     try:
-        partial.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        partial.write_text(text, encoding="utf-8")
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)

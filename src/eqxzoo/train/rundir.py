@@ -32,6 +32,7 @@ from typing import Any
 from eqxzoo.config import RunConfig, config_from_dict, config_to_dict, config_to_toml
 from eqxzoo.errors import ConfigError, UserError
 from eqxzoo.train.checkpoint import finished_steps
+from eqxzoo.train.report import replace_text
 from eqxzoo.typed_config import read_toml
 
 CONFIG_FILE = "config.toml"
@@ -165,7 +166,7 @@ def has_checkpoints(run_dir: Path) -> bool:
 def changed_keys(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
     """Every dotted key whose value differs between two config documents, in key order
     (a key missing on one side is `None` there)."""
-    saved_flat, new_flat = _flatten(saved), _flatten(new)
+    saved_flat, new_flat = flatten(saved), flatten(new)
     return [
         Change(key, saved_flat.get(key), new_flat.get(key))
         for key in sorted(saved_flat.keys() | new_flat.keys())
@@ -221,21 +222,19 @@ def prepare_run_dir(run_dir: Path, config: RunConfig, *, lock: bool, warn=print)
         run_lock.acquire(warn)
     try:
         check_same_run(run_dir, config)
-        # Written aside, then renamed over: a disk that fills half-way leaves the old one.
-        partial = run_dir / f"{CONFIG_FILE}.tmp"
-        partial.write_text(config_to_toml(config), encoding="utf-8")
-        os.replace(partial, run_dir / CONFIG_FILE)
+        replace_text(run_dir / CONFIG_FILE, config_to_toml(config))
     except BaseException:
         run_lock.release()
         raise
     return run_lock
 
 
-def _flatten(document: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(document: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config document's values by dotted key (``model.moe.n_experts``), tuples as lists."""
     flat = {}
     for key, value in document.items():
         if isinstance(value, Mapping):
-            flat |= _flatten(value, f"{prefix}{key}.")
+            flat |= flatten(value, f"{prefix}{key}.")
         else:
             flat[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
     return flat
