@@ -13,7 +13,10 @@ from typing import ClassVar, Literal
 from eqxzoo.nn import Activation, RematPolicy, RoutingMode
 from eqxzoo.typed_config import ConfigError, check_fields, refuse, require_at_least
 
-__all__ = ["ConfigError", "DecoderConfig", "MoEConfig"]
+__all__ = ["RUNTIME_KEYS", "ConfigError", "DecoderConfig", "MoEConfig"]
+
+# Keys that choose how the zoo runs the same parameters, never what they compute.
+RUNTIME_KEYS = ("scan_layers", "remat", "moe.routing", "moe.capacity_factor")
 
 
 @dataclasses.dataclass(frozen=True)

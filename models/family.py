@@ -17,9 +17,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-import numpy as np
-
 from models.config import ConfigError, DecoderConfig
+from models.tensor_files import Sliceable, stack
 
 # Keys of every transformers config that say nothing about the computation.
 COMMON_IGNORED_KEYS = frozenset(
@@ -100,11 +99,12 @@ class HFConfig:
 
 @runtime_checkable
 class LayerTensors(Protocol):
-    """Reads one layer's (or the model's top-level) tensors by name, checking shapes."""
+    """Reads one layer's (or the model's top-level) tensors by name, checking shapes; what it
+    returns is read lazily (`models.tensor_files.LazyArray`)."""
 
     def has(self, name: str) -> bool: ...
 
-    def __call__(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray: ...
+    def __call__(self, name: str, shape: tuple[int, ...] | None = None) -> Sliceable: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,14 +114,16 @@ class Tensor:
     ``where`` picks the array from a model (for ``layered`` arrays, the array stacked over
     layers). ``to_hf`` maps one layer's array to ``{name: tensor}`` (names relative to
     ``model.layers.{i}.`` for layered arrays); ``from_hf`` rebuilds it, given a reader of
-    those names and the array's per-layer shape. Both only use ``.T``, ``.reshape`` and
-    indexing, so they run on numpy arrays and on abstract JAX values alike.
+    those names and the array's per-layer shape. ``to_hf`` only uses ``.T``, ``.reshape`` and
+    indexing, so it runs on numpy arrays and abstract JAX values alike; ``from_hf`` only the
+    views of a lazy array (``.T``, ``.transpose``, ``.reshape`` splitting axes, ``.window``,
+    `models.tensor_files.stack`), so that nothing is read until the result is sliced.
     """
 
     where: Callable[[Any], Any]
     layered: bool
     to_hf: Callable[[Any], dict[str, Any]]
-    from_hf: Callable[[LayerTensors, tuple[int, ...]], np.ndarray]
+    from_hf: Callable[[LayerTensors, tuple[int, ...]], Sliceable]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,15 +347,15 @@ def experts(where: Callable, prefix: str, expert_name: str, fused: str) -> Tenso
     def to_hf(a) -> dict[str, Any]:
         return {name(expert): a[expert].T for expert in range(a.shape[0])}
 
-    def from_hf(read: LayerTensors, shape: tuple[int, ...]) -> np.ndarray:
+    def from_hf(read: LayerTensors, shape: tuple[int, ...]) -> Sliceable:
         n_experts, rows, columns = shape
         if fused == "down" and read.has(f"{prefix}experts.down_proj"):
             return read(f"{prefix}experts.down_proj", (n_experts, columns, rows)).transpose(0, 2, 1)
         if fused in ("gate", "up") and read.has(f"{prefix}experts.gate_up_proj"):
             gate_up = read(f"{prefix}experts.gate_up_proj", (n_experts, 2 * columns, rows))
-            half = gate_up[:, :columns] if fused == "gate" else gate_up[:, columns:]
-            return half.transpose(0, 2, 1)
-        return np.stack([read(name(expert)).T for expert in range(n_experts)])
+            start = 0 if fused == "gate" else columns
+            return gate_up.window(1, start, start + columns).transpose(0, 2, 1)
+        return stack([read(name(expert)).T for expert in range(n_experts)])
 
     return Tensor(where, True, to_hf, from_hf)
 

@@ -7,7 +7,13 @@ in `models.registry` that has a Hugging Face mapping.
 This module is generic: which family a ``config.json`` is, which of its keys mean what, and
 how each tensor is named and laid out all come from the family's file (`models.family`).
 Only files are read and written: neither transformers nor torch is imported.
-``safetensors`` comes with the ``hf`` extra.
+``safetensors`` (for writing) comes with the ``hf`` extra.
+
+Reading is lazy (`open_hf`): the result is the zoo model whose arrays are
+`models.tensor_files.LazyArray` views of the stored tensors, so a trainer reads only the
+slices its devices hold (`eqxzoo.train.state.init_train_state_from`) and `load_hf` reads
+everything. Writing (`write_hf`) takes a model whose arrays are anything read by slices and
+reads one layer's tensor at a time, writing shard by shard.
 
 Layouts. Hugging Face stores a linear layer's weight output-major ``(out, in)``; the zoo keeps
 ``(in, out)`` and per-head attention weights (``wq: (embed, heads, head_dim)``), so every
@@ -18,9 +24,10 @@ the wild (one tensor per expert, or transformers 5's fused ``gate_up_proj``/``do
 is refused with one line naming the field or tensor, never approximated.
 """
 
+import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +36,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqxzoo.errors import UserError
-from models.config import ConfigError, DecoderConfig
+from eqxzoo.typed_config import build_dataclass, dataclass_to_table, flatten, refuse
+from models.config import RUNTIME_KEYS, ConfigError, DecoderConfig
 from models.decoder import DecoderLM
 from models.family import HFConfig, HFMapping, Tensor, layer_prefix
 from models.registry import families, family_for_hf, family_of
+from models.tensor_files import (
+    DEFAULT_MAX_SHARD_BYTES,
+    HFCheckpointError,
+    SafetensorsFiles,
+    Sliceable,
+    stack,
+    write_safetensors,
+)
+
+__all__ = [
+    "CONFIG_NAME",
+    "HFCheckpoint",
+    "HFCheckpointError",
+    "config_from_hf",
+    "config_to_hf",
+    "config_with_hf",
+    "load_hf",
+    "open_hf",
+    "read_hf_config",
+    "save_hf",
+    "write_hf",
+]
 
 CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-
-
-class HFCheckpointError(UserError, ValueError):
-    """A Hugging Face checkpoint's files or tensors do not match what its config describes."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,129 +121,176 @@ def hf_mapping(config: DecoderConfig) -> HFMapping:
 
 
 # --------------------------------------------------------------------------------------------
-# Files
+# Reading
 # --------------------------------------------------------------------------------------------
 
 
-def _import_safetensors():
+def read_hf_config(path: str | os.PathLike) -> DecoderConfig:
+    """The zoo config of the Hugging Face checkpoint directory ``path`` (its ``config.json``
+    only; no tensor is read). `HFCheckpointError` if the file is missing or not JSON,
+    `ConfigError` naming the key for what the zoo cannot represent."""
+    config_path = Path(path) / CONFIG_NAME
+    if not config_path.is_file():
+        raise HFCheckpointError(
+            f"{Path(path)}: no {CONFIG_NAME} (expected a Hugging Face checkpoint directory)"
+        )
     try:
-        import safetensors
-        import safetensors.numpy
-    except ImportError:
-        raise ImportError(
-            "Hugging Face conversion needs safetensors: pip install 'eqxzoo[hf]'"
-        ) from None
-    return safetensors
+        hf_config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise HFCheckpointError(f"{config_path}: not valid JSON ({error})") from None
+    if not isinstance(hf_config, dict):
+        raise HFCheckpointError(f"{config_path}: not a JSON object")
+    return config_from_hf(hf_config, where=str(config_path))
 
 
-class _Checkpoint:
-    """The tensors of one or more safetensors files, read lazily by name.
-
-    ``entries`` maps the name a tensor is read by to its file and its name in that file (they
-    differ after `rename`). Tracks which tensors were read, so that tensors nobody asked for
-    can be reported.
-    """
-
-    def __init__(self, directory: Path):
-        self.safetensors = _import_safetensors()
-        single, index = directory / WEIGHTS_NAME, directory / WEIGHTS_INDEX_NAME
-        if single.is_file():
-            with self.safetensors.safe_open(single, framework="numpy") as handle:
-                self.entries = {key: (single, key) for key in handle.keys()}
-        elif index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise HFCheckpointError(f"{index}: no 'weight_map' table")
-            self.entries = {key: (directory / file, key) for key, file in weight_map.items()}
-            for file in sorted({file for file, _ in self.entries.values()}):
-                if not file.is_file():
-                    raise HFCheckpointError(
-                        f"{index}: lists shard {file.name}, which does not exist"
-                    )
-        else:
-            raise HFCheckpointError(
-                f"{directory}: no {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} "
-                "(only safetensors checkpoints can be read; re-save with safe_serialization=True)"
+def config_with_hf(table: Mapping[str, Any], directory: str, *, where: str) -> DecoderConfig:
+    """The config of the checkpoint at ``directory`` with ``table``'s run-time keys
+    (`RUNTIME_KEYS`: ``remat``, ``scan_layers``, MoE routing) applied: a ``[model]`` table
+    with ``init_from_hf``. Any other key of ``table`` must agree with the checkpoint's
+    ``config.json``; `ConfigError` naming ``where.key`` and both values if it does not."""
+    try:
+        from_hf = read_hf_config(Path(directory).expanduser())
+    except HFCheckpointError as error:
+        refuse(f"{where}.init_from_hf", str(error))
+    config_json = Path(directory) / CONFIG_NAME
+    family = table.get("family", from_hf.family)
+    if family != from_hf.family:
+        refuse(
+            f"{where}.family",
+            f"{family!r} here but {config_json} is family {from_hf.family!r}; remove the key",
+        )
+    checkpoint_table = dataclass_to_table(from_hf)
+    given = {key: value for key, value in table.items() if key != "family"}
+    merged = {**checkpoint_table, **given}
+    if isinstance(given.get("moe"), Mapping) and isinstance(checkpoint_table.get("moe"), Mapping):
+        merged["moe"] = {**checkpoint_table["moe"], **given["moe"]}
+    config = build_dataclass(type(from_hf), merged, where)
+    expected, got = flatten(checkpoint_table), flatten(dataclass_to_table(config))
+    for key in sorted(set(expected) | set(got)):
+        if key not in RUNTIME_KEYS and expected.get(key) != got.get(key):
+            refuse(
+                f"{where}.{key}",
+                f"{got.get(key)!r} here but {expected.get(key)!r} in {config_json} "
+                "(init_from_hf fixes the architecture); remove the key or make it agree",
             )
-        self.used: set[str] = set()
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.entries
-
-    def rename(self, old: str, new: str) -> None:
-        """Read tensors whose names contain ``old`` by names containing ``new`` instead."""
-        self.entries = {key.replace(old, new): entry for key, entry in self.entries.items()}
-
-    def read(self, key: str, shape: tuple[int, ...] | None) -> np.ndarray:
-        """The tensor ``key``, checked to be floating point and of ``shape`` (if given)."""
-        if key not in self.entries:
-            raise HFCheckpointError(f"tensor {key} is missing from the checkpoint")
-        file, name = self.entries[key]
-        with self.safetensors.safe_open(file, framework="numpy") as handle:
-            try:
-                array = handle.get_tensor(name)
-            except (TypeError, ValueError):
-                # A safetensors without ml_dtypes support cannot give bfloat16 to numpy.
-                with self.safetensors.safe_open(file, framework="flax") as flax_handle:
-                    array = np.asarray(flax_handle.get_tensor(name))
-        if not jnp.issubdtype(array.dtype, jnp.floating):
-            raise HFCheckpointError(
-                f"tensor {name} has dtype {array.dtype}; expected a float tensor"
-            )
-        if shape is not None and tuple(array.shape) != tuple(shape):
-            raise HFCheckpointError(
-                f"tensor {name} has shape {tuple(array.shape)}; expected {tuple(shape)}"
-            )
-        self.used.add(key)
-        return array
-
-    def unused(self) -> list[str]:
-        """Names (as stored) of the tensors never read."""
-        return sorted(name for key, (_, name) in self.entries.items() if key not in self.used)
+    return config
 
 
 class _LayerReader:
-    """Reads one layer's (or the model's top-level) tensors by name relative to ``prefix``.
+    """Reads one layer's (or the model's top-level) tensors by name relative to ``prefix``,
+    lazily, after checking dtype and shape; records which stored tensors were asked for.
 
-    Shapes are checked against ``expected`` (what `save_hf` would write for the config)
+    Shapes are checked against ``expected`` (what `write_hf` would write for the config)
     unless the caller gives one.
     """
 
-    def __init__(self, checkpoint: _Checkpoint, prefix: str, expected: Mapping[str, Any]):
-        self.checkpoint = checkpoint
-        self.prefix = prefix
-        self.expected = expected
+    def __init__(
+        self,
+        files: SafetensorsFiles,
+        stored_names: Mapping[str, str],
+        prefix: str,
+        expected: Mapping[str, Any],
+        used: set[str],
+    ):
+        self.files, self.stored_names, self.prefix = files, stored_names, prefix
+        self.expected, self.used = expected, used
 
     def has(self, name: str) -> bool:
-        return self.prefix + name in self.checkpoint
+        return self.prefix + name in self.stored_names
 
-    def __call__(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    def __call__(self, name: str, shape: tuple[int, ...] | None = None) -> Sliceable:
         key = self.prefix + name
         if shape is None and key in self.expected:
             shape = tuple(self.expected[key].shape)
-        return self.checkpoint.read(key, shape)
+        stored = self.stored_names.get(key, key)
+        tensor = self.files.tensor(stored)
+        if not jnp.issubdtype(tensor.dtype, jnp.floating):
+            raise HFCheckpointError(
+                f"tensor {stored} has dtype {tensor.dtype}; expected a float tensor"
+            )
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
+            raise HFCheckpointError(
+                f"tensor {stored} has shape {tuple(tensor.shape)}; expected {tuple(shape)}"
+            )
+        self.used.add(stored)
+        return tensor
 
 
-# --------------------------------------------------------------------------------------------
-# Public API
-# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class HFCheckpoint:
+    """A Hugging Face checkpoint opened for lazy reading.
+
+    ``model`` is the zoo model (plain layout: blocks stacked on a leading ``layers`` axis)
+    whose arrays are lazy `Sliceable` views of the stored tensors in the zoo's layout and the
+    checkpoint's dtypes: indexing one reads only what the index covers. ``files.bytes_read``
+    counts what has been read.
+    """
+
+    directory: Path
+    config: DecoderConfig
+    model: DecoderLM
+    files: SafetensorsFiles
 
 
-def _hf_tensors(model: DecoderLM, mapping: HFMapping) -> dict[str, Any]:
-    """``{hf name: tensor}`` for ``model`` (numpy or abstract arrays, whichever it holds)."""
-    config = model.config
-    out: dict[str, Any] = {}
-    for tensor in mapping.tensors(config):
-        array = tensor.where(model)
-        if not tensor.layered:
-            out.update(tensor.to_hf(array))
-            continue
-        for layer in range(config.n_layers):
-            prefix = layer_prefix(layer)
-            out.update({prefix + name: value for name, value in tensor.to_hf(array[layer]).items()})
+def open_hf(path: str | os.PathLike) -> HFCheckpoint:
+    """Open the Hugging Face checkpoint directory ``path`` of any registered family.
+
+    Reads ``config.json`` and the safetensors headers, and checks every tensor's presence,
+    dtype and shape and that no tensor is left over (`HFCheckpointError` naming it); no
+    tensor data is read except the few that must be zero (Llama's ``o_proj`` bias).
+    """
+    directory = Path(path)
+    config = read_hf_config(directory)
+    mapping = hf_mapping(config)
+    tensors: list[Tensor] = mapping.tensors(config)
+    skeleton = eqx.filter_eval_shape(DecoderLM, config, key=jax.random.key(0))
+    expected = {
+        name: value
+        for producer in _producers(config, mapping)
+        for name, value in _produce(producer, skeleton, np.dtype(np.float32), config).items()
+    }
+    files = SafetensorsFiles(directory)
+    stored_names = {}
+    for stored in files.names():
+        read_as = stored
+        for old, new in mapping.renames:
+            read_as = read_as.replace(old, new)
+        stored_names[read_as] = stored
+    used: set[str] = set()
+
+    def reader(prefix: str) -> _LayerReader:
+        return _LayerReader(files, stored_names, prefix, expected, used)
+
+    arrays = []
+    for tensor in tensors:
+        shape = tensor.where(skeleton).shape
+        if tensor.layered:
+            layers = [
+                tensor.from_hf(reader(layer_prefix(layer)), shape[1:])
+                for layer in range(config.n_layers)
+            ]
+            arrays.append(stack(layers))
+        else:
+            arrays.append(tensor.from_hf(reader(""), shape))
     for name in mapping.zero_tensors(config):
-        out[name] = np.zeros((config.d_model,), model.embedding.weight.dtype)
-    return out
+        if np.any(np.asarray(reader("")(name, (config.d_model,)))):
+            raise HFCheckpointError(
+                f"tensor {name} is non-zero: the zoo's attention has no output bias"
+            )
+    unused = [name for name in files.names() if name not in used and not _ignorable(name, config)]
+    if unused:
+        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+        raise HFCheckpointError(
+            f"{directory}: unexpected tensor(s) {', '.join(unused[:3])}{more} "
+            f"for {type(config).__name__}"
+        )
+    for tensor, array in zip(tensors, arrays, strict=True):
+        assert tuple(array.shape) == tuple(tensor.where(skeleton).shape), (tensor, array.shape)
+    model = eqx.tree_at(lambda m: [tensor.where(m) for tensor in tensors], skeleton, arrays)
+    assert not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(model)), (
+        "every array of the model must come from the checkpoint"
+    )
+    return HFCheckpoint(directory, config, model, files)
 
 
 def load_hf(path: str | os.PathLike) -> DecoderLM:
@@ -230,63 +300,14 @@ def load_hf(path: str | os.PathLike) -> DecoderLM:
     and its shards). Arrays keep the checkpoint's float dtype (float32, bfloat16, ...). Each
     per-layer tensor is transposed/reshaped to the zoo layout (e.g. ``q_proj.weight
     (heads * head_dim, embed)`` -> ``wq (embed, heads, head_dim)``) and stacked on the leading
-    ``layers`` axis. The model is assembled without random initialisation (abstract skeleton,
-    then every array replaced), so loading a large checkpoint costs its size in memory, once.
+    ``layers`` axis. The model is assembled without random initialisation (`open_hf`, then
+    every array read once).
 
     Raises `ConfigError` for config fields the zoo cannot represent and `HFCheckpointError`
     for missing files and missing, unexpected or mis-shaped tensors, naming each.
     """
-    directory = Path(path)
-    config_path = directory / CONFIG_NAME
-    if not config_path.is_file():
-        raise HFCheckpointError(
-            f"{directory}: no {CONFIG_NAME} (expected a Hugging Face checkpoint directory)"
-        )
-    try:
-        hf_config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as error:
-        raise HFCheckpointError(f"{config_path}: not valid JSON ({error})") from None
-    config = config_from_hf(hf_config, where=str(config_path))
-    mapping = hf_mapping(config)
-    tensors: list[Tensor] = mapping.tensors(config)
-
-    skeleton = eqx.filter_eval_shape(DecoderLM, config, key=jax.random.key(0))
-    expected = eqx.filter_eval_shape(lambda model: _hf_tensors(model, mapping), skeleton)
-    checkpoint = _Checkpoint(directory)
-    for stored, read_as in mapping.renames:
-        checkpoint.rename(stored, read_as)
-
-    arrays = []
-    for tensor in tensors:
-        shape = tensor.where(skeleton).shape
-        if tensor.layered:
-            layers = [
-                tensor.from_hf(_LayerReader(checkpoint, layer_prefix(layer), expected), shape[1:])
-                for layer in range(config.n_layers)
-            ]
-            arrays.append(jnp.asarray(np.stack(layers)))
-        else:
-            arrays.append(
-                jnp.asarray(tensor.from_hf(_LayerReader(checkpoint, "", expected), shape))
-            )
-    for name in mapping.zero_tensors(config):
-        if np.any(checkpoint.read(name, (config.d_model,))):
-            raise HFCheckpointError(
-                f"tensor {name} is non-zero: the zoo's attention has no output bias"
-            )
-
-    unused = [key for key in checkpoint.unused() if not _ignorable(key, config)]
-    if unused:
-        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
-        raise HFCheckpointError(
-            f"{directory}: unexpected tensor(s) {', '.join(unused[:3])}{more} "
-            f"for {type(config).__name__}"
-        )
-    model = eqx.tree_at(lambda m: [tensor.where(m) for tensor in tensors], skeleton, arrays)
-    assert not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(model)), (
-        "every array of the model must come from the checkpoint"
-    )
-    return model
+    checkpoint = open_hf(path)
+    return jax.tree.map(lambda lazy: jnp.asarray(np.asarray(lazy)), checkpoint.model)
 
 
 def _ignorable(key: str, config: DecoderConfig) -> bool:
@@ -296,28 +317,106 @@ def _ignorable(key: str, config: DecoderConfig) -> bool:
     )
 
 
-def save_hf(model: DecoderLM, path: str | os.PathLike) -> None:
-    """Write ``model`` as a Hugging Face checkpoint directory: ``config.json`` and
-    ``model.safetensors`` in the Hub's canonical layout (torch ``(out, in)`` weights, one
-    tensor per expert), loadable with ``transformers.AutoModelForCausalLM.from_pretrained``.
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
 
-    Arrays keep their dtype, which ``config.json`` records. Raises `ConfigError` naming the
-    field if the model's config has no exact Hugging Face counterpart (a norm other than
-    RMSNorm, GELU, QK-norm, Mixtral without renormalised top-k, ...).
+
+def _producers(config: DecoderConfig, mapping: HFMapping) -> list[tuple[Tensor | str, int | None]]:
+    """What makes each group of Hugging Face tensors: a `Tensor` at a layer (``None`` for the
+    model's top-level arrays), or a zero tensor's name."""
+    producers: list[tuple[Tensor | str, int | None]] = []
+    for tensor in mapping.tensors(config):
+        if tensor.layered:
+            producers += [(tensor, layer) for layer in range(config.n_layers)]
+        else:
+            producers.append((tensor, None))
+    producers += [(name, None) for name in mapping.zero_tensors(config)]
+    return producers
+
+
+def _produce(
+    producer: tuple[Tensor | str, int | None], model: Any, dtype: np.dtype, config: DecoderConfig
+) -> dict[str, Any]:
+    """``{hf name: tensor}`` of one producer, reading one layer of the model's array (numpy
+    for sliceable arrays, abstract for shape structs)."""
+    tensor, layer = producer
+    if isinstance(tensor, str):
+        return {tensor: np.zeros((config.d_model,), dtype)}
+    array = tensor.where(model)
+    if isinstance(array, jax.ShapeDtypeStruct):
+        shape = array.shape if layer is None else array.shape[1:]
+        made = jax.eval_shape(tensor.to_hf, jax.ShapeDtypeStruct(shape, dtype))
+    else:
+        index = () if layer is None else (slice(layer, layer + 1),)
+        values = np.asarray(array[index]).astype(dtype)
+        made = tensor.to_hf(values if layer is None else values[0])
+    prefix = "" if layer is None else layer_prefix(layer)
+    return {prefix + name: value for name, value in made.items()}
+
+
+def write_hf(
+    model: Any,
+    path: str | os.PathLike,
+    *,
+    dtype: str | np.dtype,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> None:
+    """Write ``model`` (a zoo model whose arrays are `Sliceable`: numpy or JAX arrays, or lazy
+    readers of a checkpoint) as a Hugging Face checkpoint directory in ``dtype``:
+    ``config.json`` and safetensors in the Hub's canonical layout (torch ``(out, in)``
+    weights, one tensor per expert), sharded when larger than ``max_shard_bytes``.
+
+    One layer of one array is read at a time and one shard is held in memory at a time;
+    with ``process_count > 1`` each process writes every ``process_count``-th shard and
+    process 0 the config and index. Raises `ConfigError` naming the field if the model's
+    config has no exact Hugging Face counterpart.
     """
-    safetensors = _import_safetensors()
     config = model.config
-    dtype = np.dtype(model.embedding.weight.dtype).name
-    hf_config = config_to_hf(config, dtype)
-    host_model = jax.tree.map(np.asarray, model)
-    hf_tensors = {
-        name: np.ascontiguousarray(value)
-        for name, value in _hf_tensors(host_model, hf_mapping(config)).items()
-    }
+    mapping = hf_mapping(config)
+    dtype = np.dtype(dtype)
+    hf_config = config_to_hf(config, dtype.name)
+    skeleton = eqx.filter_eval_shape(DecoderLM, config, key=jax.random.key(0))
+    producers = _producers(config, mapping)
+    shapes: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    made_by: dict[str, int] = {}
+    for number, producer in enumerate(producers):
+        for name, value in _produce(producer, skeleton, dtype, config).items():
+            shapes[name] = (tuple(value.shape), dtype)
+            made_by[name] = number
+
+    def produce(names: Sequence[str]) -> dict[str, np.ndarray]:
+        tensors: dict[str, np.ndarray] = {}
+        for number in sorted({made_by[name] for name in names}):
+            made = _produce(producers[number], model, dtype, config)
+            tensors.update({name: np.asarray(made[name]) for name in made if name in names})
+        return tensors
 
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    safetensors.numpy.save_file(
-        hf_tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"}
+    if process_index == 0:
+        (directory / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    write_safetensors(
+        directory,
+        shapes,
+        produce,
+        max_shard_bytes=max_shard_bytes,
+        process_index=process_index,
+        process_count=process_count,
     )
+
+
+def save_hf(
+    model: DecoderLM, path: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> None:
+    """Write ``model`` as a Hugging Face checkpoint directory (`write_hf`) in its own dtype:
+    loadable with ``transformers.AutoModelForCausalLM.from_pretrained``.
+
+    Raises `ConfigError` naming the field if the model's config has no exact Hugging Face
+    counterpart (a norm other than RMSNorm, GELU, QK-norm, Mixtral without renormalised
+    top-k, ...).
+    """
+    dtype = np.dtype(model.embedding.weight.dtype)
+    write_hf(model, path, dtype=dtype, max_shard_bytes=max_shard_bytes)

@@ -26,11 +26,11 @@ from eqxzoo.train.rundir import (
     RunDirLock,
     changed_keys,
     check_same_run,
-    flatten,
     is_resumable,
     prepare_run_dir,
     refused_changes,
 )
+from eqxzoo.typed_config import flatten
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"

@@ -4,7 +4,9 @@
 
     [run]         name, seed, steps, log_every, eval_every, eval_batches, max_nonfinite,
                   compilation_cache_dir, tensorboard, wandb, wandb_project, plot
-    [model]       family and sizes (`models.config_from_table`), with a [model.moe] table
+    [model]       family and sizes (`models.config_from_table`), with a [model.moe] table;
+                  or init_from_hf = "DIR": architecture and weights from a Hugging Face
+                  checkpoint (`models.hf.config_with_hf`)
     [mesh]        dp, pp, tp, ep (`eqxzoo.parallel.MeshConfig`)
     [pipeline]    schedule ("gpipe" or "circular"), microbatches (M), repeats (R), remat_stages
     [optimizer]   `eqxzoo.optim.OptimizerConfig` (decay_steps defaults to run.steps)
@@ -48,6 +50,7 @@ from eqxzoo.typed_config import (
     toml_text,
 )
 from models.config import DecoderConfig
+from models.hf import config_with_hf
 from models.registry import config_from_table
 
 __all__ = [
@@ -196,7 +199,9 @@ class CheckpointConfig:
 class RunConfig:
     """A whole training run; construction checks every combination the sections allow.
 
-    The checks that involve several sections (schedule vs. mesh, model vs. mesh, batch vs.
+    ``init_from_hf`` (``[model] init_from_hf`` in TOML; ``""``: none) is a Hugging Face
+    checkpoint directory a fresh run loads its parameters from; ``model`` is then that
+    checkpoint's architecture. The checks that involve several sections (schedule vs. mesh, model vs. mesh, batch vs.
     mesh, corpus vocabulary vs. model) reuse `Schedule` and `check_model_fits`, and name the
     key a user would change.
     """
@@ -211,6 +216,7 @@ class RunConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)
+    init_from_hf: str = ""
 
     def __post_init__(self):
         self._check_schedule()
@@ -303,7 +309,11 @@ class RunConfig:
 
 # ----------------------------------------------------------------------------- reading
 
-SECTIONS: dict[str, type] = {field.name: field.type for field in dataclasses.fields(RunConfig)}
+SECTIONS: dict[str, type] = {
+    field.name: field.type
+    for field in dataclasses.fields(RunConfig)
+    if field.name != "init_from_hf"  # a key of [model]
+}
 
 
 def config_from_dict(document: Mapping[str, Any]) -> RunConfig:
@@ -320,7 +330,7 @@ def config_from_dict(document: Mapping[str, Any]) -> RunConfig:
         if name == "run":
             continue
         if name == "model":
-            sections[name] = config_from_table(table, where="model")
+            sections[name], sections["init_from_hf"] = _model_section(table)
         elif name == "optimizer" and isinstance(table, Mapping) and "decay_steps" not in table:
             try:
                 sections[name] = build_dataclass(cls, {**table, "decay_steps": run.steps}, name)
@@ -331,6 +341,19 @@ def config_from_dict(document: Mapping[str, Any]) -> RunConfig:
         else:
             sections[name] = build_dataclass(cls, table, name)
     return RunConfig(**sections)
+
+
+def _model_section(table: Any) -> tuple[DecoderConfig, str]:
+    """``[model]``: the family config and ``init_from_hf`` (``""`` when not given)."""
+    if not isinstance(table, Mapping) or "init_from_hf" not in table:
+        return config_from_table(table, where="model"), ""
+    table = dict(table)
+    directory = table.pop("init_from_hf")
+    if not isinstance(directory, str):
+        refuse("model.init_from_hf", f"expected a directory path, got {directory!r}")
+    if not directory.strip():
+        return config_from_table(table, where="model"), ""
+    return config_with_hf(table, directory, where="model"), directory
 
 
 def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RunConfig:
@@ -351,7 +374,11 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RunCo
 def config_to_dict(config: RunConfig) -> dict[str, Any]:
     """Every section with every key (JSON- and TOML-able); `config_from_dict` rebuilds ``config``."""
     document = {name: dataclass_to_table(getattr(config, name)) for name in SECTIONS}
-    document["model"] = {"family": config.model.family, **document["model"]}
+    document["model"] = {
+        "family": config.model.family,
+        "init_from_hf": config.init_from_hf,
+        **document["model"],
+    }
     return document
 
 

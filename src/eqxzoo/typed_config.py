@@ -246,6 +246,17 @@ def apply_overrides(document: Mapping[str, Any], overrides: Sequence[str]) -> di
 # ----------------------------------------------------------------------------- writing
 
 
+def flatten(document: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config document's values by dotted key (``model.moe.n_experts``), tuples as lists."""
+    flat = {}
+    for key, value in document.items():
+        if isinstance(value, Mapping):
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return flat
+
+
 def dataclass_to_table(config: Any) -> dict[str, Any]:
     """A config dataclass as a TOML-able table: None fields left out (they are the
     defaults), nested dataclasses as sub-tables, tuples as lists."""

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from eqxzoo.config import RunConfig, config_to_dict, step_config
 from eqxzoo.data import (
@@ -56,9 +57,16 @@ from eqxzoo.train.report import (
     plot_losses,
 )
 from eqxzoo.train.rundir import CHECKPOINT_DIR, prepare_run_dir
-from eqxzoo.train.state import abstract_train_state, init_train_state, train_state_axes
+from eqxzoo.train.state import (
+    TrainState,
+    abstract_train_state,
+    init_train_state,
+    init_train_state_from,
+    train_state_axes,
+)
 from eqxzoo.train.step import batch_sharding, compile_train_step, make_eval_step
 from models import model_factory
+from models.hf import open_hf
 
 PROFILE_DIR = "profile"
 STDLIB = "stdlib"
@@ -248,10 +256,7 @@ class _Trainer:
             self.batches,
         )
         if restored is None:
-            key = jax.random.key(self.config.run.seed)
-            self.state = init_train_state(
-                self.make_model, key, config=self.step_config, mesh=self.mesh
-            )
+            self.state = self.fresh_state()
             self.step = 0
             self.skipped_total = 0
             return
@@ -265,6 +270,24 @@ class _Trainer:
                 f"--profile {start}:{stop}: the run resumes after step {self.step}; profile "
                 "steps still to come"
             )
+
+    def fresh_state(self) -> TrainState:
+        """Step 0: parameters from ``init_from_hf`` (each process reading only its devices'
+        slices) or from the run's seed."""
+        if not self.config.init_from_hf:
+            key = jax.random.key(self.config.run.seed)
+            return init_train_state(self.make_model, key, config=self.step_config, mesh=self.mesh)
+        checkpoint = open_hf(self.config.init_from_hf)
+        state = init_train_state_from(
+            self.make_model, checkpoint.model, config=self.step_config, mesh=self.mesh
+        )
+        read = multihost_utils.process_allgather(np.int64(checkpoint.files.bytes_read))
+        per_process = ", ".join(f"{int(n) / 1e6:,.2f}" for n in np.atleast_1d(read))
+        self.say(
+            f"initialised from the Hugging Face checkpoint {checkpoint.directory} "
+            f"({checkpoint.files.total_bytes / 1e6:,.2f} MB): MB read per process {per_process}"
+        )
+        return state
 
     def close_checkpointer(self, error_type, error, traceback) -> None:
         """Close the checkpointer on the way out, unless a multi-process run is failing: the

@@ -17,6 +17,7 @@ from eqxzoo.train.report import flops_per_token, parameter_counts
 from eqxzoo.train.state import abstract_train_state
 from eqxzoo.train.step import compile_train_step
 from models import model_factory
+from models.hf import open_hf
 
 
 def sharding_table(state) -> list[tuple[str, str, str, str, str]]:
@@ -57,6 +58,13 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
         f"parameters: {counts.total:,} total, {counts.active:,} active per token "
         f"({counts.embedding:,} in the input embedding)"
     )
+    if config.init_from_hf:
+        checkpoint = open_hf(config.init_from_hf)
+        say(
+            f"parameters from the Hugging Face checkpoint {checkpoint.directory}: "
+            f"{len(checkpoint.files.names())} tensors, {checkpoint.files.total_bytes / 1e6:,.2f} MB, "
+            "names, shapes and dtypes checked (a dry run reads no weights)"
+        )
     say(
         f"batch per step: {shape.windows} sequences x {shape.seq_len} tokens "
         f"(G={shape.grad_accum}, M={shape.microbatches}, B={shape.batch_size}); "

@@ -33,7 +33,7 @@ from eqxzoo.config import RunConfig, config_from_dict, config_to_dict, config_to
 from eqxzoo.errors import ConfigError, UserError
 from eqxzoo.train.checkpoint import finished_steps
 from eqxzoo.train.report import replace_text
-from eqxzoo.typed_config import read_toml
+from eqxzoo.typed_config import flatten, read_toml
 
 CONFIG_FILE = "config.toml"
 CHECKPOINT_DIR = "checkpoints"
@@ -60,6 +60,7 @@ RESUMABLE = (
     "data.prefetch",
     "data.num_threads",
     "checkpoint.*",
+    "model.init_from_hf",
     "optimizer.learning_rate",
     "optimizer.warmup_steps",
     "optimizer.decay_steps",
@@ -227,17 +228,6 @@ def prepare_run_dir(run_dir: Path, config: RunConfig, *, lock: bool, warn=print)
         run_lock.release()
         raise
     return run_lock
-
-
-def flatten(document: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A config document's values by dotted key (``model.moe.n_experts``), tuples as lists."""
-    flat = {}
-    for key, value in document.items():
-        if isinstance(value, Mapping):
-            flat |= flatten(value, f"{prefix}{key}.")
-        else:
-            flat[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
-    return flat
 
 
 def _show(value: Any) -> str:

@@ -10,11 +10,14 @@ sharding rules turn them into NamedShardings (`state_shardings`).
 """
 
 import functools
+import math
 from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, Sharding
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
@@ -174,3 +177,87 @@ def init_train_state(
     shardings = jax.tree.map(lambda leaf: leaf.sharding, target)
     build = functools.partial(_build_state, make_model, config)
     return jax.jit(build, out_shardings=shardings)(key)
+
+
+def _index_bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """``(start, stop)`` per axis of a shard's index (as ``make_array_from_callback`` gives)."""
+    padded = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(part.indices(size)[:2] for part, size in zip(padded, shape, strict=True))
+
+
+def _read_staged(
+    source: Any, bounds: tuple[tuple[int, int], ...], staged_shape: tuple[int, ...]
+) -> np.ndarray:
+    """The shard ``bounds`` of the ``(R, P, k, ...)`` view of a stacked ``(L, ...)``
+    ``source``: layer ``(r P + p) k + i`` sits at ``[r, p, i]`` (`stage_layers`), so each
+    ``(r, p)`` of the shard is one run of consecutive layers."""
+    (r0, r1), (p0, p1), (i0, i1), *rest = bounds
+    _, stages, per_stage, *_ = staged_shape
+    inner = tuple(slice(start, stop) for start, stop in rest)
+    shape = (r1 - r0, p1 - p0, i1 - i0, *(stop - start for start, stop in rest))
+    shard = np.empty(shape, source.dtype)
+    for repeat in range(r0, r1):
+        for stage in range(p0, p1):
+            first = (repeat * stages + stage) * per_stage
+            layers = source[(slice(first + i0, first + i1), *inner)]
+            shard[repeat - r0, stage - p0] = np.asarray(layers)
+    return shard
+
+
+def _load_array(source: Any, goal: jax.ShapeDtypeStruct, staged: bool) -> jax.Array:
+    """``source`` (a sliceable array in the plain layout) as ``goal``'s sharded array: each
+    device's shard read from ``source`` alone, once per distinct shard on this process."""
+    shards: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        bounds = _index_bounds(index, goal.shape)
+        if bounds not in shards:
+            if staged:
+                shard = _read_staged(source, bounds, goal.shape)
+            else:
+                shard = np.asarray(source[tuple(slice(a, b) for a, b in bounds)])
+            shards[bounds] = shard.astype(goal.dtype)
+        return shards[bounds]
+
+    return jax.make_array_from_callback(goal.shape, goal.sharding, read)
+
+
+def init_train_state_from(
+    make_model: ModelFactory, source: LanguageModel, *, config: StepConfig, mesh: Mesh
+) -> TrainState:
+    """A `TrainState` whose parameters are ``source``'s, with a fresh optimizer state at step 0.
+
+    ``source`` is the model in the plain layout (blocks stacked on one leading layer axis)
+    whose arrays are anything read by slices (``source_array[tuple_of_slices]`` gives a numpy
+    array): numpy arrays, or lazy readers of a checkpoint such as `models.hf.open_hf`'s. Each
+    process reads only the shards its devices hold, straight into the staged, sharded
+    layout, cast to ``config.precision.params``: no parameter is ever whole on one device
+    or host (unless its sharding replicates it).
+    """
+    target = abstract_train_state(make_model, config=config, mesh=mesh)
+    axes = train_state_axes(make_model, config=config)
+    source_leaves, source_tree = jax.tree.flatten(source)
+    target_leaves, target_tree = jax.tree.flatten(target.model)
+    if source_tree != target_tree:
+        raise ValueError("the source model's structure differs from the model the run builds")
+    arrays = []
+    for source_leaf, goal, leaf_axes in zip(
+        source_leaves, target_leaves, jax.tree.leaves(axes.model), strict=True
+    ):
+        staged = tuple(leaf_axes.names[: len(LAYER_AXES)]) == LAYER_AXES
+        plain_shape = (math.prod(goal.shape[:3]), *goal.shape[3:]) if staged else goal.shape
+        if tuple(source_leaf.shape) != tuple(plain_shape):
+            raise ValueError(
+                f"a source array has shape {tuple(source_leaf.shape)}; the run's model expects "
+                f"{tuple(plain_shape)}"
+            )
+        arrays.append(_load_array(source_leaf, goal, staged))
+    model = jax.tree.unflatten(target_tree, arrays)
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, target)
+
+    def fresh_state(model: LanguageModel) -> TrainState:
+        trainable, _ = split_trainable(model, config.optimizer)
+        opt_state = build_optimizer(config.optimizer).init(trainable)
+        return TrainState(step=jnp.zeros((), jnp.int32), model=model, opt_state=opt_state)
+
+    return jax.jit(fresh_state, out_shardings=shardings, donate_argnums=0)(model)

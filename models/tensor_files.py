@@ -1,0 +1,392 @@
+"""Arrays read by slices, and safetensors files read lazily and written shard by shard.
+
+A checkpoint larger than one host's memory can only be loaded by reading, on each process,
+the slices its devices hold. Everything here serves that: a `Sliceable` is anything with a
+``shape``, a ``dtype`` and ``array[index] -> np.ndarray`` for a tuple of slices (a numpy
+array is one). `LazyArray` is a sliceable that reads nothing until it is indexed; its views
+(`LazyArray.T`, `LazyArray.transpose`, `LazyArray.reshape` splitting axes,
+`LazyArray.window`, `stack`) turn an index into the index of what they view, so a slice of a
+transposed, reshaped, stacked stored tensor reads only the stored bytes it covers (rows
+whole where a split axis needs them).
+
+`SafetensorsFiles` opens ``model.safetensors`` or ``model.safetensors.index.json`` and its
+shards: the header only, each tensor a `StoredTensor` read through ``np.memmap`` and
+counted in ``bytes_read``. `write_safetensors` writes ``{name: array}`` as one file or as
+shards of at most ``max_shard_bytes`` with the index Hugging Face reads, one shard in
+memory at a time, each process writing its share.
+"""
+
+import json
+import math
+import os
+import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import ml_dtypes
+import numpy as np
+
+from eqxzoo.errors import UserError
+
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+
+DTYPES: Mapping[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+
+Index = tuple[slice, ...]
+Bounds = tuple[tuple[int, int], ...]
+
+
+class HFCheckpointError(UserError, ValueError):
+    """A Hugging Face checkpoint's files or tensors do not match what its config describes."""
+
+
+@runtime_checkable
+class Sliceable(Protocol):
+    """An array-like read by slices: ``array[index]`` is an ``np.ndarray``."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+    def __getitem__(self, index: Index) -> Any: ...
+
+
+def bounds_of(index: Any, shape: Sequence[int]) -> Bounds:
+    """``(start, stop)`` per axis for a tuple of unit-step slices (missing axes: whole)."""
+    index = index if isinstance(index, tuple) else (index,)
+    assert len(index) <= len(shape), (index, shape)
+    bounds = []
+    for axis, size in enumerate(shape):
+        part = index[axis] if axis < len(index) else slice(None)
+        assert isinstance(part, slice), f"only slices index a lazy array, got {part!r}"
+        start, stop, step = part.indices(size)
+        assert step == 1, f"only unit-step slices index a lazy array, got {part!r}"
+        bounds.append((start, max(start, stop)))
+    return tuple(bounds)
+
+
+def _slices(bounds: Bounds) -> Index:
+    return tuple(slice(start, stop) for start, stop in bounds)
+
+
+class LazyArray:
+    """An array that reads nothing until indexed; subclasses define `read` on bounds."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def read(self, bounds: Bounds) -> np.ndarray:
+        raise NotImplementedError
+
+    def __getitem__(self, index: Index) -> np.ndarray:
+        return self.read(bounds_of(index, self.shape))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        array = self[()]
+        return array if dtype is None else array.astype(dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def T(self) -> "LazyArray":
+        return self.transpose(*reversed(range(self.ndim)))
+
+    def transpose(self, *axes: int) -> "LazyArray":
+        return _Transposed(self, tuple(axes))
+
+    def reshape(self, *shape: int | tuple[int, ...]) -> "LazyArray":
+        """A view that splits axes (``(a * b, c) -> (a, b, c)``); merging is not supported."""
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        return _Split(self, tuple(shape))
+
+    def window(self, axis: int, start: int, stop: int) -> "LazyArray":
+        """The view ``[start:stop]`` along ``axis``."""
+        return _Window(self, axis, start, stop)
+
+    def astype(self, dtype) -> "LazyArray":
+        return _Cast(self, np.dtype(dtype))
+
+
+class StoredTensor(LazyArray):
+    """One tensor of a safetensors file, read through ``np.memmap``; every read adds its
+    bytes to ``files.bytes_read``."""
+
+    def __init__(self, files: "SafetensorsFiles", path: Path, offset: int, shape, dtype):
+        self.files, self.path, self.offset = files, path, offset
+        self.shape, self.dtype = tuple(shape), dtype
+
+    def read(self, bounds: Bounds) -> np.ndarray:
+        if math.prod(self.shape) == 0:
+            return np.zeros([stop - start for start, stop in bounds], self.dtype)
+        stored = np.memmap(self.path, self.dtype, "r", self.offset, self.shape)
+        array = np.array(stored[_slices(bounds)])
+        self.files.bytes_read += array.nbytes
+        return array
+
+
+class _Transposed(LazyArray):
+    def __init__(self, base: LazyArray, axes: tuple[int, ...]):
+        assert sorted(axes) == list(range(base.ndim)), axes
+        self.base, self.axes = base, axes
+        self.shape, self.dtype = tuple(base.shape[a] for a in axes), base.dtype
+
+    def read(self, bounds: Bounds) -> np.ndarray:
+        base_bounds = [None] * self.base.ndim
+        for position, axis in enumerate(self.axes):
+            base_bounds[axis] = bounds[position]
+        return self.base.read(tuple(base_bounds)).transpose(self.axes)
+
+
+class _Split(LazyArray):
+    """``base`` with each axis split into one or more consecutive axes of ``shape``."""
+
+    def __init__(self, base: LazyArray, shape: tuple[int, ...]):
+        self.base, self.shape, self.dtype = base, shape, base.dtype
+        self.groups: list[tuple[int, int]] = []  # per base axis: its new axes [first, last)
+        new_axis = 0
+        for size in base.shape:
+            first, product = new_axis, 1
+            while new_axis < len(shape) and (new_axis == first or product < size):
+                product *= shape[new_axis]
+                new_axis += 1
+            if product != size or new_axis == first:
+                raise ValueError(f"cannot view {base.shape} as {shape} by splitting axes")
+            self.groups.append((first, new_axis))
+        if new_axis != len(shape):
+            raise ValueError(f"cannot view {base.shape} as {shape} by splitting axes")
+
+    def read(self, bounds: Bounds) -> np.ndarray:
+        """Whole rows of each split axis are read, then cut to the inner bounds."""
+        base_bounds, covering, inner = [], [], []
+        for first, last in self.groups:
+            (start, stop), inner_sizes = bounds[first], self.shape[first + 1 : last]
+            stride = math.prod(inner_sizes)
+            base_bounds.append((start * stride, stop * stride))
+            covering += [stop - start, *inner_sizes]
+            inner += [slice(None), *_slices(bounds[first + 1 : last])]
+        return self.base.read(tuple(base_bounds)).reshape(covering)[tuple(inner)]
+
+
+class _Window(LazyArray):
+    def __init__(self, base: LazyArray, axis: int, start: int, stop: int):
+        assert 0 <= start <= stop <= base.shape[axis], (base.shape, axis, start, stop)
+        self.base, self.axis, self.start = base, axis, start
+        self.shape = base.shape[:axis] + (stop - start,) + base.shape[axis + 1 :]
+        self.dtype = base.dtype
+
+    def read(self, bounds: Bounds) -> np.ndarray:
+        first, last = bounds[self.axis]
+        shifted = (first + self.start, last + self.start)
+        return self.base.read(bounds[: self.axis] + (shifted,) + bounds[self.axis + 1 :])
+
+
+class _Cast(LazyArray):
+    def __init__(self, base: Sliceable, dtype: np.dtype):
+        self.base, self.shape, self.dtype = base, tuple(base.shape), dtype
+
+    def read(self, bounds: Bounds) -> np.ndarray:
+        return np.asarray(self.base[_slices(bounds)]).astype(self.dtype)
+
+
+class _Stacked(LazyArray):
+    def __init__(self, parts: Sequence[Sliceable]):
+        shapes = {tuple(part.shape) for part in parts}
+        dtypes = {np.dtype(part.dtype) for part in parts}
+        assert parts and len(shapes) == 1 and len(dtypes) == 1, (shapes, dtypes)
+        self.parts = list(parts)
+        self.shape = (len(parts), *shapes.pop())
+        self.dtype = dtypes.pop()
+
+    def read(self, bounds: Bounds) -> np.ndarray:
+        (start, stop), rest = bounds[0], _slices(bounds[1:])
+        if start == stop:
+            return np.zeros([b - a for a, b in bounds], self.dtype)
+        return np.stack([np.asarray(self.parts[i][rest]) for i in range(start, stop)])
+
+
+def stack(parts: Sequence[Sliceable]) -> Sliceable:
+    """``np.stack(parts)`` for numpy arrays; a lazy stack when any part is lazy."""
+    if all(isinstance(part, np.ndarray) for part in parts):
+        return np.stack(parts)
+    return _Stacked(parts)
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header (``{name: {dtype, shape, data_offsets}}``) and where its
+    data starts."""
+    try:
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > os.path.getsize(path):
+                raise ValueError("header longer than the file")
+            header = json.loads(handle.read(length))
+    except (OSError, struct.error, ValueError) as error:
+        raise HFCheckpointError(f"{path}: not a safetensors file ({error})") from None
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
+class SafetensorsFiles:
+    """The tensors of a checkpoint directory's safetensors file or shards, by name, lazily.
+
+    Only headers are read on opening; `tensor` gives a `StoredTensor`. ``bytes_read``
+    counts the tensor bytes read so far, by every tensor of these files.
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        directory = Path(directory)
+        single, index = directory / WEIGHTS_NAME, directory / WEIGHTS_INDEX_NAME
+        if single.is_file():
+            files = [single]
+        elif index.is_file():
+            try:
+                weight_map = json.loads(index.read_text()).get("weight_map")
+            except json.JSONDecodeError as error:
+                raise HFCheckpointError(f"{index}: not valid JSON ({error})") from None
+            if not isinstance(weight_map, dict):
+                raise HFCheckpointError(f"{index}: no 'weight_map' table")
+            files = [directory / name for name in sorted(set(weight_map.values()))]
+            for file in files:
+                if not file.is_file():
+                    raise HFCheckpointError(
+                        f"{index}: lists shard {file.name}, which does not exist"
+                    )
+        else:
+            raise HFCheckpointError(
+                f"{directory}: no {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} "
+                "(only safetensors checkpoints can be read; re-save with safe_serialization=True)"
+            )
+        self.bytes_read = 0
+        self.entries: dict[str, StoredTensor] = {}
+        for file in files:
+            header, data_start = _read_header(file)
+            for name, entry in header.items():
+                self.entries[name] = self._stored(file, name, entry, data_start)
+
+    def _stored(self, file: Path, name: str, entry: Any, data_start: int) -> StoredTensor:
+        try:
+            dtype = DTYPES[entry["dtype"]]
+            shape = tuple(int(size) for size in entry["shape"])
+            start, stop = (int(offset) for offset in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise HFCheckpointError(
+                f"{file}: tensor {name} has an unreadable header entry {entry!r}"
+            ) from None
+        if stop - start != math.prod(shape) * dtype.itemsize:
+            raise HFCheckpointError(f"{file}: tensor {name}'s size does not match its shape")
+        return StoredTensor(self, file, data_start + start, shape, dtype)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def names(self) -> list[str]:
+        return sorted(self.entries)
+
+    def tensor(self, name: str) -> StoredTensor:
+        if name not in self.entries:
+            raise HFCheckpointError(f"tensor {name} is missing from the checkpoint")
+        return self.entries[name]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(tensor.nbytes for tensor in self.entries.values())
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def plan_shards(
+    sizes: Iterable[tuple[str, int]], max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> list[list[str]]:
+    """Groups of names in order, each (but a lone oversized tensor) at most
+    ``max_shard_bytes``; ``sizes`` is ``(name, bytes)`` in the order to write."""
+    shards: list[list[str]] = [[]]
+    filled = 0
+    for name, size in sizes:
+        if shards[-1] and filled + size > max_shard_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(name)
+        filled += size
+    return shards
+
+
+def shard_file_names(count: int) -> list[str]:
+    """Hugging Face's shard names: one ``model.safetensors``, else ``model-0000i-of-0000n``."""
+    if count == 1:
+        return [WEIGHTS_NAME]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def write_safetensors(
+    directory: Path,
+    shapes: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+    produce: Callable[[Sequence[str]], Mapping[str, np.ndarray]],
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> list[str]:
+    """Write the tensors ``shapes`` describes (``{name: (shape, dtype)}``, in order) into
+    ``directory`` as Hugging Face names the files; returns the shard files written here.
+
+    ``produce(names)`` returns those tensors; it is called once per shard, so one shard is
+    in memory at a time. Shard ``i`` is written by process ``i % process_count``; process 0
+    also writes the index when there are several shards.
+    """
+    import safetensors.numpy
+
+    sizes = [
+        (name, math.prod(shape) * np.dtype(dtype).itemsize)
+        for name, (shape, dtype) in shapes.items()
+    ]
+    shards = plan_shards(sizes, max_shard_bytes)
+    files = shard_file_names(len(shards))
+    written = []
+    for number, (names, file) in enumerate(zip(shards, files, strict=True)):
+        if number % process_count != process_index:
+            continue
+        tensors = produce(names)
+        for name in names:
+            shape, dtype = shapes[name]
+            array = tensors[name]
+            assert array.shape == tuple(shape) and array.dtype == np.dtype(dtype), (
+                name,
+                array.shape,
+                array.dtype,
+            )
+        contiguous = {name: np.ascontiguousarray(tensors[name]) for name in names}
+        safetensors.numpy.save_file(contiguous, str(directory / file), metadata={"format": "pt"})
+        written.append(file)
+        del tensors, contiguous
+    if len(files) > 1 and process_index == 0:
+        index = {
+            "metadata": {"total_size": sum(size for _, size in sizes)},
+            "weight_map": {
+                name: file for names, file in zip(shards, files, strict=True) for name in names
+            },
+        }
+        (directory / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return written
