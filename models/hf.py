@@ -164,15 +164,24 @@ def config_with_hf(table: Mapping[str, Any], directory: str, *, where: str) -> D
     merged = {**checkpoint_table, **given}
     if isinstance(given.get("moe"), Mapping) and isinstance(checkpoint_table.get("moe"), Mapping):
         merged["moe"] = {**checkpoint_table["moe"], **given["moe"]}
-    config = build_dataclass(type(from_hf), merged, where)
-    expected, got = flatten(checkpoint_table), flatten(dataclass_to_table(config))
-    for key in sorted(set(expected) | set(got)):
-        if key not in RUNTIME_KEYS and expected.get(key) != got.get(key):
-            refuse(
-                f"{where}.{key}",
-                f"{got.get(key)!r} here but {expected.get(key)!r} in {config_json} "
-                "(init_from_hf fixes the architecture); remove the key or make it agree",
-            )
+    expected = flatten(checkpoint_table)
+
+    def refuse_disagreement(got: Mapping[str, Any]) -> None:
+        for key in sorted(got):
+            if key not in RUNTIME_KEYS and expected.get(key) != got[key]:
+                refuse(
+                    f"{where}.{key}",
+                    f"{got[key]!r} here but {expected.get(key)!r} in {config_json} "
+                    "(init_from_hf fixes the architecture); remove the key or make it agree",
+                )
+
+    try:
+        config = build_dataclass(type(from_hf), merged, where)
+    except ConfigError:
+        refuse_disagreement(flatten(given))  # the cause, if a given key disagrees
+        raise
+    built = flatten(dataclass_to_table(config))
+    refuse_disagreement({key: built.get(key) for key in built.keys() | expected.keys()})
     return config
 
 

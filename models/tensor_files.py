@@ -61,7 +61,7 @@ class Sliceable(Protocol):
     shape: tuple[int, ...]
     dtype: Any
 
-    def __getitem__(self, index: Index) -> Any: ...
+    def __getitem__(self, index: Index | slice) -> Any: ...
 
 
 def bounds_of(index: Any, shape: Sequence[int]) -> Bounds:
@@ -91,7 +91,7 @@ class LazyArray:
     def read(self, bounds: Bounds) -> np.ndarray:
         raise NotImplementedError
 
-    def __getitem__(self, index: Index) -> np.ndarray:
+    def __getitem__(self, index: Index | slice) -> np.ndarray:
         return self.read(bounds_of(index, self.shape))
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
@@ -188,6 +188,7 @@ class _Split(LazyArray):
 
 class _Window(LazyArray):
     def __init__(self, base: LazyArray, axis: int, start: int, stop: int):
+        axis = axis % base.ndim
         assert 0 <= start <= stop <= base.shape[axis], (base.shape, axis, start, stop)
         self.base, self.axis, self.start = base, axis, start
         self.shape = base.shape[:axis] + (stop - start,) + base.shape[axis + 1 :]
@@ -242,6 +243,8 @@ def _read_header(path: Path) -> tuple[dict[str, Any], int]:
             if length > os.path.getsize(path):
                 raise ValueError("header longer than the file")
             header = json.loads(handle.read(length))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
     except (OSError, struct.error, ValueError) as error:
         raise HFCheckpointError(f"{path}: not a safetensors file ({error})") from None
     header.pop("__metadata__", None)
@@ -262,9 +265,10 @@ class SafetensorsFiles:
             files = [single]
         elif index.is_file():
             try:
-                weight_map = json.loads(index.read_text()).get("weight_map")
-            except json.JSONDecodeError as error:
+                table = json.loads(index.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
                 raise HFCheckpointError(f"{index}: not valid JSON ({error})") from None
+            weight_map = table.get("weight_map") if isinstance(table, dict) else None
             if not isinstance(weight_map, dict):
                 raise HFCheckpointError(f"{index}: no 'weight_map' table")
             files = [directory / name for name in sorted(set(weight_map.values()))]
@@ -283,6 +287,10 @@ class SafetensorsFiles:
         for file in files:
             header, data_start = _read_header(file)
             for name, entry in header.items():
+                if name in self.entries:
+                    raise HFCheckpointError(
+                        f"{file}: tensor {name} is also in {self.entries[name].path.name}"
+                    )
                 self.entries[name] = self._stored(file, name, entry, data_start)
 
     def _stored(self, file: Path, name: str, entry: Any, data_start: int) -> StoredTensor:
@@ -296,6 +304,10 @@ class SafetensorsFiles:
             ) from None
         if stop - start != math.prod(shape) * dtype.itemsize:
             raise HFCheckpointError(f"{file}: tensor {name}'s size does not match its shape")
+        if not 0 <= start <= stop <= file.stat().st_size - data_start:
+            raise HFCheckpointError(
+                f"{file}: tensor {name} lies past the end of the file (truncated?)"
+            )
         return StoredTensor(self, file, data_start + start, shape, dtype)
 
     def __contains__(self, name: str) -> bool:
@@ -380,7 +392,7 @@ def write_safetensors(
         contiguous = {name: np.ascontiguousarray(tensors[name]) for name in names}
         safetensors.numpy.save_file(contiguous, str(directory / file), metadata={"format": "pt"})
         written.append(file)
-        del tensors, contiguous
+        del tensors, contiguous, array
     if len(files) > 1 and process_index == 0:
         index = {
             "metadata": {"total_size": sum(size for _, size in sizes)},

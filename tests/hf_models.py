@@ -120,7 +120,7 @@ ZOO_FAMILY = {
 def hf_config(architecture, **fields):
     """A transformers config for ``architecture`` (e.g. ``LlamaForCausalLM -> LlamaConfig``)."""
     config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
-    fields = dict(vocab_size=VOCAB, num_hidden_layers=2, **fields)
+    fields = dict(vocab_size=VOCAB, num_hidden_layers=2) | fields
     return config_class(**fields, attn_implementation="eager")
 
 

@@ -13,6 +13,7 @@ compares them, summed over processes, once every value was read.
 
 import json
 import math
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -73,7 +74,7 @@ class SavedArray:
         self.read_count += values.size
 
 
-def saved_arrays(step_directory: epath.Path) -> dict[str, SavedArray]:
+def saved_arrays(step_directory: epath.Path | os.PathLike) -> dict[str, SavedArray]:
     """``{name: SavedArray}`` for every array of the step's ``state`` item.
 
     Raises `CheckpointError` if the step is incomplete or its metadata unreadable."""
@@ -98,7 +99,7 @@ def saved_arrays(step_directory: epath.Path) -> dict[str, SavedArray]:
     return arrays
 
 
-def recorded_checksums(step_directory: epath.Path) -> dict[str, list[int]] | None:
+def recorded_checksums(step_directory: epath.Path | os.PathLike) -> dict[str, list[int]] | None:
     """The checksums the step's ``meta`` item recorded (None for checkpoints without any)."""
     for path in sorted((epath.Path(step_directory) / META_ITEM).glob("*")):
         try:

@@ -1,0 +1,225 @@
+"""Fine-tuning parity with PyTorch: five steps of our pipelined trainer on a Hugging Face
+checkpoint are the same computation as five steps of ``torch.optim.AdamW`` on the same
+transformers model.
+
+`test_hf.py` shows that a checkpoint's forward pass matches transformers'; this file shows
+that the whole road of a fine-tune does: `open_hf` into the staged, sharded train state
+(`init_train_state_from`), gradients through the pipeline (``pp=2``, with data and tensor
+parallelism, gradient accumulation and stage remat), the global-norm clip, the
+warmup-cosine schedule, AdamW with its decay mask, and `write_hf` back out. An error in any
+of them (a schedule off by one step, a norm that gets weight decay, a clip on one device's
+share of the gradient) changes the losses or the final parameters.
+
+The PyTorch side is written from the documented semantics, not from our code, and maps 1:1:
+
+- loss: token-mean cross-entropy of ``model(input_ids).logits`` over all ``G*M*B*T`` tokens of
+  a step. Ours averages the ``G`` accumulated means of equal-sized ``(M, B, T)`` batches:
+  the same mean, and the same gradient. No labels are passed and
+  ``output_router_logits=False``, so transformers adds no MoE auxiliary loss; ours has
+  ``load_balance_weight = router_z_weight = 0``.
+- clip: ``clip_grad_norm_(params, clip_norm)`` scales by ``clip_norm / (norm + 1e-6)`` when that
+  is below 1; optax's ``clip_by_global_norm`` by ``clip_norm / norm``. The relative
+  difference, ``1e-6 / norm``, is far below the tolerance (and AdamW is nearly invariant to
+  a gradient's scale).
+- learning rate: `warmup_cosine` (below) rises linearly from 0 to the peak over
+  ``warmup_steps``, then follows a cosine to ``peak * final_lr_fraction`` at
+  ``decay_steps``. Update ``k`` (0-based) uses ``warmup_cosine(k)``, as optax's schedule
+  counter does: the first update has learning rate 0 (the moments still move).
+- AdamW: the same ``b1, b2, eps`` with ``eps`` outside the square root and bias correction
+  in both; decoupled weight decay ``p -= lr * weight_decay * p`` in both (torch applies it
+  before the Adam step, optax adds it to the step; neither reads the other). Decay applies
+  to every parameter but norms and biases: ours masks paths matching ``norm|bias|.b[qkv]``,
+  torch gets two parameter groups split on ``"norm"``/``"bias"`` in the Hugging Face name.
+
+Both run in float32 with eager attention on a tiny random model (`hf_models.randomize`, so
+norms and routers are far from their initial values), in eval mode (the configs have no
+dropout). The trained torch model is saved with ``save_pretrained`` and ours written with
+`write_hf`: both in the Hub's layout, compared tensor by tensor by name.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import jax  # noqa: E402
+import safetensors.numpy  # noqa: E402
+from hf_models import VOCAB, hf_config, randomize  # noqa: E402
+
+from eqxzoo.optim import OptimizerConfig  # noqa: E402
+from eqxzoo.parallel import MeshConfig, Schedule, make_mesh  # noqa: E402
+from eqxzoo.train.layout import from_pipeline_layout  # noqa: E402
+from eqxzoo.train.settings import StepConfig  # noqa: E402
+from eqxzoo.train.state import init_train_state_from  # noqa: E402
+from eqxzoo.train.step import make_train_step  # noqa: E402
+from models import model_factory  # noqa: E402
+from models.hf import open_hf, write_hf  # noqa: E402
+
+STEPS = 5
+# (G, M, B, T): gradient accumulation, pipeline microbatches, batch, sequence length.
+BATCH_SHAPE = (2, 2, 2, 8)
+TOLERANCE = 1e-4
+
+OPTIMIZER = OptimizerConfig(
+    name="adamw",
+    learning_rate=1e-2,
+    warmup_steps=2,
+    decay_steps=5,
+    final_lr_fraction=0.1,
+    b1=0.9,
+    b2=0.95,
+    eps=1e-8,
+    weight_decay=0.1,
+    clip_norm=1.0,
+)
+
+# name -> (architecture, config fields, pipeline schedule); four layers each, so that both
+# schedules split them over two stages.
+CASES = {
+    "llama": (
+        "LlamaForCausalLM",
+        dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2),
+        Schedule("circular", stages=2, microbatches=2, repeats=2),
+    ),
+    "qwen_moe": (
+        "Qwen2MoeForCausalLM",
+        dict(
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=40,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+        ),
+        Schedule("gpipe", stages=2, microbatches=2, repeats=1),
+    ),
+}
+
+
+def make_hf_model(architecture, fields):
+    """A tiny random float32 transformers model with four layers."""
+    torch.manual_seed(0)
+    config = hf_config(architecture, num_hidden_layers=4, **fields)
+    return randomize(getattr(transformers, architecture)(config))
+
+
+def token_batches(seed=0):
+    """``STEPS`` batches ``(tokens, targets)`` of shape ``(G, M, B, T)``: random windows of
+    ``T + 1`` tokens, the targets being the tokens shifted by one."""
+    rng = np.random.default_rng(seed)
+    windows = rng.integers(0, VOCAB, (STEPS, *BATCH_SHAPE[:-1], BATCH_SHAPE[-1] + 1))
+    windows = windows.astype(np.int32)
+    return [(window[..., :-1], window[..., 1:]) for window in windows]
+
+
+def warmup_cosine(step, config):
+    """The learning rate of update ``step`` (0-based), written independently of optax."""
+    peak = config.learning_rate
+    if step < config.warmup_steps:
+        return peak * step / config.warmup_steps
+    decay_length = config.decay_steps - config.warmup_steps
+    progress = min(step - config.warmup_steps, decay_length) / decay_length
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    final = peak * config.final_lr_fraction
+    return final + (peak - final) * cosine
+
+
+def torch_finetune(hf_model, batches, config):
+    """Train ``hf_model`` in place, one AdamW step per batch; returns each step's loss (taken
+    before its update) and gradient norm (before clipping)."""
+    named = list(hf_model.named_parameters())
+    no_decay = [p for name, p in named if "norm" in name or name.endswith("bias")]
+    decay = [p for name, p in named if not ("norm" in name or name.endswith("bias"))]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": config.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=0.0,
+        betas=(config.b1, config.b2),
+        eps=config.eps,
+    )
+    losses, grad_norms = [], []
+    for step, (tokens, targets) in enumerate(batches):
+        tokens = torch.from_numpy(tokens.reshape(-1, tokens.shape[-1]).astype(np.int64))
+        targets = torch.from_numpy(targets.reshape(-1).astype(np.int64))
+        logits = hf_model(input_ids=tokens, output_router_logits=False).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(hf_model.parameters(), config.clip_norm)
+        for group in optimizer.param_groups:
+            group["lr"] = warmup_cosine(step, config)
+        optimizer.step()
+        losses.append(loss.item())
+        grad_norms.append(grad_norm.item())
+    return np.array(losses), np.array(grad_norms)
+
+
+def zoo_finetune(directory, schedule, batches, config):
+    """Fine-tune the checkpoint in ``directory`` with our pipelined step on a dp=2, pp=2,
+    tp=2 mesh; returns each step's loss and gradient norm and the trained model (plain
+    layout)."""
+    checkpoint = open_hf(directory)
+    step_config = StepConfig(
+        schedule=schedule,
+        optimizer=config,
+        load_balance_weight=0.0,
+        router_z_weight=0.0,
+        remat_stages=True,
+    )
+    mesh = make_mesh(MeshConfig(dp=2, pp=2, tp=2))
+    state = init_train_state_from(
+        model_factory(checkpoint.config), checkpoint.model, config=step_config, mesh=mesh
+    )
+    train_step = make_train_step(step_config, mesh)
+    losses, grad_norms = [], []
+    for tokens, targets in batches:
+        state, metrics = train_step(state, {"tokens": tokens, "targets": targets})
+        losses.append(float(metrics["loss"]))
+        grad_norms.append(float(metrics["grad_norm"]))
+    assert int(state.step) == len(batches)
+    return np.array(losses), np.array(grad_norms), from_pipeline_layout(state.model)
+
+
+def read_tensors(directory):
+    """``{Hugging Face name: array}`` of a checkpoint directory's one safetensors file."""
+    return safetensors.numpy.load_file(str(directory / "model.safetensors"))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_finetune_matches_torch(case, tmp_path):
+    architecture, fields, schedule = CASES[case]
+    hf_model = make_hf_model(architecture, fields)
+    hf_model.save_pretrained(tmp_path / "initial")
+    batches = token_batches()
+
+    zoo_losses, zoo_grad_norms, zoo_model = zoo_finetune(
+        tmp_path / "initial", schedule, batches, OPTIMIZER
+    )
+    torch_losses, torch_grad_norms = torch_finetune(hf_model, batches, OPTIMIZER)
+    print(case, zoo_losses, torch_losses, zoo_grad_norms, torch_grad_norms)
+
+    np.testing.assert_allclose(zoo_losses, torch_losses, rtol=TOLERANCE)
+    np.testing.assert_allclose(zoo_grad_norms, torch_grad_norms, rtol=TOLERANCE)
+    assert np.any(zoo_grad_norms > OPTIMIZER.clip_norm), "the clip never acted"
+
+    write_hf(jax.device_get(zoo_model), tmp_path / "zoo", dtype="float32")
+    hf_model.save_pretrained(tmp_path / "torch")
+    initial = read_tensors(tmp_path / "initial")
+    zoo, trained = read_tensors(tmp_path / "zoo"), read_tensors(tmp_path / "torch")
+    assert sorted(zoo) == sorted(trained) == sorted(initial)
+    worst = max(np.max(np.abs(zoo[name] - trained[name])) for name in trained)
+    moved = min(np.max(np.abs(trained[name] - initial[name])) for name in trained)
+    print(case, "worst", worst, "moved", moved, "loss", np.max(np.abs(zoo_losses / torch_losses - 1)))
+    for name, tensor in trained.items():
+        np.testing.assert_allclose(zoo[name], tensor, rtol=TOLERANCE, atol=TOLERANCE, err_msg=name)
+        moved = np.max(np.abs(tensor - initial[name]))
+        assert moved > 100 * TOLERANCE, f"{name} moved only {moved:.2e} in {STEPS} steps"

@@ -1,0 +1,331 @@
+"""The road in and out of the trainer: a Hugging Face checkpoint loaded straight into the
+sharded, staged train state (`init_train_state_from` over `models.hf.open_hf`), saved as a
+run's checkpoint, and exported back (`pipelines.export`) bit for bit; ``[model]
+init_from_hf`` in run configs; and every error of both roads, by its message.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import grain  # noqa: E402
+import jax  # noqa: E402
+import safetensors.numpy  # noqa: E402
+from hf_models import HF_CASES, hf_config, randomize  # noqa: E402
+
+from eqxzoo.config import (  # noqa: E402
+    ConfigError,
+    DataConfig,
+    PipelineConfig,
+    RunConfig,
+    config_from_dict,
+    config_to_dict,
+    config_to_toml,
+    step_config,
+)
+from eqxzoo.parallel import MeshConfig, make_mesh  # noqa: E402
+from eqxzoo.train.checkpoint import Checkpointer  # noqa: E402
+from eqxzoo.train.layout import checkpoint_layout, from_pipeline_layout  # noqa: E402
+from eqxzoo.train.rundir import CHECKPOINT_DIR, CONFIG_FILE  # noqa: E402
+from eqxzoo.train.state import init_train_state_from, train_state_axes  # noqa: E402
+from models import load_hf, model_factory  # noqa: E402
+from models.hf import open_hf  # noqa: E402
+from pipelines import export  # noqa: E402
+
+# One case per family (Llama with attention biases: its zero o_proj bias is exported too).
+FAMILY_CASES = ("llama_attention_bias", "mixtral_top2_of_4", "qwen_moe_gqa")
+MESH = MeshConfig(dp=2, pp=2, tp=2)
+CIRCULAR = PipelineConfig(schedule="circular", microbatches=2, repeats=2)
+
+
+def save_hf_model(case: str, directory: Path, n_layers: int = 4) -> Path:
+    """A randomised transformers model of ``case`` with ``n_layers`` layers saved to
+    ``directory`` by ``save_pretrained``."""
+    architecture, fields, _ = HF_CASES[case]
+    torch.manual_seed(0)
+    config = hf_config(architecture, **fields, num_hidden_layers=n_layers)
+    model = randomize(getattr(transformers, architecture)(config))
+    model.save_pretrained(directory)
+    return directory
+
+
+def hf_run_config(hf_dir: Path, tmp_path: Path, **sections) -> RunConfig:
+    """A run config that starts from ``hf_dir`` on a dp2 x pp2 x tp2 circular mesh."""
+    document = {
+        "model": {"init_from_hf": str(hf_dir)},
+        "mesh": {"dp": 2, "pp": 2, "tp": 2},
+        "pipeline": {"schedule": "circular", "microbatches": 2, "repeats": 2},
+        "data": {"path": str(tmp_path / "no-data"), "batch_size": 2},
+        **sections,
+    }
+    return config_from_dict(document)
+
+
+def data_iterator():
+    """A grain iterator for the checkpoint to save the state of."""
+    return grain.MapDataset.range(10).to_iter_dataset().__iter__()
+
+
+def stored_tensors(directory: Path) -> dict[str, np.ndarray]:
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update(safetensors.numpy.load_file(str(file)))
+    return tensors
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES)
+def test_hf_to_sharded_state_to_export_is_bitwise(case: str, tmp_path: Path):
+    """Hugging Face -> train state (dp2 x pp2 x tp2, circular) -> checkpoint ->
+    ``pipelines.export`` gives back every tensor bit for bit."""
+    hf_dir = save_hf_model(case, tmp_path / "hf")
+    config = hf_run_config(hf_dir, tmp_path)
+    checkpoint = open_hf(hf_dir)
+    make_model = model_factory(config.model)
+    mesh = make_mesh(config.mesh)
+    settings = step_config(config)
+    state = init_train_state_from(make_model, checkpoint.model, config=settings, mesh=mesh)
+    wq = state.model.blocks.layers.attention.wq
+    assert wq.shape[:3] == (2, 2, 1) and wq.sharding.spec[1] == "pp"
+    assert wq.addressable_shards[0].data.size < wq.size  # never whole on one device
+    assert checkpoint.files.bytes_read <= checkpoint.files.total_bytes
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / CONFIG_FILE).write_text(config_to_toml(config))
+    saved = checkpoint_layout(state, train_state_axes(make_model, config=settings), settings.rules)
+    with Checkpointer(run_dir / CHECKPOINT_DIR, every=1, keep=1, async_save=False) as saver:
+        saver.save(3, saved, data_iterator(), {})
+    original = stored_tensors(hf_dir)
+    shutil.rmtree(hf_dir)  # the run's config names it; exporting must not need it
+
+    assert export.main([str(run_dir), "--out", str(tmp_path / "out")]) == 0
+    exported = stored_tensors(tmp_path / "out")
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype, name
+        np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
+    exported_config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported_config["architectures"] == [HF_CASES[case][0]]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(model).__name__ == HF_CASES[case][0]
+
+
+def test_loading_reads_only_the_slices_of_this_process(tmp_path: Path):
+    """On 8 devices of one process everything is read once; the state equals `load_hf`."""
+    hf_dir = save_hf_model("llama_gqa", tmp_path / "hf")
+    config = hf_run_config(hf_dir, tmp_path)
+    checkpoint = open_hf(hf_dir)
+    settings = step_config(config)
+    state = init_train_state_from(
+        model_factory(config.model),
+        checkpoint.model,
+        config=settings,
+        mesh=make_mesh(config.mesh),
+    )
+    assert checkpoint.files.bytes_read == checkpoint.files.total_bytes
+    loaded = from_pipeline_layout(state.model)
+    expected = load_hf(hf_dir)
+    for actual, wanted in zip(jax.tree.leaves(loaded), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(actual), np.asarray(wanted))
+
+
+def test_parameters_take_the_runs_dtype(tmp_path: Path):
+    hf_dir = save_hf_model("llama_gqa", tmp_path / "hf")
+    config = hf_run_config(hf_dir, tmp_path, precision={"params": "bfloat16"})
+    state = init_train_state_from(
+        model_factory(config.model),
+        open_hf(hf_dir).model,
+        config=step_config(config),
+        mesh=make_mesh(config.mesh),
+    )
+    assert {leaf.dtype for leaf in jax.tree.leaves(state.model)} == {np.dtype(jax.numpy.bfloat16)}
+    assert int(state.step) == 0
+
+
+# ------------------------------------------------------------------------------------------
+# init_from_hf in run configs
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    return save_hf_model("llama_gqa", tmp_path_factory.mktemp("llama"))
+
+
+def test_the_architecture_comes_from_config_json(llama_dir: Path, tmp_path: Path):
+    config = hf_run_config(llama_dir, tmp_path, model={"init_from_hf": str(llama_dir)})
+    assert config.model == open_hf(llama_dir).config
+    assert config.init_from_hf == str(llama_dir)
+    again = config_from_dict(config_to_dict(config))
+    assert again == config
+
+
+def test_runtime_knobs_may_differ_and_agreeing_keys_are_accepted(llama_dir: Path, tmp_path):
+    model = {"init_from_hf": str(llama_dir), "remat": "full", "d_model": 48, "family": "llama"}
+    config = hf_run_config(llama_dir, tmp_path, model=model)
+    assert config.model.remat == "full" and config.model.d_model == 48
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ({"d_model": 64}, r"model\.d_model: 64 here but 48 in .*config\.json \(init_from_hf"),
+        ({"n_layers": 2}, r"model\.n_layers: 2 here but 4 in"),
+        ({"family": "mixtral"}, r"model\.family: 'mixtral' here but .* is family 'llama'"),
+        ({"moe": {"n_experts": 4}}, r"model\.moe\.n_experts: 4 here but None in"),
+    ],
+)
+def test_a_key_that_disagrees_with_the_checkpoint_is_refused(
+    model: dict, message: str, llama_dir: Path, tmp_path: Path
+):
+    with pytest.raises(ConfigError, match=message):
+        hf_run_config(llama_dir, tmp_path, model={"init_from_hf": str(llama_dir), **model})
+
+
+def test_a_missing_checkpoint_directory_is_one_line(tmp_path: Path):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(ConfigError, match=rf"model\.init_from_hf: {missing}: no config\.json"):
+        hf_run_config(missing, tmp_path)
+
+
+def test_an_empty_init_from_hf_is_no_init(tmp_path: Path):
+    config = config_from_dict({"model": {"init_from_hf": "", "family": "llama"}})
+    assert config.init_from_hf == "" and config.model.family == "llama"
+    with pytest.raises(ConfigError, match=r"model\.init_from_hf: expected a directory path"):
+        config_from_dict({"model": {"init_from_hf": 3}})
+
+
+def test_a_checkpoint_missing_a_tensor_fails_before_any_training(llama_dir, tmp_path: Path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(llama_dir, damaged)
+    tensors = safetensors.numpy.load_file(str(damaged / "model.safetensors"))
+    del tensors["model.layers.3.mlp.up_proj.weight"]
+    safetensors.numpy.save_file(tensors, str(damaged / "model.safetensors"))
+    from models.hf import HFCheckpointError
+
+    with pytest.raises(
+        HFCheckpointError, match=r"model\.layers\.3\.mlp\.up_proj\.weight is missing"
+    ):
+        open_hf(damaged)
+
+
+# ------------------------------------------------------------------------------------------
+# pipelines.export's errors
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exported_run(tmp_path_factory, llama_dir: Path) -> Path:
+    """A run directory holding checkpoints of steps 2 and 5 of a model loaded from Llama."""
+    tmp_path = tmp_path_factory.mktemp("run")
+    config = hf_run_config(llama_dir, tmp_path)
+    settings = step_config(config)
+    make_model = model_factory(config.model)
+    state = init_train_state_from(
+        make_model, open_hf(llama_dir).model, config=settings, mesh=make_mesh(config.mesh)
+    )
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / CONFIG_FILE).write_text(config_to_toml(config))
+    saved = checkpoint_layout(state, train_state_axes(make_model, config=settings), settings.rules)
+    with Checkpointer(run_dir / CHECKPOINT_DIR, every=1, keep=2, async_save=False) as saver:
+        for step in (2, 5):
+            saver.save(step, saved, data_iterator(), {})
+    return run_dir
+
+
+def export_error(capsys, *argv: str) -> str:
+    """Run ``pipelines.export ARGV``; it must fail with exit 2 and one ``error:`` line."""
+    assert export.main(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err[len("error: ") :]
+
+
+def test_export_errors(exported_run: Path, tmp_path: Path, capsys):
+    out = str(tmp_path / "out")
+    assert export_error(capsys, str(tmp_path / "none"), "--out", out) == (
+        f"{tmp_path / 'none'}: no such run directory"
+    )
+    assert export_error(capsys, str(tmp_path), "--out", out) == (
+        f"{tmp_path} has no config.toml: not a pipelines.run directory"
+    )
+    assert export_error(capsys, "", "--out", out).startswith("RUN_DIR is empty")
+    empty_run = tmp_path / "empty-run"
+    empty_run.mkdir()
+    shutil.copy(exported_run / CONFIG_FILE, empty_run / CONFIG_FILE)
+    assert export_error(capsys, str(empty_run), "--out", out) == (
+        f"{empty_run / CHECKPOINT_DIR} holds no checkpoint yet"
+    )
+    assert export_error(capsys, str(exported_run), "--out", out, "--step", "3") == (
+        f"--step 3: {exported_run / CHECKPOINT_DIR} has no such checkpoint; it has 2, 5"
+    )
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "notes.txt").write_text("mine")
+    assert export_error(capsys, str(exported_run), "--out", str(occupied)).startswith(
+        f"--out {occupied} is not empty; give an empty or new directory, or --force"
+    )
+    assert export_error(capsys, str(exported_run), "--out", str(occupied / "notes.txt")) == (
+        f"--out {occupied / 'notes.txt'} is a file; give a directory"
+    )
+    assert export_error(capsys, str(exported_run), "--out", out, "--max-shard-size", "0") == (
+        "--max-shard-size must be a number of GB > 0, got 0.0"
+    )
+
+
+def test_export_a_step_in_bfloat16_sharded_and_over_an_old_export(
+    exported_run: Path, llama_dir: Path, tmp_path: Path, capsys
+):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_text("an older export")
+    argv = [str(exported_run), "--out", str(out), "--step", "2", "--dtype", "bfloat16"]
+    assert export.main([*argv, "--force", "--max-shard-size", "0.00002"]) == 0
+    assert "exported step 2 of" in capsys.readouterr().out
+    assert not (out / "model.safetensors").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    original = stored_tensors(llama_dir)
+    exported = stored_tensors(out)
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert exported[name].dtype == np.dtype("bfloat16"), name
+        np.testing.assert_array_equal(exported[name], tensor.astype("bfloat16"), err_msg=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16
+
+
+def test_export_refuses_a_damaged_checkpoint(exported_run: Path, tmp_path: Path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(exported_run, run_dir)
+    from eqxzoo.train.saved_arrays import saved_arrays
+
+    arrays = saved_arrays(run_dir / CHECKPOINT_DIR / "5")
+    meta_dir = run_dir / CHECKPOINT_DIR / "5" / "meta"
+    meta_file = next(path for path in meta_dir.iterdir() if path.name != "commit_success.txt")
+    meta = json.loads(meta_file.read_text())
+    meta["checksums"][".model.final_norm.weight"][0] += 1
+    meta_file.write_text(json.dumps(meta))
+    assert "model.final_norm.weight" in arrays
+    message = export_error(capsys, str(run_dir), "--out", str(tmp_path / "out"))
+    assert message == (
+        "model.final_norm.weight does not match its checksum: the checkpoint's files were "
+        "damaged after they were written"
+    )
+
+
+def test_export_refuses_a_family_without_a_hugging_face_architecture(tmp_path: Path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = RunConfig(data=DataConfig(vocab_size=300), mesh=MESH, pipeline=CIRCULAR)
+    (run_dir / CONFIG_FILE).write_text(config_to_toml(config))
+    message = export_error(capsys, str(run_dir), "--out", str(tmp_path / "out"))
+    assert message.startswith("family: 'decoder' has no Hugging Face architecture; use ")
