@@ -13,7 +13,8 @@ The checkpoint is read one layer of one array at a time (`eqxzoo.train.saved_arr
 written one shard at a time (`models.hf.write_hf`): a checkpoint larger than host memory
 exports. What is read is checked against the checksums recorded at save time. Started as
 several processes (JAX's distributed environment, as `pipelines.run` under a cluster
-launcher), each writes its share of the shards. Problems are one ``error:`` line, exit 2.
+launcher, or ``python -m pipelines.launch --processes N --module pipelines.export ...``),
+each writes its share of the shards. Problems are one ``error:`` line, exit 2.
 """
 
 import argparse
@@ -109,7 +110,10 @@ def export(args: argparse.Namespace) -> int:
 
     join_processes()
     written = write_checkpoint(config, run_dir / CHECKPOINT_DIR / str(step), out, args, dtype)
-    print(f"exported step {step} of {run_dir} to {out}: {written}")
+    import jax
+
+    if jax.process_index() == 0:
+        print(f"exported step {step} of {run_dir} to {out}: {written}")
     return 0
 
 

@@ -1,8 +1,10 @@
 """Start a run as several cooperating local processes on one global mesh.
 
     python -m pipelines.launch --processes N CONFIG.toml [pipelines.run arguments ...]
+    python -m pipelines.launch --processes N --module pipelines.export RUN_DIR --out DIR ...
 
-Each process runs ``python -m pipelines.run CONFIG ...`` with the environment that
+Each process runs ``python -m pipelines.run CONFIG ...`` (or the ``--module`` given) with
+the environment that
 `eqxzoo.runtime` reads (``EQXZOO_NUM_PROCESSES``, ``EQXZOO_PROCESS_ID`` and
 ``JAX_COORDINATOR_ADDRESS`` on a free loopback port; everything binds to 127.0.0.1 only),
 calls `jax.distributed.initialize` and simulates its share of the mesh's devices on the CPU
@@ -25,6 +27,9 @@ import time
 
 from eqxzoo.errors import run_command
 from eqxzoo.runtime import HEARTBEAT_ENV, LOOPBACK, NUM_PROCESSES_ENV, PROCESS_ID_ENV
+
+
+MODULES = ("pipelines.run", "pipelines.export")
 
 
 def free_port() -> int:
@@ -61,11 +66,17 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         default=30,
         help="seconds without a heartbeat before JAX declares a process lost (default 30)",
     )
+    parser.add_argument(
+        "--module",
+        choices=MODULES,
+        default=MODULES[0],
+        help="the command every process runs (default pipelines.run)",
+    )
     args, run_args = parser.parse_known_args(argv)
     if args.processes < 1:
         parser.error(f"--processes must be >= 1, got {args.processes}")
     if not run_args:
-        parser.error("give the run config (and any pipelines.run arguments) after the options")
+        parser.error(f"give the arguments of {args.module} after the options")
     return args, run_args
 
 
@@ -76,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def launch(args: argparse.Namespace, run_args: list[str]) -> int:
     port = free_port()
-    command = [sys.executable, "-m", "pipelines.run", *run_args]
+    command = [sys.executable, "-m", args.module, *run_args]
     processes = []
     for index in range(args.processes):
         env = process_environment(index, args.processes, port) | {

@@ -119,21 +119,29 @@ def verify_reads(arrays: Iterable[SavedArray], checksums: dict[str, list[int]] |
     naming the first array whose values are not what was saved.
     """
     arrays = sorted(arrays, key=lambda array: array.name)
-    partial = np.array(
-        [[array.read_count, *array.read_sums] for array in arrays], np.uint64
-    ).reshape(len(arrays), 3)
+    # As uint32 words (JAX without x64 has no 64-bit integers): the count in two halves,
+    # the sums mod 2^32 (all the recorded checksums keep).
+    words = np.array(
+        [
+            [array.read_count % 2**32, array.read_count // 2**32, *(array.read_sums % 2**32)]
+            for array in arrays
+        ],
+        np.uint32,
+    ).reshape(len(arrays), 4)
     if jax.process_count() > 1:
-        gathered = multihost_utils.process_allgather(partial.view(np.int64))
-        with np.errstate(over="ignore"):
-            partial = np.asarray(gathered).view(np.uint64).sum(axis=0, dtype=np.uint64)
+        words = np.asarray(multihost_utils.process_allgather(words)).reshape(-1, len(arrays), 4)
+    else:
+        words = words[None]
+    totals = words.astype(np.uint64).sum(axis=0).tolist()  # per array, over processes
+    partial = [(low + (high << 32), plain, positional) for low, high, plain, positional in totals]
     if checksums is None:
         return 0
     checked = 0
     for array, (count, plain, positional) in zip(arrays, partial, strict=True):
         recorded = checksums.get(f".{array.name}")
-        if recorded is None or int(count) != math.prod(array.shape):
+        if recorded is None or count != math.prod(array.shape):
             continue
-        if [int(plain) % 2**32, int(positional) % 2**32] != list(recorded):
+        if [plain % 2**32, positional % 2**32] != list(recorded):
             raise CheckpointError(
                 f"{array.name} does not match its checksum: the checkpoint's files were "
                 "damaged after they were written"
