@@ -121,7 +121,9 @@ def generate_from_run(args: argparse.Namespace) -> int:
     if not config_file.is_file():
         raise UserError(f"{run_dir} has no {CONFIG_FILE}: not a pipelines.run directory")
     try:
-        config = load_config(config_file)
+        # The run's own config holds its whole architecture: the Hugging Face directory it
+        # may have started from is not needed.
+        config = load_config(config_file, ["model.init_from_hf="])
     except ConfigError as error:
         raise ConfigError(f"{config_file}: {error}") from None
 

@@ -24,6 +24,7 @@ from eqxzoo.config import (
 )
 from eqxzoo.parallel import MeshConfig, Schedule
 from eqxzoo.train.settings import StepConfig
+from eqxzoo.typed_config import read_toml
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_FILES = sorted(CONFIGS.glob("*.toml"))
@@ -34,9 +35,19 @@ def test_the_shipped_configs_exist():
     assert {"tiny.toml", "moe_1b.toml", "dense_125m.toml"} <= {path.name for path in CONFIG_FILES}
 
 
+def load_shipped(path: Path, tmp_path: Path) -> RunConfig:
+    """``load_config(path)``; a config that starts from a Hugging Face checkpoint
+    (``init_from_hf``) gets one in ``tmp_path`` of the architecture its ``[model]`` states."""
+    if not read_toml(path).get("model", {}).get("init_from_hf"):
+        return load_config(path)
+    architecture = load_config(path, ["model.init_from_hf="]).model
+    models.save_hf(models.DecoderLM(architecture, key=jax.random.key(0)), tmp_path / "hf")
+    return load_config(path, [f"model.init_from_hf={tmp_path / 'hf'}"])
+
+
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda path: path.name)
-def test_every_config_file_loads(path):
-    config = load_config(path)
+def test_every_config_file_loads(path, tmp_path):
+    config = load_shipped(path, tmp_path)
     assert isinstance(config, RunConfig)
     assert devices_needed(config) == 8
     assert mesh_config(config) == config.mesh
@@ -58,11 +69,11 @@ def parameter_counts(model_config: models.DecoderConfig) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda path: path.name)
-def test_parameter_counts_in_the_header_are_right(path):
+def test_parameter_counts_in_the_header_are_right(path, tmp_path):
     header = re.search(r"# Parameters: ([\d,]+) total, ([\d,]+) active", path.read_text())
     assert header, f"{path.name} has no '# Parameters: N total, M active' line"
     stated = tuple(int(number.replace(",", "")) for number in header.groups())
-    assert parameter_counts(load_config(path).model) == stated
+    assert parameter_counts(load_shipped(path, tmp_path).model) == stated
 
 
 def test_tiny_is_the_cpu_demo():
@@ -135,7 +146,7 @@ def test_missing_sections_take_defaults(tmp_path):
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda path: path.name)
 def test_round_trip_through_dict_json_and_toml(path, tmp_path):
-    config = load_config(path)
+    config = load_shipped(path, tmp_path)
     document = config_to_dict(config)
     assert config_from_dict(document) == config
     assert config_from_dict(json.loads(json.dumps(document))) == config
