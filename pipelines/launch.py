@@ -28,7 +28,6 @@ import time
 from eqxzoo.errors import run_command
 from eqxzoo.runtime import HEARTBEAT_ENV, LOOPBACK, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 
-
 MODULES = ("pipelines.run", "pipelines.export")
 
 

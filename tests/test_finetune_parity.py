@@ -218,7 +218,9 @@ def test_finetune_matches_torch(case, tmp_path):
     assert sorted(zoo) == sorted(trained) == sorted(initial)
     worst = max(np.max(np.abs(zoo[name] - trained[name])) for name in trained)
     moved = min(np.max(np.abs(trained[name] - initial[name])) for name in trained)
-    print(case, "worst", worst, "moved", moved, "loss", np.max(np.abs(zoo_losses / torch_losses - 1)))
+    print(
+        case, "worst", worst, "moved", moved, "loss", np.max(np.abs(zoo_losses / torch_losses - 1))
+    )
     for name, tensor in trained.items():
         np.testing.assert_allclose(zoo[name], tensor, rtol=TOLERANCE, atol=TOLERANCE, err_msg=name)
         moved = np.max(np.abs(tensor - initial[name]))

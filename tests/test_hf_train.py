@@ -329,3 +329,26 @@ def test_export_refuses_a_family_without_a_hugging_face_architecture(tmp_path: P
     (run_dir / CONFIG_FILE).write_text(config_to_toml(config))
     message = export_error(capsys, str(run_dir), "--out", str(tmp_path / "out"))
     assert message.startswith("family: 'decoder' has no Hugging Face architecture; use ")
+
+
+def test_the_dry_run_checks_the_checkpoint_without_reading_its_weights(llama_dir, tmp_path):
+    """Every value overwritten with garbage: the dry run, which reads only the headers,
+    still plans the run and names the checkpoint."""
+    from eqxzoo.train.plan import dry_run
+
+    garbled = tmp_path / "garbled"
+    shutil.copytree(llama_dir, garbled)
+    weights = garbled / "model.safetensors"
+    header_length = int.from_bytes(weights.read_bytes()[:8], "little")
+    data = bytearray(weights.read_bytes())
+    data[8 + header_length :] = b"\xff" * (len(data) - 8 - header_length)
+    weights.write_bytes(bytes(data))
+    config = hf_run_config(garbled, tmp_path)
+    lines: list[str] = []
+    figures = dry_run(config, say=lines.append)
+    assert figures["parameters"] > 0
+    assert any(
+        line.startswith(f"parameters from the Hugging Face checkpoint {garbled}: ")
+        and line.endswith("names, shapes and dtypes checked (a dry run reads no weights)")
+        for line in lines
+    ), lines

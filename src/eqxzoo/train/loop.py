@@ -56,7 +56,7 @@ from eqxzoo.train.report import (
     peak_flops,
     plot_losses,
 )
-from eqxzoo.train.rundir import CHECKPOINT_DIR, prepare_run_dir
+from eqxzoo.train.rundir import CHECKPOINT_DIR, has_checkpoints, prepare_run_dir
 from eqxzoo.train.state import (
     TrainState,
     abstract_train_state,
@@ -170,6 +170,7 @@ class _Trainer:
     def run(self) -> RunSummary:
         with contextlib.ExitStack() as opened:
             self.open_run_dir(opened)
+            self.open_hf_checkpoint()
             self.open_data(opened)
             self.compile_steps()
             self.open_state(opened)
@@ -197,6 +198,14 @@ class _Trainer:
                 f"process 0 refused --run-dir {self.run_dir} (its error line says why)"
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    def open_hf_checkpoint(self) -> None:
+        """A fresh run from ``init_from_hf`` opens its checkpoint now: every tensor's name,
+        shape and dtype is checked before anything compiles (the weights are read later, by
+        slices); a resume never reads it."""
+        self.hf_checkpoint = None
+        if self.config.init_from_hf and not has_checkpoints(self.run_dir):
+            self.hf_checkpoint = open_hf(self.config.init_from_hf)
 
     def compile_steps(self) -> None:
         """Compile the train step from the state's shapes alone and refuse a plan whose
@@ -277,7 +286,7 @@ class _Trainer:
         if not self.config.init_from_hf:
             key = jax.random.key(self.config.run.seed)
             return init_train_state(self.make_model, key, config=self.step_config, mesh=self.mesh)
-        checkpoint = open_hf(self.config.init_from_hf)
+        checkpoint = self.hf_checkpoint or open_hf(self.config.init_from_hf)
         state = init_train_state_from(
             self.make_model, checkpoint.model, config=self.step_config, mesh=self.mesh
         )

@@ -39,8 +39,9 @@ def sharding_table(state) -> list[tuple[str, str, str, str, str]]:
     return rows
 
 
-def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, float]:
+def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, float | int | bool]:
     """Print the plan of ``config``'s run; returns its figures (for tests and scripts)."""
+    checkpoint = open_hf(config.init_from_hf) if config.init_from_hf else None
     mesh = make_mesh(config.mesh)
     config_for_step = step_config(config)
     target = abstract_train_state(model_factory(config.model), config=config_for_step, mesh=mesh)
@@ -58,12 +59,12 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
         f"parameters: {counts.total:,} total, {counts.active:,} active per token "
         f"({counts.embedding:,} in the input embedding)"
     )
-    if config.init_from_hf:
-        checkpoint = open_hf(config.init_from_hf)
+    if checkpoint is not None:
+        files = checkpoint.files
         say(
             f"parameters from the Hugging Face checkpoint {checkpoint.directory}: "
-            f"{len(checkpoint.files.names())} tensors, {checkpoint.files.total_bytes / 1e6:,.2f} MB, "
-            "names, shapes and dtypes checked (a dry run reads no weights)"
+            f"{len(files.names())} tensors, {files.total_bytes / 1e6:,.2f} MB, names, shapes "
+            "and dtypes checked (a dry run reads no weights)"
         )
     say(
         f"batch per step: {shape.windows} sequences x {shape.seq_len} tokens "
