@@ -74,7 +74,8 @@ OPTIMIZER = OptimizerConfig(
     b2=0.95,
     eps=1e-8,
     weight_decay=0.1,
-    clip_norm=1.0,
+    # Between the steps' gradient norms (1.6 to 4.2 here): some steps are clipped, some not.
+    clip_norm=2.1,
 )
 
 # name -> (architecture, config fields, pipeline schedule); four layers each, so that both
@@ -131,12 +132,17 @@ def warmup_cosine(step, config):
     return final + (peak - final) * cosine
 
 
+def gets_weight_decay(hf_name):
+    """Whether a Hugging Face parameter gets weight decay: all but norms and biases."""
+    return not ("norm" in hf_name or hf_name.endswith("bias"))
+
+
 def torch_finetune(hf_model, batches, config):
     """Train ``hf_model`` in place, one AdamW step per batch; returns each step's loss (taken
     before its update) and gradient norm (before clipping)."""
     named = list(hf_model.named_parameters())
-    no_decay = [p for name, p in named if "norm" in name or name.endswith("bias")]
-    decay = [p for name, p in named if not ("norm" in name or name.endswith("bias"))]
+    decay = [parameter for name, parameter in named if gets_weight_decay(name)]
+    no_decay = [parameter for name, parameter in named if not gets_weight_decay(name)]
     optimizer = torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": config.weight_decay},
@@ -196,6 +202,8 @@ def read_tensors(directory):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_finetune_matches_torch(case, tmp_path):
+    """Same losses and gradient norms at every step, same parameters after the last, and
+    the parameters moved far beyond the tolerance with the clip acting on some steps only."""
     architecture, fields, schedule = CASES[case]
     hf_model = make_hf_model(architecture, fields)
     hf_model.save_pretrained(tmp_path / "initial")
@@ -205,22 +213,17 @@ def test_finetune_matches_torch(case, tmp_path):
         tmp_path / "initial", schedule, batches, OPTIMIZER
     )
     torch_losses, torch_grad_norms = torch_finetune(hf_model, batches, OPTIMIZER)
-    print(case, zoo_losses, torch_losses, zoo_grad_norms, torch_grad_norms)
 
     np.testing.assert_allclose(zoo_losses, torch_losses, rtol=TOLERANCE)
     np.testing.assert_allclose(zoo_grad_norms, torch_grad_norms, rtol=TOLERANCE)
-    assert np.any(zoo_grad_norms > OPTIMIZER.clip_norm), "the clip never acted"
+    clipped = zoo_grad_norms > OPTIMIZER.clip_norm
+    assert clipped.any() and not clipped.all(), f"clip {OPTIMIZER.clip_norm}: {zoo_grad_norms}"
 
     write_hf(jax.device_get(zoo_model), tmp_path / "zoo", dtype="float32")
     hf_model.save_pretrained(tmp_path / "torch")
     initial = read_tensors(tmp_path / "initial")
     zoo, trained = read_tensors(tmp_path / "zoo"), read_tensors(tmp_path / "torch")
     assert sorted(zoo) == sorted(trained) == sorted(initial)
-    worst = max(np.max(np.abs(zoo[name] - trained[name])) for name in trained)
-    moved = min(np.max(np.abs(trained[name] - initial[name])) for name in trained)
-    print(
-        case, "worst", worst, "moved", moved, "loss", np.max(np.abs(zoo_losses / torch_losses - 1))
-    )
     for name, tensor in trained.items():
         np.testing.assert_allclose(zoo[name], tensor, rtol=TOLERANCE, atol=TOLERANCE, err_msg=name)
         moved = np.max(np.abs(tensor - initial[name]))
