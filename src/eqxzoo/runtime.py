@@ -157,3 +157,16 @@ def on_every_process(ok: bool) -> bool:
     if jax.process_count() == 1:
         return ok
     return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
+
+
+def counts_of_every_process(counts: np.ndarray) -> np.ndarray:
+    """``counts`` (non-negative integers below 2^64) of every process, stacked on a leading
+    process axis, as Python integers. They travel as uint32 halves: JAX without x64 has no
+    64-bit integers, and a byte count passes 2^31 at 2 GB."""
+    counts = np.asarray(counts, dtype=object)
+    halves = np.stack([counts % 2**32, counts // 2**32]).astype(np.uint32)
+    if jax.process_count() > 1:
+        halves = np.asarray(multihost_utils.process_allgather(halves))
+    else:
+        halves = halves[None]
+    return halves[:, 0].astype(object) + (halves[:, 1].astype(object) << 32)

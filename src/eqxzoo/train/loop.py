@@ -22,7 +22,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from eqxzoo.config import RunConfig, config_to_dict, step_config
 from eqxzoo.data import (
@@ -35,7 +34,7 @@ from eqxzoo.data import (
 from eqxzoo.data.prepare import prepare_stdlib_corpus
 from eqxzoo.errors import EXIT_STOPPED, UserError
 from eqxzoo.parallel import make_mesh
-from eqxzoo.runtime import on_every_process
+from eqxzoo.runtime import counts_of_every_process, on_every_process
 from eqxzoo.train.checkpoint import Checkpointer, StopSignal, saves_asynchronously
 from eqxzoo.train.layout import (
     abstract_checkpoint_layout,
@@ -290,8 +289,8 @@ class _Trainer:
         state = init_train_state_from(
             self.make_model, checkpoint.model, config=self.step_config, mesh=self.mesh
         )
-        read = multihost_utils.process_allgather(np.int64(checkpoint.files.bytes_read))
-        per_process = ", ".join(f"{int(n) / 1e6:,.2f}" for n in np.atleast_1d(read))
+        read = counts_of_every_process(np.array([checkpoint.files.bytes_read]))[:, 0]
+        per_process = ", ".join(f"{n / 1e6:,.2f}" for n in read)
         self.say(
             f"initialised from the Hugging Face checkpoint {checkpoint.directory} "
             f"({checkpoint.files.total_bytes / 1e6:,.2f} MB): MB read per process {per_process}"

@@ -22,8 +22,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
-from jax.experimental import multihost_utils
 
+from eqxzoo.runtime import counts_of_every_process
 from eqxzoo.train.checkpoint import CHECKSUMS, CheckpointError, check_complete
 
 STATE_ITEM = "state"
@@ -119,25 +119,15 @@ def verify_reads(arrays: Iterable[SavedArray], checksums: dict[str, list[int]] |
     naming the first array whose values are not what was saved.
     """
     arrays = sorted(arrays, key=lambda array: array.name)
-    # As uint32 words (JAX without x64 has no 64-bit integers): the count in two halves,
-    # the sums mod 2^32 (all the recorded checksums keep).
-    words = np.array(
-        [
-            [array.read_count % 2**32, array.read_count // 2**32, *(array.read_sums % 2**32)]
-            for array in arrays
-        ],
-        np.uint32,
-    ).reshape(len(arrays), 4)
-    if jax.process_count() > 1:
-        words = np.asarray(multihost_utils.process_allgather(words)).reshape(-1, len(arrays), 4)
-    else:
-        words = words[None]
-    totals = words.astype(np.uint64).sum(axis=0).tolist()  # per array, over processes
-    partial = [(low + (high << 32), plain, positional) for low, high, plain, positional in totals]
+    partial = np.array(
+        [[array.read_count, *(int(total) for total in array.read_sums)] for array in arrays],
+        dtype=object,
+    ).reshape(len(arrays), 3)
+    totals = counts_of_every_process(partial).sum(axis=0).tolist()
     if checksums is None:
         return 0
     checked = 0
-    for array, (count, plain, positional) in zip(arrays, partial, strict=True):
+    for array, (count, plain, positional) in zip(arrays, totals, strict=True):
         recorded = checksums.get(f".{array.name}")
         if recorded is None or count != math.prod(array.shape):
             continue
