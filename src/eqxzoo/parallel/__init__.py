@@ -9,6 +9,7 @@ from eqxzoo.parallel.mesh import (
     make_mesh,
 )
 from eqxzoo.parallel.pipeline import run_pipeline, stage_layers, staged_axes, unstage_layers
+from eqxzoo.parallel.pipeline_grad import pipeline_value_and_grad
 from eqxzoo.parallel.rules import (
     DEFAULT_RULES,
     MeshAxes,
@@ -36,6 +37,7 @@ __all__ = [
     "check_model_fits",
     "make_mesh",
     "partition_spec",
+    "pipeline_value_and_grad",
     "run_pipeline",
     "stage_layers",
     "staged_axes",

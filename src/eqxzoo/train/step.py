@@ -18,21 +18,31 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Float, Int
 
 from eqxzoo.nn import LanguageModel
-from eqxzoo.optim import build_optimizer, learning_rate_schedule
+from eqxzoo.optim import build_optimizer, learning_rate_schedule, trainable_mask
 from eqxzoo.parallel import DEFAULT_RULES, MeshAxes, activation_sharding
-from eqxzoo.train.loss import pipelined_loss
+from eqxzoo.train.loss import pipelined_loss, pipelined_loss_and_grad
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import TrainState, split_trainable
 
 Batch = dict[str, Int[Array, "grad_accum microbatches batch seq"]]
 
 LossFn = Callable[[LanguageModel, Array, Array], tuple[Array, dict[str, Array]]]
+# ``(model, tokens, targets) -> ((loss, metrics), grads)``, grads shaped like the model.
+LossAndGradFn = Callable[
+    [LanguageModel, Array, Array], tuple[tuple[Array, dict[str, Array]], LanguageModel]
+]
 
 
 def train_step(
-    state: TrainState, batch: Batch, *, config: StepConfig, loss_fn: LossFn
+    state: TrainState,
+    batch: Batch,
+    *,
+    config: StepConfig,
+    loss_fn: LossFn,
+    loss_and_grad_fn: LossAndGradFn | None = None,
 ) -> tuple[TrainState, dict[str, Array]]:
-    """One optimizer step over ``G`` accumulated gradients of ``loss_fn`` (not jitted).
+    """One optimizer step over ``G`` accumulated gradients of ``loss_fn`` (not jitted); a
+    schedule that runs its own backward gives them through ``loss_and_grad_fn`` instead.
 
     A step whose loss or gradient norm is not finite leaves the whole state as it was
     (``metrics["skipped"] == 1``): ``state.step`` counts applied updates, like the optimizer's
@@ -47,7 +57,13 @@ def train_step(
         def loss_of(trainable):
             return loss_fn(eqx.combine(trainable, frozen), micro["tokens"], micro["targets"])
 
-        (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
+        if loss_and_grad_fn is None:
+            (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
+        else:
+            (loss, metrics), grads = loss_and_grad_fn(
+                eqx.combine(trainable, frozen), micro["tokens"], micro["targets"]
+            )
+            grads, _ = eqx.partition(grads, trainable_mask(grads, config.optimizer.freeze))
         metrics = {"loss": loss, **metrics}
         return (
             jax.tree.map(jnp.add, grad_sum, grads),
@@ -123,9 +139,17 @@ def make_train_step(
     def loss_fn(model, tokens, targets):
         return pipelined_loss(model, tokens, targets, config=config, mesh=mesh)
 
+    loss_and_grad_fn = None
+    if config.schedule.fuses_backward:
+
+        def loss_and_grad_fn(model, tokens, targets):
+            return pipelined_loss_and_grad(model, tokens, targets, config=config, mesh=mesh)
+
     def step(state, batch):
         batch = jax.lax.with_sharding_constraint(batch, batch_sharding(mesh, config.rules))
-        state, metrics = train_step(state, batch, config=config, loss_fn=loss_fn)
+        state, metrics = train_step(
+            state, batch, config=config, loss_fn=loss_fn, loss_and_grad_fn=loss_and_grad_fn
+        )
         # Replicated, so that every process can read them (multi-process runs).
         replicated = activation_sharding(mesh, rules=config.rules)
         return state, jax.lax.with_sharding_constraint(metrics, replicated)

@@ -1,0 +1,369 @@
+"""The forward-and-backward pipeline executor: runs a 1F1B-family `ActionTable` under the one
+`jax.shard_map` (manual over ``pp``), computing the loss and every gradient itself.
+
+Autodiff of a forward pipeline keeps every microbatch's stage inputs until the backward
+starts; here the backward of a microbatch runs as soon as its loss exists, so a stage keeps
+only the items in flight (the table's ``slots``, at most ``P`` for ``1f1b``/``zb_h1``). Each
+tick every stage looks up its action and runs it inside one `jax.lax.switch`:
+
+- F: its layers on the item's input (the embedding of the microbatch's tokens on the first
+  virtual stage, else the activation that arrived into the item's stash slot); on the last
+  virtual stage also the head and loss, whose `jax.vjp` gives the cotangent that starts the
+  item's backward and the head's parameter gradients;
+- B / BW: `jax.vjp` of the stage (recomputed from the stashed input with ``remat_stages``,
+  from the stashed vjp residuals without) applied to the item's cotangent: the input
+  cotangent goes one stage back, BW also adds the weight gradient (on the first virtual stage
+  the input cotangent flows into the embedding's gradient instead);
+- W: the weight gradient only (zero bubble schedules defer it into the drain).
+
+The two `jax.lax.ppermute` (activations one stage on, cotangents one stage back, both around
+the ring so repeats wrap) run every tick outside the switch; what arrives is written into the
+slot the table names. Weight gradients accumulate stage-locally in the staged layout (sharded
+over ``pp`` like the weights); the embedding/head gradients accumulate on every stage and are
+summed over stages once at the end, outside the `shard_map`. MoE aux values are summed per
+microbatch on its F only; their loss terms enter each BW as a constant cotangent. Nothing of
+this is differentiated by autodiff: `pipeline_value_and_grad` returns values and gradients.
+"""
+
+from collections.abc import Callable, Mapping
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jaxtyping import Array, Float, Int, PyTree
+
+from eqxzoo.nn import apply_layers
+from eqxzoo.nn.stack import RematPolicy
+from eqxzoo.parallel.pipeline import _varying_over_pp
+from eqxzoo.parallel.rules import DEFAULT_RULES, MeshAxes, activation_spec
+from eqxzoo.parallel.schedule import BW, IDLE, B, F, Schedule, W
+
+FirstFn = Callable[[PyTree, Int[Array, "batch seq"]], Float[Array, "batch seq embed"]]
+LastFn = Callable[
+    [PyTree, Float[Array, "batch seq embed"], Int[Array, "batch seq"]], Float[Array, ""]
+]
+
+
+def pipeline_value_and_grad(
+    layers: PyTree,
+    outer: PyTree,
+    tokens: Int[Array, "microbatches batch seq"],
+    targets: Int[Array, "microbatches batch seq"],
+    *,
+    first: FirstFn,
+    last: LastFn,
+    aux_scales: Mapping[str, float],
+    schedule: Schedule,
+    mesh: Mesh,
+    remat_policy: RematPolicy = "none",
+    remat_stages: bool = True,
+    rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
+) -> tuple[Float[Array, ""], dict[str, Array], PyTree, PyTree]:
+    """The summed loss, every layer's aux values summed over microbatches ``(L, ...)``, and
+    the gradients of the loss with respect to ``layers`` and ``outer``.
+
+    ``layers`` are staged (`stage_layers`), ``outer`` is what the pipeline does not stage
+    (embedding, head). ``first(outer, tokens)`` gives a microbatch's input to the blocks,
+    ``last(outer, h, targets)`` its share of the loss (the caller divides by the tokens of the
+    whole batch, so the shares sum to the loss). ``aux_scales[name]`` is the loss's derivative
+    with respect to one layer's aux value ``name`` for one microbatch (absent names: 0).
+    Gradients are those of the summed loss plus the aux terms; layer gradients are staged.
+    """
+    assert schedule.fuses_backward, schedule
+    assert mesh.shape["pp"] == schedule.stages, (mesh.shape, schedule)
+    table = schedule.actions()
+    n_stages, n_repeats = schedule.stages, schedule.repeats
+    n_slots = table.slots
+    last_stage = n_stages - 1
+    manual = n_stages > 1
+    forward_shift = [(stage, (stage + 1) % n_stages) for stage in range(n_stages)]
+    backward_shift = [(stage, (stage - 1) % n_stages) for stage in range(n_stages)]
+    columns = {
+        name: jnp.asarray(getattr(table, name))
+        for name in ("action", "microbatch", "repeat", "slot", "arrive_input", "arrive_grad")
+    }
+    layer_params, layer_static = eqx.partition(layers, eqx.is_inexact_array)
+    outer_params, outer_static = eqx.partition(outer, eqx.is_inexact_array)
+
+    def stage_fn(stage_params, h):
+        return apply_layers(eqx.combine(stage_params, layer_static), h, remat_policy=remat_policy)
+
+    def first_fn(params, tokens_m):
+        return first(eqx.combine(params, outer_static), tokens_m)
+
+    def last_fn(params, h, targets_m):
+        return last(eqx.combine(params, outer_static), h, targets_m)
+
+    one_repeat = jax.tree.map(lambda p: p[0, 0], layer_params)
+    h_shape = jax.eval_shape(first_fn, outer_params, tokens[0])
+    _, aux_shapes = jax.eval_shape(stage_fn, one_repeat, h_shape)
+    aux_cotangent = {
+        name: jnp.full(shape.shape, aux_scales.get(name, 0.0), shape.dtype)
+        for name, shape in aux_shapes.items()
+    }
+    residual_shapes, residual_tree = None, None
+    if not remat_stages:
+        residual_shapes, residual_tree = _residual_structure(stage_fn, one_repeat, h_shape)
+
+    def zeros_like(shapes):
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def per_stage(layer_params, outer_params, tokens, targets):
+        stage = jax.lax.axis_index("pp") if manual else 0
+        layer_params = jax.tree.map(lambda p: p[:, 0], layer_params)
+        outer_params = _varying_over_pp(outer_params, manual)
+        varying = lambda tree: _varying_over_pp(tree, manual)  # noqa: E731
+
+        one_repeat_shapes = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(p.shape[1:], jnp.float32), layer_params
+        )
+
+        def embedding_grads(m, d_h):
+            """The outer parameters' gradient through ``first`` of microbatch ``m``."""
+            _, pullback = jax.vjp(lambda o: first_fn(o, tokens[m]), outer_params)
+            return pullback(d_h)[0]
+
+        def vjp_of_stage(weights, h_in, h_grad, residuals):
+            """The stage's pullback, and the cotangent of its outputs: the item's gradient and
+            the aux losses' constant one, each varying over ``pp`` where its output is."""
+            if remat_stages:
+                outputs, pullback = jax.vjp(stage_fn, weights, h_in)
+            else:
+                outputs = jax.eval_shape(stage_fn, weights, h_in)
+                pullback = jax.tree.unflatten(residual_tree, residuals)
+            cotangent = (h_grad, aux_cotangent)
+            cotangent = jax.tree.map(
+                lambda output, value: varying(value) if _varies(output) else value,
+                outputs,
+                cotangent,
+            )
+            return pullback, cotangent
+
+        def tick(carry, t):
+            (
+                received,
+                received_grad,
+                inputs,
+                grads,
+                residuals,
+                layer_grads,
+                outer_grads,
+                loss_sum,
+                aux_sums,
+            ) = carry
+            row = {name: column[t, stage] for name, column in columns.items()}
+            kind, m, r, slot = row["action"], row["microbatch"], row["repeat"], row["slot"]
+            # What the neighbours sent at the tick before lands in the slot the table names.
+            inputs = _write(inputs, row["arrive_input"], received)
+            grads = _write(grads, row["arrive_grad"], received_grad)
+            weights = jax.tree.map(lambda p: p[r], layer_params)
+            is_first = (stage == 0) & (r == 0)
+            is_last = (stage == last_stage) & (r == n_repeats - 1)
+            stashed_residuals = jax.tree.map(lambda buffer: buffer[slot], residuals)
+
+            def stage_input():
+                return jax.lax.cond(
+                    is_first,
+                    lambda: varying(first_fn(outer_params, tokens[m])),
+                    lambda: inputs[slot],
+                )
+
+            def idle():
+                return varying(_nothing())
+
+            def forward():
+                h_in = stage_input()
+                if remat_stages:
+                    (h_out, aux), new_residuals = stage_fn(weights, h_in), stashed_residuals
+                else:
+                    (h_out, aux), pullback = jax.vjp(stage_fn, weights, h_in)
+                    new_residuals = jax.tree.leaves(pullback)
+
+                def head():
+                    loss, pullback = jax.vjp(
+                        lambda o, h: last_fn(o, h, targets[m]), outer_params, h_out
+                    )
+                    d_outer, d_h = pullback(jnp.ones_like(loss))
+                    return varying((loss.astype(jnp.float32), d_outer, d_h))
+
+                def no_head():
+                    return varying(
+                        (
+                            jnp.zeros((), jnp.float32),
+                            zeros_like(outer_params),
+                            jnp.zeros_like(h_out),
+                        )
+                    )
+
+                loss, d_outer, d_h = jax.lax.cond(is_last, head, no_head)
+                result = _nothing()
+                result.update(
+                    send=h_out,
+                    input=h_in,
+                    write_input=True,
+                    grad=d_h,
+                    write_grad=is_last,
+                    residuals=new_residuals,
+                    d_outer=d_outer,
+                    loss=loss.astype(jnp.float32),
+                    aux=aux,
+                )
+                return varying(result)
+
+            def backward(weight_grad: bool, input_grad: bool):
+                def run():
+                    pullback, cotangent = vjp_of_stage(
+                        weights, inputs[slot], grads[slot], stashed_residuals
+                    )
+                    d_weights, d_h = pullback(cotangent)
+                    result = _nothing()
+                    if weight_grad:
+                        result["d_layers"] = d_weights
+                    if input_grad:
+                        d_outer = jax.lax.cond(
+                            is_first,
+                            lambda: varying(embedding_grads(m, d_h)),
+                            lambda: varying(zeros_like(outer_params)),
+                        )
+                        result.update(send_back=d_h, d_outer=d_outer)
+                    return varying(result)
+
+                return run
+
+            def _nothing():
+                return {
+                    "send": jnp.zeros(h_shape.shape, h_shape.dtype),
+                    "send_back": jnp.zeros(h_shape.shape, h_shape.dtype),
+                    "input": jnp.zeros(h_shape.shape, h_shape.dtype),
+                    "write_input": jnp.zeros((), bool),
+                    "grad": jnp.zeros(h_shape.shape, h_shape.dtype),
+                    "write_grad": jnp.zeros((), bool),
+                    "residuals": zeros_like(residual_shapes or []),
+                    "d_layers": zeros_like(one_repeat_shapes),
+                    "d_outer": zeros_like(outer_params),
+                    "loss": jnp.zeros((), jnp.float32),
+                    "aux": zeros_like(aux_shapes),
+                }
+
+            branches = {
+                IDLE: idle,
+                F: forward,
+                B: backward(weight_grad=False, input_grad=True),
+                W: backward(weight_grad=True, input_grad=False),
+                BW: backward(weight_grad=True, input_grad=True),
+            }
+            result = jax.lax.switch(kind, [branches[action] for action in sorted(branches)])
+            is_forward = kind == F
+            inputs = _write(inputs, jnp.where(is_forward, slot, -1), result["input"])
+            grads = _write(grads, jnp.where(result["write_grad"], slot, -1), result["grad"])
+            if not remat_stages:
+                residuals = jax.tree.map(
+                    lambda buffer, value: _write(buffer, jnp.where(is_forward, slot, -1), value),
+                    residuals,
+                    result["residuals"],
+                )
+            layer_grads = jax.tree.map(
+                lambda acc, d: acc.at[r].add(d.astype(acc.dtype)), layer_grads, result["d_layers"]
+            )
+            outer_grads = jax.tree.map(jnp.add, outer_grads, result["d_outer"])
+            loss_sum = loss_sum + result["loss"]
+            aux_sums = jax.tree.map(lambda acc, v: acc.at[r].add(v), aux_sums, result["aux"])
+            send, send_back = result["send"], result["send_back"]
+            if manual:
+                received = jax.lax.ppermute(send, "pp", forward_shift)
+                received_grad = jax.lax.ppermute(send_back, "pp", backward_shift)
+            else:
+                received, received_grad = send, send_back
+            return (
+                received,
+                received_grad,
+                inputs,
+                grads,
+                residuals,
+                layer_grads,
+                outer_grads,
+                loss_sum,
+                aux_sums,
+            ), None
+
+        slot_buffer = jnp.zeros((n_slots, *h_shape.shape), h_shape.dtype)
+        init = varying(
+            (
+                jnp.zeros(h_shape.shape, h_shape.dtype),
+                jnp.zeros(h_shape.shape, h_shape.dtype),
+                slot_buffer,
+                slot_buffer,
+                jax.tree.map(
+                    lambda s: jnp.zeros((n_slots, *s.shape), s.dtype), residual_shapes or []
+                ),
+                jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), layer_params),
+                zeros_like(outer_params),
+                jnp.zeros((), jnp.float32),
+                jax.tree.map(lambda s: jnp.zeros((n_repeats, *s.shape), s.dtype), aux_shapes),
+            )
+        )
+        carry, _ = jax.lax.scan(tick, init, jnp.arange(table.ticks))
+        _, _, _, _, _, layer_grads, outer_grads, loss_sum, aux_sums = carry
+        layer_grads = jax.tree.map(lambda g: g[:, None], layer_grads)
+        stacked = jax.tree.map(lambda v: v[None], (outer_grads, loss_sum, aux_sums))
+        return layer_grads, *stacked
+
+    stage_spec = jax.tree.map(
+        lambda _: activation_spec("repeats", "stages", rules=rules), layer_params
+    )
+    per_stage_spec = activation_spec("stages", rules=rules)
+    replicated = activation_spec(rules=rules)
+    if manual:
+        run = jax.shard_map(
+            per_stage,
+            mesh=mesh,
+            in_specs=(stage_spec, replicated, replicated, replicated),
+            out_specs=(stage_spec, per_stage_spec, per_stage_spec, per_stage_spec),
+            axis_names={"pp"},
+            check_vma=True,
+        )
+    else:
+        run = per_stage
+    layer_grads, outer_grads, loss_sums, aux_sums = run(layer_params, outer_params, tokens, targets)
+    outer_grads = jax.tree.map(lambda g: g.sum(axis=0), outer_grads)
+    layer_aux = jax.tree.map(
+        lambda v: jnp.reshape(jnp.moveaxis(v, 0, 1), (-1, *v.shape[3:])), aux_sums
+    )
+    return loss_sums.sum(), layer_aux, layer_grads, outer_grads
+
+
+def _varies(value) -> bool:
+    """Whether ``value`` (an array or a shape struct) varies over ``pp`` inside the pipeline."""
+    kind = value if isinstance(value, jax.ShapeDtypeStruct) else jax.typeof(value)
+    axes = getattr(kind, "vma", None)
+    if axes is None:
+        manual = getattr(kind, "manual_axis_type", None)
+        axes = () if manual is None else manual.varying
+    return "pp" in axes
+
+
+def _write(buffer: Array, slot: Array, value: Array) -> Array:
+    """``buffer`` with ``value`` at ``slot`` (unchanged for a negative slot)."""
+    index = jnp.maximum(slot, 0)
+    return buffer.at[index].set(jnp.where(slot >= 0, value, buffer[index]))
+
+
+def _residual_structure(stage_fn, weights, h_shape):
+    """The shapes and tree of ``jax.vjp(stage_fn, weights, h)``'s pullback: what the stash
+    keeps per item without remat."""
+
+    def pullback_leaves(weights, h):
+        _, pullback = jax.vjp(stage_fn, weights, h)
+        return jax.tree.leaves(pullback)
+
+    shapes = jax.eval_shape(pullback_leaves, weights, h_shape)
+    holder = {}
+
+    def capture(weights, h):
+        _, pullback = jax.vjp(stage_fn, weights, h)
+        holder["tree"] = jax.tree.structure(pullback)
+        return 0
+
+    jax.eval_shape(capture, weights, h_shape)
+    return shapes, holder["tree"]
