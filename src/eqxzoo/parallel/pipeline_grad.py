@@ -102,9 +102,6 @@ def pipeline_value_and_grad(
         name: jnp.full(shape.shape, aux_scales.get(name, 0.0), shape.dtype)
         for name, shape in aux_shapes.items()
     }
-    residual_shapes, residual_tree = None, None
-    if not remat_stages:
-        residual_shapes, residual_tree = _residual_structure(stage_fn, one_repeat, h_shape)
 
     def zeros_like(shapes):
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
@@ -114,6 +111,38 @@ def pipeline_value_and_grad(
         layer_params = jax.tree.map(lambda p: p[:, 0], layer_params)
         outer_params = _varying_over_pp(outer_params, manual)
         varying = lambda tree: _varying_over_pp(tree, manual)  # noqa: E731
+        residual_shapes, residual_tree, weight_of_residual = [], None, []
+        if not remat_stages:
+            # The pullback's structure as traced here, inside the shard_map (its leaves are
+            # the residuals a stash slot keeps); the computation itself is dead code.
+            weights = jax.tree.map(lambda p: p[0], layer_params)
+            probe = varying(jnp.zeros(h_shape.shape, h_shape.dtype))
+            _, pullback = jax.vjp(stage_fn, weights, probe)
+            residual_tree = jax.tree.structure(pullback)
+            weight_leaves = jax.tree.leaves(weights)
+            # A residual that is a weight itself is read from the weights, not stashed.
+            weight_of_residual = [
+                next((i for i, w in enumerate(weight_leaves) if leaf is w), None)
+                for leaf in jax.tree.leaves(pullback)
+            ]
+            residual_shapes = [
+                jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+                for leaf, weight in zip(jax.tree.leaves(pullback), weight_of_residual)
+                if weight is None
+            ]
+
+        def stashable(pullback):
+            """The pullback's residuals that are not weights: what a stash slot keeps."""
+            leaves = jax.tree.leaves(pullback)
+            return [leaf for leaf, w in zip(leaves, weight_of_residual) if w is None]
+
+        def pullback_from(weights, stashed):
+            """The pullback rebuilt from the stashed residuals and the weights."""
+            stashed, weight_leaves = iter(stashed), jax.tree.leaves(weights)
+            leaves = [
+                next(stashed) if w is None else weight_leaves[w] for w in weight_of_residual
+            ]
+            return jax.tree.unflatten(residual_tree, leaves)
 
         one_repeat_shapes = jax.tree.map(
             lambda p: jax.ShapeDtypeStruct(p.shape[1:], jnp.float32), layer_params
@@ -131,7 +160,7 @@ def pipeline_value_and_grad(
                 outputs, pullback = jax.vjp(stage_fn, weights, h_in)
             else:
                 outputs = jax.eval_shape(stage_fn, weights, h_in)
-                pullback = jax.tree.unflatten(residual_tree, residuals)
+                pullback = pullback_from(weights, residuals)
             cotangent = (h_grad, aux_cotangent)
             cotangent = jax.tree.map(
                 lambda output, value: varying(value) if _varies(output) else value,
@@ -178,7 +207,7 @@ def pipeline_value_and_grad(
                     (h_out, aux), new_residuals = stage_fn(weights, h_in), stashed_residuals
                 else:
                     (h_out, aux), pullback = jax.vjp(stage_fn, weights, h_in)
-                    new_residuals = jax.tree.leaves(pullback)
+                    new_residuals = stashable(pullback)
 
                 def head():
                     loss, pullback = jax.vjp(
@@ -239,7 +268,7 @@ def pipeline_value_and_grad(
                     "write_input": jnp.zeros((), bool),
                     "grad": jnp.zeros(h_shape.shape, h_shape.dtype),
                     "write_grad": jnp.zeros((), bool),
-                    "residuals": zeros_like(residual_shapes or []),
+                    "residuals": varying(zeros_like(residual_shapes)),
                     "d_layers": zeros_like(one_repeat_shapes),
                     "d_outer": zeros_like(outer_params),
                     "loss": jnp.zeros((), jnp.float32),
@@ -295,7 +324,7 @@ def pipeline_value_and_grad(
                 slot_buffer,
                 slot_buffer,
                 jax.tree.map(
-                    lambda s: jnp.zeros((n_slots, *s.shape), s.dtype), residual_shapes or []
+                    lambda s: jnp.zeros((n_slots, *s.shape), s.dtype), residual_shapes
                 ),
                 jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), layer_params),
                 zeros_like(outer_params),
@@ -347,23 +376,3 @@ def _write(buffer: Array, slot: Array, value: Array) -> Array:
     """``buffer`` with ``value`` at ``slot`` (unchanged for a negative slot)."""
     index = jnp.maximum(slot, 0)
     return buffer.at[index].set(jnp.where(slot >= 0, value, buffer[index]))
-
-
-def _residual_structure(stage_fn, weights, h_shape):
-    """The shapes and tree of ``jax.vjp(stage_fn, weights, h)``'s pullback: what the stash
-    keeps per item without remat."""
-
-    def pullback_leaves(weights, h):
-        _, pullback = jax.vjp(stage_fn, weights, h)
-        return jax.tree.leaves(pullback)
-
-    shapes = jax.eval_shape(pullback_leaves, weights, h_shape)
-    holder = {}
-
-    def capture(weights, h):
-        _, pullback = jax.vjp(stage_fn, weights, h)
-        holder["tree"] = jax.tree.structure(pullback)
-        return 0
-
-    jax.eval_shape(capture, weights, h_shape)
-    return shapes, holder["tree"]
