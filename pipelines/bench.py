@@ -11,7 +11,12 @@
 5. with torch installed, the same model in PyTorch eager: our FLOP/s over PyTorch's;
 6. the data loader over the prepared stdlib corpus: tokens/s of `eqxzoo.data.train_batches`
    (global batches on configs/tiny.toml's mesh) next to a plain numpy memmap reader of the
-   same token stream, and next to the tokens/s that tiny.toml's train step consumes.
+   same token stream, and next to the tokens/s that tiny.toml's train step consumes;
+7. the five pipeline schedules at P = 4 (dp=2 x pp=4, 8 layers, B sequences per
+   microbatch): per-device temporary bytes of the compiled step for M in 8, 16, 32
+   (``schedule_activation_bytes``), tokens/s at M = 8 (``schedule_tokens_per_s``) and the
+   modelled bubble at M = 8 (``schedule_bubble_fraction``, the lockstep model of
+   `eqxzoo.parallel.Schedule`).
 
 Absolute times on a shared machine are noise; the ratios, measured in one run, are the result.
 """
@@ -266,6 +271,38 @@ def loader_throughput(repeats: int, quick: bool) -> dict:
     }
 
 
+SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1))
+
+
+def schedule_figures(repeats: int, quick: bool) -> dict:
+    """Every schedule on dp=2 x pp=4 with the same global batch per M: activation bytes by
+    M, tokens/s and the modelled bubble at M = 8 (stage remat on, as the runs default to)."""
+    batch, seq = _sizes(quick)
+    config = reference_config(n_layers=8, quick=quick)
+    stages, counts = 4, (8, 16, 32)
+    activation_bytes: dict[str, dict[str, int]] = {}
+    tokens_per_s: dict[str, float] = {}
+    bubble: dict[str, float] = {}
+    for name, repeats_of_layers in SCHEDULES:
+        activation_bytes[name] = {}
+        for microbatches in counts:
+            schedule = Schedule(name, stages, microbatches, repeats_of_layers)
+            runner = StepRunner(
+                config, MeshConfig(dp=2, pp=stages), schedule, (1, microbatches, batch, seq)
+            )
+            analysis = runner.compiled.memory_analysis()
+            activation_bytes[name][str(microbatches)] = int(analysis.temp_size_in_bytes)
+            if microbatches == counts[0]:
+                tokens_per_s[name] = runner.tokens_per_second(repeats)
+                bubble[name] = schedule.bubble_fraction()
+            del runner
+    return {
+        "schedule_activation_bytes": activation_bytes,
+        "schedule_tokens_per_s": tokens_per_s,
+        "schedule_bubble_fraction": bubble,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         prog="python -m pipelines.bench", description=__doc__.splitlines()[0]
@@ -276,14 +313,16 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument(
         "--only",
-        choices=["single", "pipeline", "compile", "memory", "torch", "loader"],
+        choices=["single", "pipeline", "compile", "memory", "torch", "loader", "schedules"],
         action="append",
     )
     parser.add_argument(
         "--quick", action="store_true", help="a toy model: checks the command, not speed"
     )
     args = parser.parse_args(argv)
-    parts = set(args.only or ["single", "pipeline", "compile", "memory", "torch", "loader"])
+    parts = set(
+        args.only or ["single", "pipeline", "compile", "memory", "torch", "loader", "schedules"]
+    )
 
     figures: dict = {}
     peak = measured_matmul_flops()
@@ -326,6 +365,18 @@ def main(argv: list[str] | None = None) -> dict:
             f"numpy memmap {figures['memmap_tokens_per_s']:,.0f}; tiny.toml's step consumes "
             f"{figures['tiny_step_tokens_per_s']:,.0f}: loader / step = {figures['loader_vs_tiny_step']:.0f}x"
         )
+    if "schedules" in parts:
+        figures.update(schedule_figures(args.repeats, args.quick))
+        gpipe_rate = figures["schedule_tokens_per_s"]["gpipe"]
+        for name, by_count in figures["schedule_activation_bytes"].items():
+            growth = by_count["32"] / by_count["8"]
+            print(
+                f"schedule {name}: activation MB at M=8/16/32 "
+                + "/".join(f"{count / 1e6:.1f}" for count in by_count.values())
+                + f" (M=32 / M=8 = {growth:.2f}); tokens/s at M=8 / gpipe's = "
+                f"{figures['schedule_tokens_per_s'][name] / gpipe_rate:.2f}; modelled bubble "
+                f"{figures['schedule_bubble_fraction'][name]:.3f}"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

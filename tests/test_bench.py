@@ -19,7 +19,11 @@ KEYS = {
     "memmap_tokens_per_s": float,
     "tiny_step_tokens_per_s": float,
     "loader_vs_tiny_step": float,
+    "schedule_activation_bytes": dict,
+    "schedule_tokens_per_s": dict,
+    "schedule_bubble_fraction": dict,
 }
+SCHEDULES = {"gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1"}
 
 
 @pytest.mark.slow
@@ -42,3 +46,14 @@ def test_bench_json_has_every_key(tmp_path):
     assert memory["4"] < memory["1"]
     assert "pipeline efficiency" in result.stdout
     assert "data loader (tiny.toml batches)" in result.stdout
+    assert set(figures["schedule_activation_bytes"]) == SCHEDULES
+    assert all(
+        set(by_m) == {"8", "16", "32"} for by_m in figures["schedule_activation_bytes"].values()
+    )
+    assert (
+        set(figures["schedule_tokens_per_s"])
+        == set(figures["schedule_bubble_fraction"])
+        == SCHEDULES
+    )
+    bubble = figures["schedule_bubble_fraction"]
+    assert bubble["zb_h1"] <= bubble["1f1b"] / 2

@@ -11,7 +11,7 @@ import pytest
 import models
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh
 from eqxzoo.train.layout import from_pipeline_layout, to_pipeline_layout
-from eqxzoo.train.loss import pipelined_loss, sequential_loss
+from eqxzoo.train.loss import pipelined_loss, pipelined_loss_and_grad, sequential_loss
 from eqxzoo.train.settings import StepConfig
 
 N_LAYERS = 8
@@ -21,13 +21,26 @@ N_LAYERS = 8
 def loss_and_grads(tiny_config, random_batch):
     """``(sequential (loss, aux), grads), (pipelined (loss, aux), grads)`` of a tiny model."""
 
-    def compute(family, mesh_config, stages, microbatches, repeats, *, batch=4, bubble_fill=0.0):
-        schedule = Schedule("circular" if repeats > 1 else "gpipe", stages, microbatches, repeats)
+    def compute(
+        family,
+        mesh_config,
+        stages,
+        microbatches,
+        repeats,
+        *,
+        batch=4,
+        bubble_fill=0.0,
+        name=None,
+        remat_stages=True,
+    ):
+        name = name or ("circular" if repeats > 1 else "gpipe")
+        schedule = Schedule(name, stages, microbatches, repeats)
         config = StepConfig(
             schedule=schedule,
             bubble_fill=bubble_fill,
             load_balance_weight=0.1,
             router_z_weight=0.01,
+            remat_stages=remat_stages,
         )
         mesh = make_mesh(mesh_config, jax.devices()[: mesh_config.size])
         model = models.DecoderLM(tiny_config(family, n_layers=N_LAYERS), key=jax.random.key(0))
@@ -39,10 +52,16 @@ def loss_and_grads(tiny_config, random_batch):
         def pipelined(model):
             return pipelined_loss(model, data["tokens"], data["targets"], config=config, mesh=mesh)
 
+        def fused(model):
+            return pipelined_loss_and_grad(
+                model, data["tokens"], data["targets"], config=config, mesh=mesh
+            )
+
         value_and_grad = functools.partial(eqx.filter_value_and_grad, has_aux=True)
         expected = eqx.filter_jit(value_and_grad(sequential))(model)
         staged = to_pipeline_layout(model, schedule)
-        (loss, aux), grads = eqx.filter_jit(value_and_grad(pipelined))(staged)
+        pipelined_value_and_grad = fused if schedule.fuses_backward else value_and_grad(pipelined)
+        (loss, aux), grads = eqx.filter_jit(pipelined_value_and_grad)(staged)
         return expected, ((loss, aux), from_pipeline_layout(grads))
 
     return compute
@@ -97,3 +116,66 @@ def test_bubbles_filled_with_nan_change_nothing(loss_and_grads):
         jax.tree.leaves((nan_aux, nan_grads)), jax.tree.leaves((aux, grads)), strict=True
     ):
         np.testing.assert_array_equal(a, b)
+
+
+# The 1F1B family, run by the forward-and-backward executor: (schedule, model, mesh, P, M, R),
+# M in {P, 2P + 1, 4P}, with data, tensor and expert parallelism mixed in, dense and MoE.
+FUSED_GRID = [
+    ("1f1b", "llama", MeshConfig(dp=2, pp=2, tp=2), 2, 2, 1),
+    ("1f1b", "qwen_moe", MeshConfig(pp=2, tp=2, ep=2), 2, 5, 1),
+    ("1f1b", "llama", MeshConfig(dp=2, pp=4), 4, 16, 1),
+    ("1f1b", "qwen_moe", MeshConfig(pp=8), 8, 8, 1),
+    ("zb_h1", "llama", MeshConfig(pp=2, tp=2), 2, 8, 1),
+    ("zb_h1", "qwen_moe", MeshConfig(dp=2, pp=2, ep=2), 2, 5, 1),
+    ("zb_h1", "qwen_moe", MeshConfig(pp=4, tp=2), 4, 9, 1),
+    ("zb_h1", "llama", MeshConfig(pp=8), 8, 17, 1),
+    ("interleaved_1f1b", "llama", MeshConfig(dp=2, pp=2, tp=2), 2, 2, 2),
+    ("interleaved_1f1b", "qwen_moe", MeshConfig(pp=2, ep=2), 2, 5, 2),
+    ("interleaved_1f1b", "qwen_moe", MeshConfig(pp=4, dp=2), 4, 4, 2),
+    ("interleaved_1f1b", "llama", MeshConfig(pp=4, tp=2), 4, 9, 2),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "family", "mesh_config", "stages", "microbatches", "repeats"),
+    FUSED_GRID,
+    ids=[
+        f"{n}-{f}-{m.describe().replace(' x ', ',')}-P{p}-M{mb}-R{r}"
+        for n, f, m, p, mb, r in FUSED_GRID
+    ],
+)
+def test_1f1b_family_loss_and_gradients_equal_sequential(
+    name, family, mesh_config, stages, microbatches, repeats, loss_and_grads, assert_trees_close
+):
+    ((loss, aux), grads), ((pp_loss, pp_aux), pp_grads) = loss_and_grads(
+        family, mesh_config, stages, microbatches, repeats, name=name
+    )
+    np.testing.assert_allclose(pp_loss, loss, rtol=1e-5)
+    assert_trees_close(pp_aux, aux)
+    assert_trees_close(pp_grads, grads)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1", "interleaved_1f1b"])
+def test_1f1b_family_without_stage_remat_stashes_residuals_exactly(
+    name, loss_and_grads, assert_trees_close
+):
+    repeats = 2 if name == "interleaved_1f1b" else 1
+    ((loss, aux), grads), ((pp_loss, pp_aux), pp_grads) = loss_and_grads(
+        "qwen_moe", MeshConfig(dp=2, pp=2, tp=2), 2, 5, repeats, name=name, remat_stages=False
+    )
+    np.testing.assert_allclose(pp_loss, loss, rtol=1e-5)
+    assert_trees_close(pp_aux, aux)
+    assert_trees_close(pp_grads, grads)
+
+
+def test_idle_ticks_sending_nan_change_nothing_in_the_1f1b_family(loss_and_grads):
+    for name, repeats in (("zb_h1", 1), ("interleaved_1f1b", 2)):
+        args = ("qwen_moe", MeshConfig(pp=4), 4, 5, repeats)
+        (loss, aux), grads = loss_and_grads(*args, name=name)[1]
+        (nan_loss, nan_aux), nan_grads = loss_and_grads(*args, name=name, bubble_fill=jnp.nan)[1]
+        assert np.isfinite(float(nan_loss))
+        np.testing.assert_array_equal(nan_loss, loss)
+        for a, b in zip(
+            jax.tree.leaves((nan_aux, nan_grads)), jax.tree.leaves((aux, grads)), strict=True
+        ):
+            np.testing.assert_array_equal(a, b)

@@ -246,9 +246,9 @@ class RunConfig:
         try:
             _ = self.schedule
         except ScheduleError as error:
-            # PipelineConfig already checked the name and the sizes: what is left is gpipe
-            # with repeats > 1, or circular with too few microbatches for its stages.
-            if self.pipeline.schedule == "gpipe":
+            # PipelineConfig already checked the name and the sizes: what is left is a
+            # repeats the schedule does not take, or too few microbatches for the stages.
+            if "repeat" in str(error):
                 raise ConfigError(f"pipeline.repeats: {error}") from None
             raise ConfigError(
                 f"pipeline.microbatches: {error} (stages = mesh.pp): raise pipeline.microbatches "

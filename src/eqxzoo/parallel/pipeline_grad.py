@@ -30,13 +30,19 @@ from collections.abc import Callable, Mapping
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PyTree
 
-from eqxzoo.nn import apply_layers
+from eqxzoo.nn import Axes, apply_layers, logical_axes
 from eqxzoo.nn.stack import RematPolicy
 from eqxzoo.parallel.pipeline import _varying_over_pp
-from eqxzoo.parallel.rules import DEFAULT_RULES, MeshAxes, activation_spec
+from eqxzoo.parallel.rules import (
+    DEFAULT_RULES,
+    MeshAxes,
+    activation_spec,
+    rule_axes,
+    tree_shardings,
+)
 from eqxzoo.parallel.schedule import BW, IDLE, B, F, Schedule, W
 
 FirstFn = Callable[[PyTree, Int[Array, "batch seq"]], Float[Array, "batch seq embed"]]
@@ -59,6 +65,7 @@ def pipeline_value_and_grad(
     remat_policy: RematPolicy = "none",
     remat_stages: bool = True,
     rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
+    bubble_fill: float = 0.0,
 ) -> tuple[Float[Array, ""], dict[str, Array], PyTree, PyTree]:
     """The summed loss, every layer's aux values summed over microbatches ``(L, ...)``, and
     the gradients of the loss with respect to ``layers`` and ``outer``.
@@ -69,6 +76,8 @@ def pipeline_value_and_grad(
     whole batch, so the shares sum to the loss). ``aux_scales[name]`` is the loss's derivative
     with respect to one layer's aux value ``name`` for one microbatch (absent names: 0).
     Gradients are those of the summed loss plus the aux terms; layer gradients are staged.
+    ``bubble_fill`` is what an idle tick sends to its neighbours (tests send NaN to show that
+    nothing an idle tick sends is ever read).
     """
     assert schedule.fuses_backward, schedule
     assert mesh.shape["pp"] == schedule.stages, (mesh.shape, schedule)
@@ -106,7 +115,7 @@ def pipeline_value_and_grad(
     def zeros_like(shapes):
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
-    def per_stage(layer_params, outer_params, tokens, targets):
+    def per_stage(layer_params, outer_params, tick_tokens, tick_targets):
         stage = jax.lax.axis_index("pp") if manual else 0
         layer_params = jax.tree.map(lambda p: p[:, 0], layer_params)
         outer_params = _varying_over_pp(outer_params, manual)
@@ -139,18 +148,16 @@ def pipeline_value_and_grad(
         def pullback_from(weights, stashed):
             """The pullback rebuilt from the stashed residuals and the weights."""
             stashed, weight_leaves = iter(stashed), jax.tree.leaves(weights)
-            leaves = [
-                next(stashed) if w is None else weight_leaves[w] for w in weight_of_residual
-            ]
+            leaves = [next(stashed) if w is None else weight_leaves[w] for w in weight_of_residual]
             return jax.tree.unflatten(residual_tree, leaves)
 
         one_repeat_shapes = jax.tree.map(
             lambda p: jax.ShapeDtypeStruct(p.shape[1:], jnp.float32), layer_params
         )
 
-        def embedding_grads(m, d_h):
-            """The outer parameters' gradient through ``first`` of microbatch ``m``."""
-            _, pullback = jax.vjp(lambda o: first_fn(o, tokens[m]), outer_params)
+        def embedding_grads(tokens_m, d_h):
+            """The outer parameters' gradient through ``first`` of a microbatch's tokens."""
+            _, pullback = jax.vjp(lambda o: first_fn(o, tokens_m), outer_params)
             return pullback(d_h)[0]
 
         def vjp_of_stage(weights, h_in, h_grad, residuals):
@@ -169,7 +176,8 @@ def pipeline_value_and_grad(
             )
             return pullback, cotangent
 
-        def tick(carry, t):
+        def tick(carry, tick_inputs):
+            t, tokens_m, targets_m = tick_inputs
             (
                 received,
                 received_grad,
@@ -182,7 +190,7 @@ def pipeline_value_and_grad(
                 aux_sums,
             ) = carry
             row = {name: column[t, stage] for name, column in columns.items()}
-            kind, m, r, slot = row["action"], row["microbatch"], row["repeat"], row["slot"]
+            kind, r, slot = row["action"], row["repeat"], row["slot"]
             # What the neighbours sent at the tick before lands in the slot the table names.
             inputs = _write(inputs, row["arrive_input"], received)
             grads = _write(grads, row["arrive_grad"], received_grad)
@@ -194,12 +202,15 @@ def pipeline_value_and_grad(
             def stage_input():
                 return jax.lax.cond(
                     is_first,
-                    lambda: varying(first_fn(outer_params, tokens[m])),
+                    lambda: varying(first_fn(outer_params, tokens_m)),
                     lambda: inputs[slot],
                 )
 
             def idle():
-                return varying(_nothing())
+                result = _nothing()
+                result["send"] = jnp.full(h_shape.shape, bubble_fill, h_shape.dtype)
+                result["send_back"] = jnp.full(h_shape.shape, bubble_fill, h_shape.dtype)
+                return varying(result)
 
             def forward():
                 h_in = stage_input()
@@ -211,7 +222,7 @@ def pipeline_value_and_grad(
 
                 def head():
                     loss, pullback = jax.vjp(
-                        lambda o, h: last_fn(o, h, targets[m]), outer_params, h_out
+                        lambda o, h: last_fn(o, h, targets_m), outer_params, h_out
                     )
                     d_outer, d_h = pullback(jnp.ones_like(loss))
                     return varying((loss.astype(jnp.float32), d_outer, d_h))
@@ -252,7 +263,7 @@ def pipeline_value_and_grad(
                     if input_grad:
                         d_outer = jax.lax.cond(
                             is_first,
-                            lambda: varying(embedding_grads(m, d_h)),
+                            lambda: varying(embedding_grads(tokens_m, d_h)),
                             lambda: varying(zeros_like(outer_params)),
                         )
                         result.update(send_back=d_h, d_outer=d_outer)
@@ -323,16 +334,15 @@ def pipeline_value_and_grad(
                 jnp.zeros(h_shape.shape, h_shape.dtype),
                 slot_buffer,
                 slot_buffer,
-                jax.tree.map(
-                    lambda s: jnp.zeros((n_slots, *s.shape), s.dtype), residual_shapes
-                ),
+                jax.tree.map(lambda s: jnp.zeros((n_slots, *s.shape), s.dtype), residual_shapes),
                 jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), layer_params),
                 zeros_like(outer_params),
                 jnp.zeros((), jnp.float32),
                 jax.tree.map(lambda s: jnp.zeros((n_repeats, *s.shape), s.dtype), aux_shapes),
             )
         )
-        carry, _ = jax.lax.scan(tick, init, jnp.arange(table.ticks))
+        ticks = (jnp.arange(table.ticks), tick_tokens[:, 0], tick_targets[:, 0])
+        carry, _ = jax.lax.scan(tick, init, ticks)
         _, _, _, _, _, layer_grads, outer_grads, loss_sum, aux_sums = carry
         layer_grads = jax.tree.map(lambda g: g[:, None], layer_grads)
         stacked = jax.tree.map(lambda v: v[None], (outer_grads, loss_sum, aux_sums))
@@ -343,18 +353,39 @@ def pipeline_value_and_grad(
     )
     per_stage_spec = activation_spec("stages", rules=rules)
     replicated = activation_spec(rules=rules)
+    per_tick_spec = activation_spec(None, "stages", rules=rules)
     if manual:
+        # The embedding and head run inside the shard_map, where pp is manual: their
+        # parameters enter sharded by the rules without pp (XLA's partitioner fails on an
+        # auto sharding over pp entering a region manual over pp, next to dp and tp).
+        without_pp = {name: tuple(a for a in rule_axes(name, rules) if a != "pp") for name in rules}
+        is_param = jax.tree.map(eqx.is_inexact_array, outer)
+        outer_axes, _ = eqx.partition(
+            logical_axes(outer), is_param, is_leaf=lambda x: isinstance(x, Axes)
+        )
+        outer_params = jax.lax.with_sharding_constraint(
+            outer_params, tree_shardings(outer_params, outer_axes, mesh, without_pp)
+        )
         run = jax.shard_map(
             per_stage,
             mesh=mesh,
-            in_specs=(stage_spec, replicated, replicated, replicated),
+            in_specs=(stage_spec, replicated, per_tick_spec, per_tick_spec),
             out_specs=(stage_spec, per_stage_spec, per_stage_spec, per_stage_spec),
             axis_names={"pp"},
             check_vma=True,
         )
     else:
         run = per_stage
-    layer_grads, outer_grads, loss_sums, aux_sums = run(layer_params, outer_params, tokens, targets)
+    # Each stage's tokens and targets tick by tick, (ticks, stages, batch, seq), sliced by
+    # the scan. They enter replicated over the batch: XLA's partitioner fails on the
+    # embedding's and the loss's gathers of batch-sharded ids inside the region manual over
+    # pp when dp and tp are both split (int32 ids are a sliver of the activations).
+    replicated_ids = NamedSharding(mesh, PartitionSpec())
+    tick_tokens = jax.lax.with_sharding_constraint(tokens[columns["microbatch"]], replicated_ids)
+    tick_targets = jax.lax.with_sharding_constraint(targets[columns["microbatch"]], replicated_ids)
+    layer_grads, outer_grads, loss_sums, aux_sums = run(
+        layer_params, outer_params, tick_tokens, tick_targets
+    )
     outer_grads = jax.tree.map(lambda g: g.sum(axis=0), outer_grads)
     layer_aux = jax.tree.map(
         lambda v: jnp.reshape(jnp.moveaxis(v, 0, 1), (-1, *v.shape[3:])), aux_sums

@@ -112,6 +112,11 @@ class Schedule:
                 f"the circular schedule needs microbatches >= stages, got "
                 f"microbatches={self.microbatches} < stages={self.stages}"
             )
+        if self.name == "interleaved_1f1b" and self.repeats == 1:
+            raise ScheduleError(
+                "the interleaved_1f1b schedule interleaves repeats > 1 over the stages, got "
+                "repeats=1: use schedule '1f1b' for one repeat"
+            )
         if self.name == "interleaved_1f1b" and self.microbatches < self.stages:
             raise ScheduleError(
                 f"the interleaved_1f1b schedule needs microbatches >= stages, got "

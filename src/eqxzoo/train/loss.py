@@ -145,6 +145,7 @@ def pipelined_loss_and_grad(
             remat_policy=model.blocks.remat_policy,
             remat_stages=config.remat_stages,
             rules=config.rules,
+            bubble_fill=config.bubble_fill,
         )
     aux = summarize_layer_aux(jax.tree.map(lambda v: v / n_micro, layer_aux))
     grads = eqx.tree_at(

@@ -72,11 +72,28 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
         f"{flops_per_token(config.model, shape.seq_len) * config.tokens_per_step:.3g} "
         "training FLOPs per step"
     )
+    schedule = config.schedule
+    say(
+        f"schedule {schedule.name}: P={schedule.stages} stages, M={schedule.microbatches} "
+        f"microbatches, R={schedule.repeats} repeats; modelled bubble "
+        f"{schedule.bubble_fraction():.1%} (lockstep, F = B = W = 1: a step of "
+        f"{schedule.modelled_time():g} stage forwards for {3 * schedule.microbatches} of "
+        f"work); at most {schedule.in_flight()} microbatch "
+        + ("chunks" if schedule.repeats > 1 else "inputs")
+        + " in flight per stage"
+        + (
+            ""
+            if memory is None
+            else f"; activation memory {format_bytes(memory.temporaries)} per device"
+        )
+    )
     rows = [("parameter", "shape", "dtype", "sharding", "per device")] + sharding_table(target)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         say("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
     figures = {
+        "bubble_fraction": schedule.bubble_fraction(),
+        "in_flight": schedule.in_flight(),
         "parameters": counts.total,
         "active_parameters": counts.active,
         "compile_seconds": compile_seconds,

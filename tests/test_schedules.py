@@ -1,0 +1,137 @@
+"""Schedule tables: every table is a valid execution (checked here independently of how it
+was built), the 1F1B family keeps at most the documented number of microbatches in flight,
+and the lockstep model of the step time matches each schedule's closed form."""
+
+import itertools
+
+import pytest
+
+from eqxzoo.parallel.schedule import BW, IDLE, B, Costs, F, Schedule, ScheduleError, W
+
+SIZES = [(P, M) for P in (2, 4, 8) for M in (P, 2 * P + 1, 4 * P)]
+NAMES = [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2)]
+
+
+def executed(schedule: Schedule) -> dict[tuple[int, int, int], int]:
+    """``{(kind, microbatch, virtual stage): tick}``; every action exactly once."""
+    table = schedule.actions()
+    done = {}
+    for tick, stage in itertools.product(range(table.ticks), range(schedule.stages)):
+        kind = int(table.action[tick, stage])
+        if kind == IDLE:
+            continue
+        m, r = int(table.microbatch[tick, stage]), int(table.repeat[tick, stage])
+        key = (kind, m, r * schedule.stages + stage)
+        assert key not in done, f"{key} twice"
+        done[key] = tick
+    return done
+
+
+@pytest.mark.parametrize(("P", "M"), SIZES)
+@pytest.mark.parametrize(("name", "R"), NAMES)
+def test_every_table_is_a_valid_execution(name, R, P, M):
+    schedule = Schedule(name, P, M, R)
+    done = executed(schedule)
+    V = P * R
+    split = name == "zb_h1"
+    for m, v in itertools.product(range(M), range(V)):
+        forward = done[(F, m, v)]
+        if v > 0:
+            assert done[(F, m, v - 1)] < forward, (m, v)
+        backward = done[(B, m, v)] if split else done[(BW, m, v)]
+        assert forward < backward, (m, v)
+        if v < V - 1:
+            upstream = done[(B, m, v + 1)] if split else done[(BW, m, v + 1)]
+            assert upstream < backward, (m, v)
+        if split:
+            assert backward < done[(W, m, v)], (m, v)
+    kinds = {F, B, W} if split else {F, BW}
+    assert len(done) == len(kinds) * M * V
+
+
+@pytest.mark.parametrize(("P", "M"), SIZES)
+@pytest.mark.parametrize(("name", "R"), NAMES)
+def test_arrivals_land_in_the_slot_of_the_item_that_reads_them(name, R, P, M):
+    """An activation sent at tick t lands at t + 1 in the slot the receiver's F reads; no
+    slot is reused while its item is in flight."""
+    schedule = Schedule(name, P, M, R)
+    table, done = schedule.actions(), executed(schedule)
+    slot_of = {}
+    for tick, stage in itertools.product(range(table.ticks), range(P)):
+        if table.action[tick, stage] != IDLE:
+            item = (stage, int(table.microbatch[tick, stage]), int(table.repeat[tick, stage]))
+            slot_of.setdefault(item, int(table.slot[tick, stage]))
+            assert slot_of[item] == table.slot[tick, stage], item
+    for (kind, m, v), tick in done.items():
+        if kind == F and v < P * R - 1:
+            stage, r = (v + 1) % P, (v + 1) // P
+            assert table.arrive_input[tick + 1, stage] == slot_of[(stage, m, r)]
+        if kind in (B, BW) and v > 0:
+            stage, r = (v - 1) % P, (v - 1) // P
+            assert table.arrive_grad[tick + 1, stage] == slot_of[(stage, m, r)]
+    assert (table.slot < table.slots).all()
+
+
+@pytest.mark.parametrize(("P", "M"), SIZES)
+def test_the_1f1b_family_keeps_at_most_p_microbatches_in_flight(P, M):
+    assert Schedule("1f1b", P, M, 1).in_flight() == min(P, M)
+    assert Schedule("zb_h1", P, M, 1).in_flight() == min(P, M)
+    assert Schedule("gpipe", P, M, 1).in_flight() == M
+    interleaved = Schedule("interleaved_1f1b", P, M, 2)
+    assert interleaved.in_flight() <= (2 - 1) * P + 2 * (P - 1) + 1  # chunks of half a stage
+    assert Schedule("circular", P, M, 2).in_flight() == 2 * M
+
+
+@pytest.mark.parametrize(("P", "M"), SIZES)
+def test_the_modelled_step_time_matches_the_closed_forms(P, M):
+    """F = B = W = 1 (a whole stage's forward; BW = 2), chunks of ``1/R`` of a stage, every
+    tick costing its slowest stage's action."""
+    gpipe = Schedule("gpipe", P, M, 1)
+    assert gpipe.modelled_time() == 3 * (M + P - 1)
+    assert gpipe.bubble_fraction() == pytest.approx((P - 1) / (M + P - 1))
+    circular = Schedule("circular", P, M, 2)
+    assert circular.bubble_fraction() == pytest.approx((P - 1) / (2 * M + P - 1))
+    # 1F1B in lockstep: P forward-only ticks, then every tick holds a BW somewhere.
+    assert Schedule("1f1b", P, M, 1).modelled_time() == 4 * M + 3 * P - 4
+    # ZB-H1: F, B and W each cost one tick and the drain is filled with Ws.
+    zero_bubble = Schedule("zb_h1", P, M, 1)
+    assert zero_bubble.modelled_time() == 3 * M + P - 1
+    assert zero_bubble.bubble_fraction() == pytest.approx((P - 1) / (3 * M + P - 1))
+    if M % P == 0:
+        R = 2
+        interleaved = Schedule("interleaved_1f1b", P, M, R)
+        assert interleaved.modelled_time() == pytest.approx(4 * M + (4 * (P - 1) - R * P) / R)
+
+
+def test_zero_bubble_halves_the_1f1b_bubble_at_p4_m8():
+    one_f_one_b = Schedule("1f1b", 4, 8, 1).bubble_fraction()
+    zero_bubble = Schedule("zb_h1", 4, 8, 1).bubble_fraction()
+    assert zero_bubble <= one_f_one_b / 2, (zero_bubble, one_f_one_b)
+
+
+def test_costs_are_parameters_of_the_model():
+    cheap_weight_grads = Costs(forward=1.0, input_grad=1.0, weight_grad=0.5)
+    schedule = Schedule("gpipe", 4, 8, 1)
+    assert schedule.modelled_time(cheap_weight_grads) == pytest.approx(2.5 * (8 + 4 - 1))
+
+
+@pytest.mark.parametrize(
+    ("name", "P", "M", "R", "message"),
+    [
+        ("1f1b", 2, 4, 2, "the 1f1b schedule has one repeat per stage, got repeats=2"),
+        ("zb_h1", 2, 4, 2, "use schedule 'interleaved_1f1b' for repeats > 1"),
+        ("interleaved_1f1b", 2, 4, 1, "interleaves repeats > 1 over the stages, got repeats=1"),
+        ("interleaved_1f1b", 4, 3, 2, "needs microbatches >= stages, got microbatches=3 < st"),
+    ],
+)
+def test_impossible_schedules_are_refused(name, P, M, R, message):
+    with pytest.raises(ScheduleError, match=message):
+        Schedule(name, P, M, R)
+
+
+def test_forward_only_is_the_forward_schedule_of_the_same_shape():
+    assert Schedule("zb_h1", 4, 8, 1).forward_only == Schedule("gpipe", 4, 8, 1)
+    assert Schedule("interleaved_1f1b", 4, 8, 2).forward_only == Schedule("circular", 4, 8, 2)
+    gpipe = Schedule("gpipe", 3, 5, 1)
+    forward_ticks = (gpipe.actions().action == F).any(axis=1).sum()
+    assert forward_ticks == gpipe.ticks == gpipe.table()["active"].shape[0]
