@@ -78,6 +78,36 @@ def test_pp_1_2_4_give_the_same_losses(reference: list[dict], tmp_path: Path, ca
         np.testing.assert_allclose(losses(run_dir), expected, rtol=1e-5)
 
 
+def test_the_1f1b_family_gives_the_reference_losses(
+    reference: list[dict], tmp_path: Path, cache_dir: Path
+):
+    """The reference runs circular (R=2); 1f1b, zb_h1 (R=1) and interleaved_1f1b (R=2) on
+    the same mesh and batches give its losses, through `pipelines.run`, with their dry
+    runs reporting the modelled bubble."""
+    expected = [r["loss"] for r in reference if "loss" in r][:3]
+    for name, repeats in (("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2)):
+        run_dir = tmp_path / name
+        overrides = (
+            f"pipeline.schedule={name}",
+            f"pipeline.repeats={repeats}",
+            "run.eval_every=0",
+        )
+        run(run_dir, cache_dir, overrides=overrides, extra=("--steps", "3"))
+        np.testing.assert_allclose(losses(run_dir), expected, rtol=1e-5, err_msg=name)
+    planned = run(
+        tmp_path / "dry",
+        cache_dir,
+        overrides=("pipeline.schedule=zb_h1", "pipeline.repeats=1"),
+        extra=("--dry-run",),
+    )
+    assert re.search(
+        r"schedule zb_h1: P=2 stages, M=2 microbatches, R=1 repeats; modelled bubble "
+        r"14\.3% .* at most 2 microbatch inputs in flight per stage; activation memory "
+        r"[0-9.]+ .iB per device",
+        planned.stdout,
+    ), planned.stdout
+
+
 def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path: Path, cache_dir: Path):
     overrides = ("optimizer.learning_rate=1e30", "optimizer.warmup_steps=0", "run.max_nonfinite=2")
     result = run(tmp_path, cache_dir, overrides, expect=3)
