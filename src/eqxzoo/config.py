@@ -8,7 +8,8 @@
                   or init_from_hf = "DIR": architecture and weights from a Hugging Face
                   checkpoint (`models.hf.config_with_hf`)
     [mesh]        dp, pp, tp, ep (`eqxzoo.parallel.MeshConfig`)
-    [pipeline]    schedule ("gpipe" or "circular"), microbatches (M), repeats (R), remat_stages
+    [pipeline]    schedule ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1"),
+                  microbatches (M), repeats (R), remat_stages
     [optimizer]   `eqxzoo.optim.OptimizerConfig` (decay_steps defaults to run.steps)
     [precision]   params, compute, output (`eqxzoo.train.settings.Precision`)
     [loss]        load_balance_weight, router_z_weight
@@ -114,7 +115,9 @@ class PipelineConfig:
 
     ``gpipe`` runs each stage's layers once per microbatch (``repeats = 1``); ``circular``
     splits the layers into ``repeats`` rounds over the stages (needs ``microbatches >= pp``).
-    ``remat_stages`` recomputes each stage's activations in the backward pass.
+    ``1f1b``, ``interleaved_1f1b`` (``repeats > 1``) and ``zb_h1`` run the backward in the
+    same scan and keep at most ~``pp`` microbatches of activations. ``remat_stages``
+    recomputes each stage's activations in the backward pass.
     """
 
     schedule: ScheduleName = "gpipe"

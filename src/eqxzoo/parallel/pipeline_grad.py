@@ -115,6 +115,11 @@ def pipeline_value_and_grad(
     def zeros_like(shapes):
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
+    def to_float32(tree):
+        return jax.tree.map(lambda g: g.astype(jnp.float32), tree)
+
+    transport_dtype = jnp.promote_types(h_shape.dtype, jnp.float32) if manual else h_shape.dtype
+
     def per_stage(layer_params, outer_params, tick_tokens, tick_targets):
         stage = jax.lax.axis_index("pp") if manual else 0
         layer_params = jax.tree.map(lambda p: p[:, 0], layer_params)
@@ -192,8 +197,8 @@ def pipeline_value_and_grad(
             row = {name: column[t, stage] for name, column in columns.items()}
             kind, r, slot = row["action"], row["repeat"], row["slot"]
             # What the neighbours sent at the tick before lands in the slot the table names.
-            inputs = _write(inputs, row["arrive_input"], received)
-            grads = _write(grads, row["arrive_grad"], received_grad)
+            inputs = _write(inputs, row["arrive_input"], received.astype(h_shape.dtype))
+            grads = _write(grads, row["arrive_grad"], received_grad.astype(h_shape.dtype))
             weights = jax.tree.map(lambda p: p[r], layer_params)
             is_first = (stage == 0) & (r == 0)
             is_last = (stage == last_stage) & (r == n_repeats - 1)
@@ -259,7 +264,7 @@ def pipeline_value_and_grad(
                     d_weights, d_h = pullback(cotangent)
                     result = _nothing()
                     if weight_grad:
-                        result["d_layers"] = d_weights
+                        result["d_layers"] = to_float32(d_weights)
                     if input_grad:
                         d_outer = jax.lax.cond(
                             is_first,
@@ -306,10 +311,14 @@ def pipeline_value_and_grad(
             layer_grads = jax.tree.map(
                 lambda acc, d: acc.at[r].add(d.astype(acc.dtype)), layer_grads, result["d_layers"]
             )
-            outer_grads = jax.tree.map(jnp.add, outer_grads, result["d_outer"])
+            outer_grads = jax.tree.map(
+                lambda acc, d: acc + d.astype(acc.dtype), outer_grads, result["d_outer"]
+            )
             loss_sum = loss_sum + result["loss"]
             aux_sums = jax.tree.map(lambda acc, v: acc.at[r].add(v), aux_sums, result["aux"])
-            send, send_back = result["send"], result["send_back"]
+            # Across stages in float32: XLA:CPU fails to compile bfloat16 collectives.
+            send = result["send"].astype(transport_dtype)
+            send_back = result["send_back"].astype(transport_dtype)
             if manual:
                 received = jax.lax.ppermute(send, "pp", forward_shift)
                 received_grad = jax.lax.ppermute(send_back, "pp", backward_shift)
@@ -330,13 +339,13 @@ def pipeline_value_and_grad(
         slot_buffer = jnp.zeros((n_slots, *h_shape.shape), h_shape.dtype)
         init = varying(
             (
-                jnp.zeros(h_shape.shape, h_shape.dtype),
-                jnp.zeros(h_shape.shape, h_shape.dtype),
+                jnp.zeros(h_shape.shape, transport_dtype),
+                jnp.zeros(h_shape.shape, transport_dtype),
                 slot_buffer,
                 slot_buffer,
                 jax.tree.map(lambda s: jnp.zeros((n_slots, *s.shape), s.dtype), residual_shapes),
                 jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), layer_params),
-                zeros_like(outer_params),
+                jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), outer_params),
                 jnp.zeros((), jnp.float32),
                 jax.tree.map(lambda s: jnp.zeros((n_repeats, *s.shape), s.dtype), aux_shapes),
             )
