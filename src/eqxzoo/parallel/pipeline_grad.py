@@ -182,23 +182,18 @@ def pipeline_value_and_grad(
             return pullback, cotangent
 
         def tick(carry, tick_inputs):
+            """One tick of every stage; ``carry`` holds what arrived from the neighbours
+            (``received``, ``received_grad``), the stash (``inputs``, ``grads``,
+            ``residuals``: one slot per item in flight) and the sums (``layer_grads``,
+            ``outer_grads``, ``loss``, ``aux``)."""
             t, tokens_m, targets_m = tick_inputs
-            (
-                received,
-                received_grad,
-                inputs,
-                grads,
-                residuals,
-                layer_grads,
-                outer_grads,
-                loss_sum,
-                aux_sums,
-            ) = carry
+            carry = dict(carry)
+            inputs, grads, residuals = carry["inputs"], carry["grads"], carry["residuals"]
             row = {name: column[t, stage] for name, column in columns.items()}
             kind, r, slot = row["action"], row["repeat"], row["slot"]
             # What the neighbours sent at the tick before lands in the slot the table names.
-            inputs = _write(inputs, row["arrive_input"], received.astype(h_shape.dtype))
-            grads = _write(grads, row["arrive_grad"], received_grad.astype(h_shape.dtype))
+            inputs = _write(inputs, row["arrive_input"], carry["received"].astype(h_shape.dtype))
+            grads = _write(grads, row["arrive_grad"], carry["received_grad"].astype(h_shape.dtype))
             weights = jax.tree.map(lambda p: p[r], layer_params)
             is_first = (stage == 0) & (r == 0)
             is_last = (stage == last_stage) & (r == n_repeats - 1)
@@ -300,61 +295,58 @@ def pipeline_value_and_grad(
             }
             result = jax.lax.switch(kind, [branches[action] for action in sorted(branches)])
             is_forward = kind == F
-            inputs = _write(inputs, jnp.where(is_forward, slot, -1), result["input"])
-            grads = _write(grads, jnp.where(result["write_grad"], slot, -1), result["grad"])
-            if not remat_stages:
-                residuals = jax.tree.map(
-                    lambda buffer, value: _write(buffer, jnp.where(is_forward, slot, -1), value),
-                    residuals,
-                    result["residuals"],
-                )
-            layer_grads = jax.tree.map(
-                lambda acc, d: acc.at[r].add(d.astype(acc.dtype)), layer_grads, result["d_layers"]
+            carry["inputs"] = _write(inputs, jnp.where(is_forward, slot, -1), result["input"])
+            carry["grads"] = _write(
+                grads, jnp.where(result["write_grad"], slot, -1), result["grad"]
             )
-            outer_grads = jax.tree.map(
-                lambda acc, d: acc + d.astype(acc.dtype), outer_grads, result["d_outer"]
+            carry["residuals"] = jax.tree.map(
+                lambda buffer, value: _write(buffer, jnp.where(is_forward, slot, -1), value),
+                residuals,
+                result["residuals"],
             )
-            loss_sum = loss_sum + result["loss"]
-            aux_sums = jax.tree.map(lambda acc, v: acc.at[r].add(v), aux_sums, result["aux"])
+            carry["layer_grads"] = jax.tree.map(
+                lambda acc, d: acc.at[r].add(d.astype(acc.dtype)),
+                carry["layer_grads"],
+                result["d_layers"],
+            )
+            carry["outer_grads"] = jax.tree.map(
+                lambda acc, d: acc + d.astype(acc.dtype), carry["outer_grads"], result["d_outer"]
+            )
+            carry["loss"] = carry["loss"] + result["loss"]
+            carry["aux"] = jax.tree.map(
+                lambda acc, v: acc.at[r].add(v), carry["aux"], result["aux"]
+            )
             # Across stages in float32: XLA:CPU fails to compile bfloat16 collectives.
             send = result["send"].astype(transport_dtype)
             send_back = result["send_back"].astype(transport_dtype)
             if manual:
-                received = jax.lax.ppermute(send, "pp", forward_shift)
-                received_grad = jax.lax.ppermute(send_back, "pp", backward_shift)
-            else:
-                received, received_grad = send, send_back
-            return (
-                received,
-                received_grad,
-                inputs,
-                grads,
-                residuals,
-                layer_grads,
-                outer_grads,
-                loss_sum,
-                aux_sums,
-            ), None
+                send = jax.lax.ppermute(send, "pp", forward_shift)
+                send_back = jax.lax.ppermute(send_back, "pp", backward_shift)
+            carry["received"], carry["received_grad"] = send, send_back
+            return carry, None
 
         slot_buffer = jnp.zeros((n_slots, *h_shape.shape), h_shape.dtype)
         init = varying(
-            (
-                jnp.zeros(h_shape.shape, transport_dtype),
-                jnp.zeros(h_shape.shape, transport_dtype),
-                slot_buffer,
-                slot_buffer,
-                jax.tree.map(lambda s: jnp.zeros((n_slots, *s.shape), s.dtype), residual_shapes),
-                jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), layer_params),
-                jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), outer_params),
-                jnp.zeros((), jnp.float32),
-                jax.tree.map(lambda s: jnp.zeros((n_repeats, *s.shape), s.dtype), aux_shapes),
-            )
+            {
+                "received": jnp.zeros(h_shape.shape, transport_dtype),
+                "received_grad": jnp.zeros(h_shape.shape, transport_dtype),
+                "inputs": slot_buffer,
+                "grads": slot_buffer,
+                "residuals": jax.tree.map(
+                    lambda s: jnp.zeros((n_slots, *s.shape), s.dtype), residual_shapes
+                ),
+                "layer_grads": to_float32(jax.tree.map(jnp.zeros_like, layer_params)),
+                "outer_grads": to_float32(jax.tree.map(jnp.zeros_like, outer_params)),
+                "loss": jnp.zeros((), jnp.float32),
+                "aux": jax.tree.map(
+                    lambda s: jnp.zeros((n_repeats, *s.shape), s.dtype), aux_shapes
+                ),
+            }
         )
         ticks = (jnp.arange(table.ticks), tick_tokens[:, 0], tick_targets[:, 0])
-        carry, _ = jax.lax.scan(tick, init, ticks)
-        _, _, _, _, _, layer_grads, outer_grads, loss_sum, aux_sums = carry
-        layer_grads = jax.tree.map(lambda g: g[:, None], layer_grads)
-        stacked = jax.tree.map(lambda v: v[None], (outer_grads, loss_sum, aux_sums))
+        sums, _ = jax.lax.scan(tick, init, ticks)
+        layer_grads = jax.tree.map(lambda g: g[:, None], sums["layer_grads"])
+        stacked = jax.tree.map(lambda v: v[None], (sums["outer_grads"], sums["loss"], sums["aux"]))
         return layer_grads, *stacked
 
     stage_spec = jax.tree.map(
