@@ -189,8 +189,9 @@ def error_for(overrides, path=TINY) -> str:
         (["run.wandb=yes"], r"^run\.wandb: expected bool, got 'yes'$"),
         (["data.path=3"], r"^data\.path: expected str, got 3$"),
         (
-            ["pipeline.schedule=1f1b"],
-            r"^pipeline\.schedule: expected 'gpipe' or 'circular', got '1f1b'$",
+            ["pipeline.schedule=pipedream"],
+            r"^pipeline\.schedule: expected 'gpipe' or 'circular' or '1f1b' or "
+            r"'interleaved_1f1b' or 'zb_h1', got 'pipedream'$",
         ),
         (["optimizer.freeze=[1]"], r"^optimizer\.freeze: expected a list of str, got \[1\]$"),
         (["mesh.dp=0"], r"^mesh\.dp: must be >= 1, got 0$"),
