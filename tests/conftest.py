@@ -1,6 +1,7 @@
 """Test setup: 8 simulated CPU devices and float32 matmuls, before any JAX computation; the
 tiny models, random batches and tolerance checks the test files share."""
 
+import gc
 import os
 from pathlib import Path
 
@@ -70,6 +71,31 @@ def assert_trees_close():
     """``assert_trees_close(actual, expected, rtol=1e-5)``: every leaf equal within ``rtol``
     of the leaf's own scale (fp32 rounding, not a loose match)."""
     return _assert_trees_close
+
+
+# The maps the kernel lets one process hold (vm.max_map_count, 65,530 by default).
+MEMORY_MAPS_BEFORE_RELEASE = 20_000
+
+
+def _memory_maps() -> int:
+    with open("/proc/self/maps", "rb") as maps:
+        return sum(1 for _ in maps)
+
+
+@pytest.fixture(autouse=True)
+def release_compiled_programs():
+    """Drop JAX's compiled programs once this process holds many memory maps.
+
+    XLA:CPU maps every compiled program's code separately (a pipelined step and its
+    reference take ~1,000 maps), and the suite compiles enough programs in one process to
+    pass the kernel's limit, which crashes the next compilation with a segmentation fault.
+    Clearing JAX's caches unmaps them; doing it only past a threshold keeps the programs
+    that neighbouring tests share.
+    """
+    yield
+    if os.path.exists("/proc/self/maps") and _memory_maps() > MEMORY_MAPS_BEFORE_RELEASE:
+        jax.clear_caches()
+        gc.collect()
 
 
 # --- end-to-end runs of pipelines.run (tests/runs.py) ----------------------------------
