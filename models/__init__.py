@@ -5,13 +5,15 @@
                                                 n_heads=4, mlp_dim=128), key=jax.random.key(0))
     logits, aux = model(jax.numpy.arange(16))
 
-One file per family (``models/llama.py``, ``models/mixtral.py``, ``models/qwen_moe.py``):
-its config class and its Hugging Face mapping. `models.registry` finds them.
+One file per family (``models/llama.py``, ``models/gemma2.py``, ``models/gpt2.py``, ...): its
+config class and its Hugging Face mapping. `models.registry` finds them.
 """
 
 from eqxzoo.nn import summarize_layer_aux
-from models.config import ConfigError, DecoderConfig, MoEConfig
+from models.config import ConfigError, DecoderConfig, MoEConfig, RopeScaling
 from models.decoder import DecoderBlock, DecoderLM, KVCache
+from models.gemma2 import Gemma2Config
+from models.gemma3 import Gemma3Config
 from models.generate import (
     decode_step,
     generate,
@@ -20,9 +22,15 @@ from models.generate import (
     top_k_filter,
     top_p_filter,
 )
+from models.gpt2 import GPT2Config
 from models.hf import HFCheckpointError, load_hf, save_hf
 from models.llama import LlamaConfig
+from models.mistral import MistralConfig
 from models.mixtral import MixtralConfig
+from models.olmo2 import Olmo2Config
+from models.olmoe import OlmoeConfig
+from models.qwen3 import Qwen3Config
+from models.qwen3_moe import Qwen3MoeConfig
 from models.qwen_moe import QwenMoeConfig
 from models.registry import config_from_table, families, family_of, model_factory
 
@@ -31,12 +39,21 @@ __all__ = [
     "DecoderBlock",
     "DecoderConfig",
     "DecoderLM",
+    "GPT2Config",
+    "Gemma2Config",
+    "Gemma3Config",
     "HFCheckpointError",
     "KVCache",
     "LlamaConfig",
+    "MistralConfig",
     "MixtralConfig",
     "MoEConfig",
+    "Olmo2Config",
+    "OlmoeConfig",
+    "Qwen3Config",
+    "Qwen3MoeConfig",
     "QwenMoeConfig",
+    "RopeScaling",
     "config_from_table",
     "decode_step",
     "families",

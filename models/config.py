@@ -10,10 +10,27 @@ checked against their annotations first (`eqxzoo.typed_config.check_fields`), so
 import dataclasses
 from typing import ClassVar, Literal
 
-from eqxzoo.nn import Activation, RematPolicy, RoutingMode
+from eqxzoo.nn import Activation, RematPolicy, RopeScaling, RoutingMode
 from eqxzoo.typed_config import ConfigError, check_fields, refuse, require_at_least
 
-__all__ = ["RUNTIME_KEYS", "ConfigError", "DecoderConfig", "MoEConfig"]
+__all__ = [
+    "RUNTIME_KEYS",
+    "ConfigError",
+    "DecoderConfig",
+    "LayerType",
+    "MoEConfig",
+    "NormKind",
+    "NormPosition",
+    "PositionKind",
+    "QKNormOver",
+    "RopeScaling",
+]
+
+LayerType = Literal["full_attention", "sliding_attention"]
+NormKind = Literal["rms", "rms_plus_one", "layer"]
+NormPosition = Literal["pre", "post", "both"]
+QKNormOver = Literal["head", "all_heads"]
+PositionKind = Literal["rope", "learned"]
 
 # Keys that choose how the zoo runs the same parameters, never what they compute.
 RUNTIME_KEYS = ("scan_layers", "remat", "moe.routing", "moe.capacity_factor")
@@ -49,14 +66,35 @@ class MoEConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """A pre-norm decoder-only transformer LM.
+    """A decoder-only transformer LM: the knobs of the shared builder (`models.decoder`).
 
-    ``head_dim`` defaults to ``d_model // n_heads`` and ``n_kv_heads`` to ``n_heads`` (MHA).
-    ``moe`` set: every layer's MLP is a MoE (``mlp_dim`` is then unused).
+    Shapes: ``head_dim`` defaults to ``d_model // n_heads`` and ``n_kv_heads`` to ``n_heads``
+    (MHA); ``moe`` set: every layer's MLP is a MoE (``mlp_dim`` is then unused).
+
+    Layout: ``norm`` is ``"rms"``, ``"rms_plus_one"`` (Gemma: scaled by ``1 + weight``) or
+    ``"layer"``; ``norm_position`` puts it before each sublayer (``"pre"``), after it before
+    the residual sum (``"post"``, OLMo 2) or both (``"both"``, Gemma 2/3). ``positions`` is
+    ``"rope"`` (``rope_theta``, optional ``rope_scaling``) or ``"learned"`` (GPT-2: a table of
+    ``max_positions`` rows).
+
+    Attention: ``layer_types`` names each layer ``"full_attention"`` or
+    ``"sliding_attention"`` (a window of ``sliding_window`` positions, the query's own
+    included); unset, every layer is sliding when ``sliding_window`` is set (Mistral), or
+    the family's pattern applies (`global_layer_every`). Fields given at the value their
+    absence means are unset on construction, so equal models have equal configs. Sliding layers rotate with
+    ``local_rope_theta`` when it is set (Gemma 3). Scores are scaled by
+    ``attention_scale_dim^-0.5`` (default ``head_dim``) and soft-capped by
+    ``attention_softcap``; logits by ``final_softcap``. ``qk_norm`` normalises queries and keys
+    per head (``qk_norm_over = "head"``) or over all heads (``"all_heads"``); ``clip_qkv``
+    clamps them. ``scale_embeddings`` multiplies the embeddings by ``sqrt(d_model)``.
+
     ``scan_layers`` and ``remat`` change how the layers run, never the parameters.
     """
 
     family: ClassVar[str] = "decoder"
+    # With no layer_types given, layer i is full attention when (i + 1) % this == 0 and
+    # sliding otherwise (Gemma's pattern); None: every layer sliding when a window is set.
+    global_layer_every: ClassVar[int | None] = None
 
     vocab_size: int = 32000
     d_model: int = 512
@@ -66,11 +104,26 @@ class DecoderConfig:
     head_dim: int | None = None
     mlp_dim: int = 1408
     activation: Activation = "swiglu"
-    norm: Literal["rms", "layer"] = "rms"
+    norm: NormKind = "rms"
     norm_eps: float = 1e-6
+    norm_position: NormPosition = "pre"
+    positions: PositionKind = "rope"
+    max_positions: int = 0
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    local_rope_theta: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[LayerType, ...] | None = None
     qkv_bias: bool = False
+    attention_out_bias: bool = False
+    mlp_bias: bool = False
     qk_norm: bool = False
+    qk_norm_over: QKNormOver = "head"
+    clip_qkv: float | None = None
+    attention_scale_dim: int | None = None
+    attention_softcap: float | None = None
+    final_softcap: float | None = None
+    scale_embeddings: bool = False
     tie_embeddings: bool = False
     init_std: float = 0.02
     moe: MoEConfig | None = None
@@ -89,8 +142,43 @@ class DecoderConfig:
                 "head_dim",
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: set head_dim",
             )
-        if self.attention_head_dim % 2 != 0:
+        if self.positions == "rope" and self.attention_head_dim % 2 != 0:
             refuse("head_dim", f"must be even for rotary embeddings, got {self.attention_head_dim}")
+        if self.positions == "learned":
+            if self.max_positions < 1:
+                refuse("max_positions", "learned positions need a table: set max_positions >= 1")
+            if self.rope_scaling is not None or self.local_rope_theta is not None:
+                refuse("positions", "'learned' positions take no rotary settings")
+        for name in ("clip_qkv", "attention_scale_dim", "attention_softcap", "final_softcap"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                refuse(name, f"must be > 0 (or unset), got {value}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            refuse("sliding_window", f"must be >= 1 (or unset), got {self.sliding_window}")
+        if self.layer_types is not None and len(self.layer_types) != self.n_layers:
+            refuse(
+                "layer_types",
+                f"names {len(self.layer_types)} layers but n_layers is {self.n_layers}",
+            )
+        if "sliding_attention" in self.attention_layer_types and self.sliding_window is None:
+            refuse("layer_types", "'sliding_attention' layers need sliding_window")
+        if self.local_rope_theta is not None and self.sliding_window is None:
+            refuse("local_rope_theta", "applies to sliding-window layers: set sliding_window")
+        self._canonicalize()
+
+    def _canonicalize(self) -> None:
+        """Unset the fields given at the value their absence means (``head_dim = d_model /
+        n_heads``, ``n_kv_heads = n_heads``, the default ``layer_types``), so that equal
+        models have equal configs however they were written."""
+        if self.head_dim is not None and self.head_dim * self.n_heads == self.d_model:
+            object.__setattr__(self, "head_dim", None)
+        if self.n_kv_heads == self.n_heads:
+            object.__setattr__(self, "n_kv_heads", None)
+        if self.layer_types is not None:
+            given = self.layer_types
+            object.__setattr__(self, "layer_types", None)
+            if self.attention_layer_types != given:
+                object.__setattr__(self, "layer_types", given)
 
     @property
     def kv_heads(self) -> int:
@@ -99,3 +187,26 @@ class DecoderConfig:
     @property
     def attention_head_dim(self) -> int:
         return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def attention_layer_types(self) -> tuple[LayerType, ...]:
+        """Each layer's attention: ``layer_types``, or the default described above."""
+        if self.layer_types is not None:
+            return self.layer_types
+        if self.sliding_window is None:
+            return ("full_attention",) * self.n_layers
+        every = self.global_layer_every
+        return tuple(
+            "full_attention" if every is not None and (i + 1) % every == 0 else "sliding_attention"
+            for i in range(self.n_layers)
+        )
+
+    @property
+    def layer_windows(self) -> tuple[int, ...] | None:
+        """Each layer's window (0: full attention); None when no layer has one."""
+        if self.sliding_window is None:
+            return None
+        return tuple(
+            self.sliding_window if kind == "sliding_attention" else 0
+            for kind in self.attention_layer_types
+        )

@@ -9,15 +9,16 @@ ignores or accepts only at Hugging Face's default. It ends with a module-level `
 
 The helpers below are shared by the families: `HFConfig` reads a ``config.json`` with a
 family's defaults and one-line errors; `common_fields` / `common_hf_fields` map the fields
-every Llama-like config shares; the `Tensor` constructors describe how one zoo array is
-stored in a Hugging Face checkpoint.
+most configs share (`read_rope` / `rope_to_hf` the rotary settings) and `check_expressible`
+refuses a zoo config an architecture cannot hold; the `Tensor` constructors describe how one
+zoo array is stored in a Hugging Face checkpoint.
 """
 
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from models.config import ConfigError, DecoderConfig
+from models.config import ConfigError, DecoderConfig, RopeScaling
 from models.tensor_files import Sliceable, stack
 
 # Keys of every transformers config that say nothing about the computation.
@@ -43,7 +44,7 @@ COMMON_IGNORED_KEYS = frozenset(
     }
 )
 
-# Keys `common_fields` reads (and `read_rope_theta` checks).
+# Keys `common_fields` reads (and `read_rope` checks).
 COMMON_HANDLED_KEYS = frozenset(
     {
         "architectures",
@@ -109,14 +110,16 @@ class LayerTensors(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
-    """One zoo array and how it is stored in a Hugging Face checkpoint.
+    """One zoo array (or a tuple of them) and how it is stored in a Hugging Face checkpoint.
 
     ``where`` picks the array from a model (for ``layered`` arrays, the array stacked over
-    layers). ``to_hf`` maps one layer's array to ``{name: tensor}`` (names relative to
-    ``model.layers.{i}.`` for layered arrays); ``from_hf`` rebuilds it, given a reader of
-    those names and the array's per-layer shape. ``to_hf`` only uses ``.T``, ``.reshape`` and
-    indexing, so it runs on numpy arrays and abstract JAX values alike; ``from_hf`` only the
-    views of a lazy array (``.T``, ``.transpose``, ``.reshape`` splitting axes, ``.window``,
+    layers), or a tuple of arrays stored together (GPT-2 keeps q, k and v in one tensor).
+    ``to_hf`` maps one layer's array(s) to ``{name: tensor}`` (names relative to the layer's
+    prefix, `HFMapping.layer_prefix`, for layered arrays); ``from_hf`` rebuilds them, given a
+    reader of those names and the per-layer shape (a tuple of shapes for a tuple). ``to_hf``
+    only uses ``.T``, ``.reshape``, indexing and ``jnp.concatenate``, so it runs on numpy
+    arrays and abstract JAX values alike; ``from_hf`` only the views of a lazy array
+    (``.T``, ``.transpose``, ``.reshape`` splitting axes, ``.window``,
     `models.tensor_files.stack`), so that nothing is read until the result is sliced.
     """
 
@@ -124,6 +127,11 @@ class Tensor:
     layered: bool
     to_hf: Callable[[Any], dict[str, Any]]
     from_hf: Callable[[LayerTensors, tuple[int, ...]], Sliceable]
+
+
+def tensor_parts(value: Any) -> list[Any]:
+    """The arrays of a `Tensor`'s ``where`` (or ``from_hf``) result: one, or a tuple's."""
+    return list(value) if isinstance(value, tuple) else [value]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +146,9 @@ class HFMapping:
     zoo does not model) are accepted only at Hugging Face's default; any other key with a
     value is refused, naming it. ``renames`` are substrings of stored tensor names read
     under another name (transformers' in-memory names); ``zero_tensors`` names tensors the
-    zoo does not have and requires to be zero.
+    zoo does not have and requires to be zero; ``ignored_tensor_suffixes`` end the names of
+    stored tensors that are not parameters (GPT-2's cached attention masks).
+    ``layer_format`` is layer ``i``'s name prefix with ``{}`` for ``i``.
     """
 
     architecture: str
@@ -152,6 +162,12 @@ class HFMapping:
     tensors: Callable[[DecoderConfig], list[Tensor]]
     renames: tuple[tuple[str, str], ...] = ()
     zero_tensors: Callable[[DecoderConfig], list[str]] = lambda config: []
+    ignored_tensor_suffixes: tuple[str, ...] = ()
+    layer_format: str = "model.layers.{}."
+
+    def layer_prefix(self, layer: int) -> str:
+        """The name prefix of layer ``layer``'s tensors."""
+        return self.layer_format.format(layer)
 
     def check_keys(self, hf_config: HFConfig) -> None:
         """Refuse every key this mapping neither handles, ignores nor finds at its default."""
@@ -207,13 +223,67 @@ def llama_like_mapping(
 
 # ----------------------------------------------------------------------------- configs
 
+# DecoderConfig fields every ``config.json`` states (shapes and numerics) or that choose how
+# the zoo runs (never saved): no family refuses them.
+FREE_FIELDS = frozenset(
+    {
+        "vocab_size",
+        "d_model",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "head_dim",
+        "mlp_dim",
+        "norm_eps",
+        "rope_theta",
+        "tie_embeddings",
+        "init_std",
+        "moe",
+        "scan_layers",
+        "remat",
+    }
+)
 
-def common_fields(hf_config: HFConfig) -> dict[str, Any]:
-    """The `DecoderConfig` fields every Llama-like ``config.json`` gives the same way."""
-    if hf_config.get("hidden_act", "silu") != "silu":
+# Hugging Face activation names for the zoo's MLPs: gated (the config's activation) or not.
+GATED_ACTIVATIONS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu"}
+
+
+def check_expressible(
+    config: DecoderConfig,
+    architecture: str,
+    *,
+    fixed: Mapping[str, Any] | None = None,
+    free: frozenset[str] = frozenset(),
+) -> None:
+    """Refuse a config that uses a builder option ``architecture`` cannot express.
+
+    Every field is either free (`FREE_FIELDS` and ``free``: the family's ``config.json``
+    states it), fixed by the architecture (``fixed``: e.g. Gemma's ``norm``), or must keep
+    `DecoderConfig`'s default. `ConfigError` names the first field that does not.
+    """
+    fixed = fixed or {}
+    for field in dataclasses.fields(DecoderConfig):
+        if field.name in FREE_FIELDS or field.name in free:
+            continue
+        expected = fixed.get(field.name, field.default)
+        value = getattr(config, field.name)
+        if value != expected:
+            raise ConfigError(
+                f"{field.name}: {value!r} has no {architecture} counterpart; use {expected!r}"
+            )
+
+
+def common_fields(
+    hf_config: HFConfig, *, activation_key: str = "hidden_act", local_rope: bool = False
+) -> dict[str, Any]:
+    """The `DecoderConfig` fields most ``config.json`` files give the same way: shapes, norm
+    epsilon, the gated activation (under ``activation_key``), rotary settings
+    (`read_rope`; ``local_rope``: per-layer-type settings allowed) and tied embeddings."""
+    activation = hf_config.get(activation_key, "silu")
+    if activation not in GATED_ACTIVATIONS:
         raise hf_config.error(
-            "hidden_act",
-            f"{hf_config.values['hidden_act']!r} is not supported: the zoo's SwiGLU uses 'silu'",
+            activation_key,
+            f"{activation!r} is not supported; supported: {', '.join(GATED_ACTIVATIONS)}",
         )
     n_heads = hf_config.get("num_attention_heads")
     d_model = hf_config.get("hidden_size")
@@ -227,56 +297,168 @@ def common_fields(hf_config: HFConfig) -> dict[str, Any]:
         n_kv_heads=None if n_kv_heads == n_heads else n_kv_heads,
         head_dim=None if head_dim * n_heads == d_model else head_dim,
         mlp_dim=hf_config.get("intermediate_size"),
-        activation="swiglu",
-        norm="rms",
+        activation=GATED_ACTIVATIONS[activation],
         norm_eps=float(hf_config.get("rms_norm_eps")),
-        rope_theta=read_rope_theta(hf_config),
-        qk_norm=False,
+        **read_rope(hf_config, local=local_rope),
         tie_embeddings=bool(hf_config.values.get("tie_word_embeddings", False)),
         init_std=float(hf_config.get("initializer_range", 0.02)),
     )
 
 
-def read_rope_theta(hf_config: HFConfig) -> float:
-    """``rope_theta`` from ``rope_parameters`` (transformers 5) or the top level (older).
+# What a rope_parameters table may hold, by rope_type.
+ROPE_KEYS = {
+    "default": {"rope_type", "type", "rope_theta"},
+    "linear": {"rope_type", "type", "rope_theta", "factor"},
+    "dynamic": {"rope_type", "type", "rope_theta", "factor"},
+    "llama3": {
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    },
+}
 
-    Only unscaled ("default") rotary embeddings over the whole head exist in the zoo.
+
+def _rope_table(hf_config: HFConfig, field: str, table: Any) -> tuple[Any, RopeScaling | None]:
+    """``(rope_theta or None, scaling)`` of one ``rope_parameters``-style table."""
+    if not isinstance(table, Mapping):
+        raise hf_config.error(field, f"{table!r}: expected a table of rotary settings")
+    if table.get("partial_rotary_factor", 1.0) != 1.0:
+        raise hf_config.error(
+            f"{field}.partial_rotary_factor", "partial rotary embeddings are not supported"
+        )
+    rope_type = table.get("rope_type", table.get("type", "default"))
+    if rope_type not in ROPE_KEYS:
+        raise hf_config.error(
+            f"{field}.rope_type",
+            f"{rope_type!r} is not supported; supported: {', '.join(ROPE_KEYS)}",
+        )
+    unknown = sorted(set(table) - ROPE_KEYS[rope_type] - {"partial_rotary_factor"})
+    if unknown:
+        raise hf_config.error(
+            f"{field}.{unknown[0]}", f"not supported with rope_type {rope_type!r}"
+        )
+    theta = table.get("rope_theta")
+    if rope_type == "default":
+        return theta, None
+    scaling: dict[str, Any] = dict(kind=rope_type, factor=float(table["factor"]))
+    if rope_type == "dynamic":
+        scaling["original_max_positions"] = hf_config.get("max_position_embeddings")
+    elif rope_type == "llama3":
+        scaling.update(
+            low_freq_factor=float(table["low_freq_factor"]),
+            high_freq_factor=float(table["high_freq_factor"]),
+            original_max_positions=table["original_max_position_embeddings"],
+        )
+    try:
+        return theta, RopeScaling(**scaling)
+    except ConfigError as error:
+        raise hf_config.error(field, str(error)) from None
+
+
+def read_rope(hf_config: HFConfig, *, local: bool = False) -> dict[str, Any]:
+    """``rope_theta`` and ``rope_scaling`` (and with ``local``, ``local_rope_theta``) from
+    ``rope_parameters`` (transformers 5), or ``rope_scaling`` and a top-level ``rope_theta``
+    (older files).
+
+    With ``local``, ``rope_parameters`` may be one table per layer type (Gemma 3):
+    ``full_attention``'s gives the global settings, ``sliding_attention``'s (unscaled) the
+    local base. Partial rotary embeddings and scalings other than ``linear``, ``dynamic``
+    and ``llama3`` are refused, naming the key.
     """
     values = hf_config.values
-    for field in ("rope_parameters", "rope_scaling"):
-        table = values.get(field) or {}
-        if not isinstance(table, Mapping) or any(isinstance(v, Mapping) for v in table.values()):
-            raise hf_config.error(field, f"{table!r}: per-layer rotary settings are not supported")
-        rope_type = table.get("rope_type", table.get("type", "default"))
-        if rope_type != "default":
-            raise hf_config.error(
-                f"{field}.rope_type",
-                f"{rope_type!r}: only unscaled ('default') rotary embeddings are supported",
-            )
-        if table.get("partial_rotary_factor", 1.0) != 1.0:
-            raise hf_config.error(
-                f"{field}.partial_rotary_factor", "partial rotary embeddings are not supported"
-            )
+    field = "rope_parameters" if values.get("rope_parameters") else "rope_scaling"
+    table = values.get(field) or {}
     if values.get("partial_rotary_factor", 1.0) != 1.0:
         raise hf_config.error(
             "partial_rotary_factor", "partial rotary embeddings are not supported"
         )
-    parameters = values.get("rope_parameters") or {}
-    theta = parameters.get("rope_theta", values.get("rope_theta"))
-    return float(hf_config.defaults["rope_theta"] if theta is None else theta)
-
-
-def common_hf_fields(config: DecoderConfig, architecture: str) -> dict[str, Any]:
-    """The ``config.json`` fields `common_fields` reads, for ``config``; `ConfigError` naming
-    the field where ``config`` uses a builder option ``architecture`` does not have."""
-    if config.norm != "rms":
-        raise ConfigError(f"norm: {config.norm!r} has no {architecture} counterpart; use 'rms'")
-    if config.activation != "swiglu":
-        raise ConfigError(
-            f"activation: {config.activation!r} has no {architecture} counterpart; use 'swiglu'"
+    local_theta = values.get("rope_local_base_freq") if local else None
+    if isinstance(table, Mapping) and any(isinstance(v, Mapping) for v in table.values()):
+        if not local:
+            raise hf_config.error(field, f"{table!r}: per-layer rotary settings are not supported")
+        unknown = sorted(set(table) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise hf_config.error(f"{field}.{unknown[0]}", "is not a layer type of this model")
+        sliding_field = f"{field}.sliding_attention"
+        local_theta, local_scaling = _rope_table(
+            hf_config, sliding_field, table.get("sliding_attention", {})
         )
-    if config.qk_norm:
-        raise ConfigError(f"qk_norm: {architecture} has no QK-norm; set qk_norm=False")
+        if local_scaling is not None:
+            raise hf_config.error(
+                f"{sliding_field}.rope_type",
+                f"{local_scaling.kind!r}: sliding-window layers' rotary embeddings must be "
+                "unscaled ('default')",
+            )
+        field, table = f"{field}.full_attention", table.get("full_attention", {})
+    theta, scaling = _rope_table(hf_config, field, table)
+    theta = values.get("rope_theta") if theta is None else theta
+    rope = dict(
+        rope_theta=float(hf_config.defaults["rope_theta"] if theta is None else theta),
+        rope_scaling=scaling,
+    )
+    if local:
+        default = hf_config.defaults.get("local_rope_theta")
+        rope["local_rope_theta"] = float(default if local_theta is None else local_theta)
+    return rope
+
+
+def rope_to_hf(config: DecoderConfig) -> dict[str, Any]:
+    """``rope_parameters`` (one table, or one per layer type when sliding layers have their
+    own base) and, for ``dynamic`` scaling, the ``max_position_embeddings`` it scales from."""
+    table: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    fields: dict[str, Any] = {}
+    scaling = config.rope_scaling
+    if scaling is not None:
+        table.update(rope_type=scaling.kind, factor=scaling.factor)
+        if scaling.kind == "dynamic":
+            fields["max_position_embeddings"] = scaling.original_max_positions
+        elif scaling.kind == "llama3":
+            table.update(
+                low_freq_factor=scaling.low_freq_factor,
+                high_freq_factor=scaling.high_freq_factor,
+                original_max_position_embeddings=scaling.original_max_positions,
+            )
+    if config.local_rope_theta is not None:
+        local = {"rope_type": "default", "rope_theta": config.local_rope_theta}
+        table = {"full_attention": table, "sliding_attention": local}
+    return {"rope_parameters": table, **fields}
+
+
+def read_layer_types(hf_config: HFConfig, n_layers: int) -> tuple[str, ...] | None:
+    """``layer_types`` as given (each ``full_attention`` or ``sliding_attention``), or None."""
+    layer_types = hf_config.values.get("layer_types")
+    if layer_types is None:
+        return None
+    kinds = ("full_attention", "sliding_attention")
+    if len(layer_types) != n_layers or any(kind not in kinds for kind in layer_types):
+        raise hf_config.error(
+            "layer_types",
+            f"{layer_types}: expected {n_layers} entries, each one of {', '.join(kinds)}",
+        )
+    return tuple(layer_types)
+
+
+def common_hf_fields(
+    config: DecoderConfig,
+    architecture: str,
+    *,
+    fixed: Mapping[str, Any] | None = None,
+    free: frozenset[str] = frozenset(),
+    activation_key: str = "hidden_act",
+) -> dict[str, Any]:
+    """The ``config.json`` fields `common_fields` reads, for ``config``, after
+    `check_expressible` (``fixed``, ``free``: the family's own fields)."""
+    check_expressible(config, architecture, fixed=fixed, free=free | {"activation"})
+    activations = {zoo: hf for hf, zoo in GATED_ACTIVATIONS.items()}
+    if config.activation not in activations:
+        raise ConfigError(
+            f"activation: {config.activation!r} has no {architecture} counterpart; use "
+            f"{' or '.join(repr(name) for name in activations)}"
+        )
     return {
         "vocab_size": config.vocab_size,
         "hidden_size": config.d_model,
@@ -285,9 +467,9 @@ def common_hf_fields(config: DecoderConfig, architecture: str) -> dict[str, Any]
         "num_key_value_heads": config.kv_heads,
         "head_dim": config.attention_head_dim,
         "intermediate_size": config.mlp_dim,
-        "hidden_act": "silu",
+        activation_key: activations[config.activation],
         "rms_norm_eps": config.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        **rope_to_hf(config),
         "tie_word_embeddings": config.tie_embeddings,
         "initializer_range": config.init_std,
     }
@@ -326,8 +508,9 @@ def heads_out(where: Callable, name: str) -> Tensor:
     )
 
 
-def heads_bias(where: Callable, name: str) -> Tensor:
-    """``bq/bk/bv (heads, head_dim)`` <-> ``q/k/v_proj.bias (heads * head_dim,)``."""
+def flattened(where: Callable, name: str) -> Tensor:
+    """A per-head array ``(heads, head_dim)`` (``bq/bk/bv``, an all-heads QK-norm weight) <->
+    a flat ``(heads * head_dim,)`` tensor (``q_proj.bias``, OLMo 2's ``q_norm.weight``)."""
     return Tensor(
         where, True, lambda a: {name: a.reshape(-1)}, lambda read, shape: read(name).reshape(shape)
     )
@@ -360,28 +543,74 @@ def experts(where: Callable, prefix: str, expert_name: str, fused: str) -> Tenso
     return Tensor(where, True, to_hf, from_hf)
 
 
-def llama_like_tensors(config: DecoderConfig) -> list[Tensor]:
-    """Embedding, final norm, head and every layer's norms and attention, named as in
-    ``LlamaForCausalLM`` (and the families that copied its layout)."""
+# Where the zoo's block norms sit in a Llama-layout checkpoint: before each sublayer.
+LLAMA_NORMS = {"attention_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+
+
+def model_tensors(config: DecoderConfig, prefix: str = "model.") -> list[Tensor]:
+    """The token embedding, the final norm and (untied) the output head."""
     tensors = [
-        copied(lambda m: m.embedding.weight, "model.embed_tokens.weight", layered=False),
-        copied(lambda m: m.final_norm.weight, "model.norm.weight", layered=False),
-        copied(lambda m: m.blocks.layers.attention_norm.weight, "input_layernorm.weight"),
-        copied(lambda m: m.blocks.layers.mlp_norm.weight, "post_attention_layernorm.weight"),
-        heads_in(lambda m: m.blocks.layers.attention.wq, "self_attn.q_proj.weight"),
-        heads_in(lambda m: m.blocks.layers.attention.wk, "self_attn.k_proj.weight"),
-        heads_in(lambda m: m.blocks.layers.attention.wv, "self_attn.v_proj.weight"),
-        heads_out(lambda m: m.blocks.layers.attention.wo, "self_attn.o_proj.weight"),
+        copied(lambda m: m.embedding.weight, f"{prefix}embed_tokens.weight", layered=False),
+        copied(lambda m: m.final_norm.weight, f"{prefix}norm.weight", layered=False),
     ]
     if not config.tie_embeddings:
         tensors.append(linear(lambda m: m.unembedding.weight, "lm_head.weight", layered=False))
+    return tensors
+
+
+def norm_tensors(names: Mapping[str, str]) -> list[Tensor]:
+    """Each block norm ``{zoo field: Hugging Face module name}`` (``attention_norm``,
+    ``attention_post_norm``, ``mlp_norm``, ``mlp_post_norm``)."""
+
+    def norm_weight(field: str) -> Callable:
+        return lambda m: getattr(m.blocks.layers, field).weight
+
+    return [copied(norm_weight(field), f"{name}.weight") for field, name in names.items()]
+
+
+def attention_tensors(config: DecoderConfig, prefix: str = "self_attn.") -> list[Tensor]:
+    """q/k/v/o projections, their biases and QK-norm weights, as ``{prefix}q_proj.weight``,
+    ``{prefix}q_norm.weight``, ... (Llama's layout, kept by the families derived from it)."""
+
+    def attention(m):
+        return m.blocks.layers.attention
+
+    tensors = [
+        heads_in(lambda m: attention(m).wq, f"{prefix}q_proj.weight"),
+        heads_in(lambda m: attention(m).wk, f"{prefix}k_proj.weight"),
+        heads_in(lambda m: attention(m).wv, f"{prefix}v_proj.weight"),
+        heads_out(lambda m: attention(m).wo, f"{prefix}o_proj.weight"),
+    ]
     if config.qkv_bias:
         tensors += [
-            heads_bias(lambda m: m.blocks.layers.attention.bq, "self_attn.q_proj.bias"),
-            heads_bias(lambda m: m.blocks.layers.attention.bk, "self_attn.k_proj.bias"),
-            heads_bias(lambda m: m.blocks.layers.attention.bv, "self_attn.v_proj.bias"),
+            flattened(lambda m: attention(m).bq, f"{prefix}q_proj.bias"),
+            flattened(lambda m: attention(m).bk, f"{prefix}k_proj.bias"),
+            flattened(lambda m: attention(m).bv, f"{prefix}v_proj.bias"),
+        ]
+    if config.attention_out_bias:
+        tensors.append(copied(lambda m: attention(m).bo, f"{prefix}o_proj.bias"))
+    if config.qk_norm:
+        norm = copied if config.qk_norm_over == "head" else flattened
+        tensors += [
+            norm(lambda m: attention(m).q_norm.weight, f"{prefix}q_norm.weight"),
+            norm(lambda m: attention(m).k_norm.weight, f"{prefix}k_norm.weight"),
         ]
     return tensors
+
+
+def mlp_tensors(prefix: str = "mlp.") -> list[Tensor]:
+    """A gated MLP's ``{prefix}gate_proj``, ``up_proj`` and ``down_proj`` weights."""
+    return [
+        linear(lambda m: m.blocks.layers.mlp.gate.weight, f"{prefix}gate_proj.weight"),
+        linear(lambda m: m.blocks.layers.mlp.up.weight, f"{prefix}up_proj.weight"),
+        linear(lambda m: m.blocks.layers.mlp.down.weight, f"{prefix}down_proj.weight"),
+    ]
+
+
+def llama_like_tensors(config: DecoderConfig) -> list[Tensor]:
+    """Embedding, final norm, head and every layer's norms and attention, named as in
+    ``LlamaForCausalLM`` (and the families that copied its layout)."""
+    return model_tensors(config) + norm_tensors(LLAMA_NORMS) + attention_tensors(config)
 
 
 def routed_experts_tensors(prefix: str, names: tuple[str, str, str]) -> list[Tensor]:
@@ -393,8 +622,3 @@ def routed_experts_tensors(prefix: str, names: tuple[str, str, str]) -> list[Ten
         experts(lambda m: m.blocks.layers.mlp.experts.up, prefix, names[1], "up"),
         experts(lambda m: m.blocks.layers.mlp.experts.down, prefix, names[2], "down"),
     ]
-
-
-def layer_prefix(layer: int) -> str:
-    """The name prefix of layer ``layer``'s tensors."""
-    return f"model.layers.{layer}."

@@ -39,7 +39,7 @@ import numpy as np
 from eqxzoo.typed_config import build_dataclass, dataclass_to_table, flatten, refuse
 from models.config import RUNTIME_KEYS, ConfigError, DecoderConfig
 from models.decoder import DecoderLM
-from models.family import HFConfig, HFMapping, Tensor, layer_prefix
+from models.family import HFConfig, HFMapping, Tensor, tensor_parts
 from models.registry import families, family_for_hf, family_of
 from models.tensor_files import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -252,7 +252,7 @@ def open_hf(path: str | os.PathLike) -> HFCheckpoint:
     config = read_hf_config(directory)
     mapping = hf_mapping(config)
     tensors: list[Tensor] = mapping.tensors(config)
-    skeleton = eqx.filter_eval_shape(DecoderLM, config, key=jax.random.key(0))
+    skeleton = _skeleton(config)
     expected = {
         name: value
         for producer in _producers(config, mapping)
@@ -272,30 +272,39 @@ def open_hf(path: str | os.PathLike) -> HFCheckpoint:
 
     arrays = []
     for tensor in tensors:
-        shape = tensor.where(skeleton).shape
+        shapes = [part.shape for part in tensor_parts(tensor.where(skeleton))]
         if tensor.layered:
+            per_layer = [shape[1:] for shape in shapes]
             layers = [
-                tensor.from_hf(reader(layer_prefix(layer)), shape[1:])
+                tensor_parts(tensor.from_hf(reader(mapping.layer_prefix(layer)), _like(per_layer)))
                 for layer in range(config.n_layers)
             ]
-            arrays.append(stack(layers))
+            arrays += [stack(list(part_layers)) for part_layers in zip(*layers, strict=True)]
         else:
-            arrays.append(tensor.from_hf(reader(""), shape))
+            arrays += tensor_parts(tensor.from_hf(reader(""), _like(shapes)))
     for name in mapping.zero_tensors(config):
         if np.any(np.asarray(reader("")(name, (config.d_model,)))):
             raise HFCheckpointError(
                 f"tensor {name} is non-zero: the zoo's attention has no output bias"
             )
-    unused = [name for name in files.names() if name not in used and not _ignorable(name, config)]
+    unused = [
+        name for name in files.names() if name not in used and not _ignorable(name, config, mapping)
+    ]
     if unused:
         more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
         raise HFCheckpointError(
             f"{directory}: unexpected tensor(s) {', '.join(unused[:3])}{more} "
             f"for {type(config).__name__}"
         )
-    for tensor, array in zip(tensors, arrays, strict=True):
-        assert tuple(array.shape) == tuple(tensor.where(skeleton).shape), (tensor, array.shape)
-    model = eqx.tree_at(lambda m: [tensor.where(m) for tensor in tensors], skeleton, arrays)
+
+    def stored_arrays(model):
+        return [part for tensor in tensors for part in tensor_parts(tensor.where(model))]
+
+    for goal, array in zip(stored_arrays(skeleton), arrays, strict=True):
+        assert tuple(array.shape) == tuple(goal.shape), (goal, array.shape)
+    model = eqx.combine(
+        per_layer_data(type(skeleton), config), eqx.tree_at(stored_arrays, skeleton, arrays)
+    )
     assert not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(model)), (
         "every array of the model must come from the checkpoint"
     )
@@ -319,11 +328,36 @@ def load_hf(path: str | os.PathLike) -> DecoderLM:
     return jax.tree.map(lambda lazy: jnp.asarray(np.asarray(lazy)), checkpoint.model)
 
 
-def _ignorable(key: str, config: DecoderConfig) -> bool:
-    """Tensors Hugging Face itself ignores: cached rotary tables, a tied head's copy."""
-    return key.endswith("rotary_emb.inv_freq") or (
-        config.tie_embeddings and key == "lm_head.weight"
+def _ignorable(key: str, config: DecoderConfig, mapping: HFMapping) -> bool:
+    """Tensors Hugging Face itself ignores: cached rotary tables and masks, a tied head's copy."""
+    return (
+        key.endswith("rotary_emb.inv_freq")
+        or key.endswith(mapping.ignored_tensor_suffixes)
+        or (config.tie_embeddings and key == "lm_head.weight")
     )
+
+
+def _like(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | tuple[tuple[int, ...], ...]:
+    """One shape, or a tuple of them for a tensor made of several zoo arrays."""
+    return shapes[0] if len(shapes) == 1 else tuple(shapes)
+
+
+def _skeleton(config: DecoderConfig) -> Any:
+    """The model of ``config``'s family as shape structs (nothing computed)."""
+    return eqx.filter_eval_shape(family_of(config).model_class, config, key=jax.random.key(0))
+
+
+def per_layer_data(model_class: type, config: DecoderConfig) -> Any:
+    """The integer arrays of ``model_class(config)`` (per-layer data such as sliding windows)
+    as numpy arrays, every other leaf None: what no checkpoint stores, since the config
+    fixes it. The constructor runs under `jax.jit` with only these as outputs, so XLA
+    drops the weights' initialisation: nothing of the model's size is computed."""
+
+    def is_data(leaf) -> bool:
+        return eqx.is_array(leaf) and not eqx.is_inexact_array(leaf)
+
+    data = eqx.filter_jit(lambda: eqx.filter(model_class(config, key=jax.random.key(0)), is_data))()
+    return jax.tree.map(np.asarray, data)
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,15 +386,21 @@ def _produce(
     tensor, layer = producer
     if isinstance(tensor, str):
         return {tensor: np.zeros((config.d_model,), dtype)}
-    array = tensor.where(model)
-    if isinstance(array, jax.ShapeDtypeStruct):
-        shape = array.shape if layer is None else array.shape[1:]
-        made = jax.eval_shape(tensor.to_hf, jax.ShapeDtypeStruct(shape, dtype))
+    parts = []
+    for array in tensor_parts(tensor.where(model)):
+        if isinstance(array, jax.ShapeDtypeStruct):
+            shape = array.shape if layer is None else array.shape[1:]
+            parts.append(jax.ShapeDtypeStruct(shape, dtype))
+        else:
+            index = () if layer is None else (slice(layer, layer + 1),)
+            values = np.asarray(array[index]).astype(dtype)
+            parts.append(values if layer is None else values[0])
+    whole = parts[0] if len(parts) == 1 else tuple(parts)
+    if isinstance(parts[0], jax.ShapeDtypeStruct):
+        made = jax.eval_shape(tensor.to_hf, whole)
     else:
-        index = () if layer is None else (slice(layer, layer + 1),)
-        values = np.asarray(array[index]).astype(dtype)
-        made = tensor.to_hf(values if layer is None else values[0])
-    prefix = "" if layer is None else layer_prefix(layer)
+        made = tensor.to_hf(whole)
+    prefix = "" if layer is None else hf_mapping(config).layer_prefix(layer)
     return {prefix + name: value for name, value in made.items()}
 
 
@@ -387,7 +427,7 @@ def write_hf(
     mapping = hf_mapping(config)
     dtype = np.dtype(dtype)
     hf_config = config_to_hf(config, dtype.name)
-    skeleton = eqx.filter_eval_shape(DecoderLM, config, key=jax.random.key(0))
+    skeleton = _skeleton(config)
     producers = _producers(config, mapping)
     shapes: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
     made_by: dict[str, int] = {}

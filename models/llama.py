@@ -1,10 +1,11 @@
-"""Llama (``LlamaForCausalLM``): RMSNorm, RoPE, GQA, SwiGLU, optional tied embeddings and
-attention biases."""
+"""Llama 2 and 3.x (``LlamaForCausalLM``): RMSNorm, RoPE (with Llama 3's ``llama3`` scaling,
+``linear`` or ``dynamic``), GQA, SwiGLU, a ``head_dim`` free of ``d_model / n_heads``,
+optional tied embeddings and attention biases."""
 
 import dataclasses
 from typing import Any, ClassVar
 
-from eqxzoo.typed_config import refuse
+from eqxzoo.typed_config import ConfigError, refuse
 from models.config import DecoderConfig
 from models.decoder import DecoderLM
 from models.family import (
@@ -13,10 +14,9 @@ from models.family import (
     Tensor,
     common_fields,
     common_hf_fields,
-    layer_prefix,
-    linear,
     llama_like_mapping,
     llama_like_tensors,
+    mlp_tensors,
 )
 
 
@@ -36,32 +36,32 @@ ARCHITECTURE = "LlamaForCausalLM"
 
 
 def config_from_hf(hf_config: HFConfig) -> LlamaConfig:
-    return LlamaConfig(
-        **common_fields(hf_config), qkv_bias=bool(hf_config.values.get("attention_bias", False))
-    )
+    bias = bool(hf_config.values.get("attention_bias", False))
+    return LlamaConfig(**common_fields(hf_config), qkv_bias=bias, attention_out_bias=bias)
 
 
 def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
-    return {
-        **common_hf_fields(config, ARCHITECTURE),
-        "attention_bias": config.qkv_bias,
-        "mlp_bias": False,
-    }
+    fields = common_hf_fields(
+        config, ARCHITECTURE, free=frozenset({"rope_scaling", "qkv_bias", "attention_out_bias"})
+    )
+    if config.attention_out_bias and not config.qkv_bias:
+        raise ConfigError(
+            f"attention_out_bias: {ARCHITECTURE} has an output bias only with q/k/v biases; "
+            "set qkv_bias=True"
+        )
+    return {**fields, "attention_bias": config.qkv_bias, "mlp_bias": False}
 
 
 def tensors(config: DecoderConfig) -> list[Tensor]:
-    return llama_like_tensors(config) + [
-        linear(lambda m: m.blocks.layers.mlp.gate.weight, "mlp.gate_proj.weight"),
-        linear(lambda m: m.blocks.layers.mlp.up.weight, "mlp.up_proj.weight"),
-        linear(lambda m: m.blocks.layers.mlp.down.weight, "mlp.down_proj.weight"),
-    ]
+    return llama_like_tensors(config) + mlp_tensors()
 
 
 def zero_output_biases(config: DecoderConfig) -> list[str]:
-    """Llama's ``attention_bias`` gives ``o_proj`` a bias too; the zoo has none, i.e. zeros."""
-    if not config.qkv_bias:
+    """Llama's ``attention_bias`` gives ``o_proj`` a bias too: a zoo config with q/k/v biases
+    and none on the output is saved with zeros there."""
+    if not config.qkv_bias or config.attention_out_bias:
         return []
-    return [layer_prefix(layer) + "self_attn.o_proj.bias" for layer in range(config.n_layers)]
+    return [f"model.layers.{layer}.self_attn.o_proj.bias" for layer in range(config.n_layers)]
 
 
 FAMILY = Family(

@@ -1,5 +1,6 @@
 """Mixtral (``MixtralForCausalLM``): Llama with every MLP a top-k MoE of SwiGLU experts
-(renormalised top-k weights), no shared experts, no attention biases."""
+(renormalised top-k weights), no shared experts, no attention biases, optionally a sliding
+window in every layer."""
 
 import dataclasses
 from typing import Any, ClassVar
@@ -38,26 +39,22 @@ ARCHITECTURE = "MixtralForCausalLM"
 
 
 def config_from_hf(hf_config: HFConfig) -> MixtralConfig:
-    if hf_config.values.get("sliding_window") is not None:
-        raise hf_config.error(
-            "sliding_window",
-            f"{hf_config.values['sliding_window']}: sliding-window attention is not supported; "
-            "set it to null",
-        )
     moe = MoEConfig(
         n_experts=hf_config.get("num_local_experts"),
         top_k=hf_config.get("num_experts_per_tok"),
         expert_mlp_dim=hf_config.get("intermediate_size"),
         normalize_topk=True,
     )
-    return MixtralConfig(**common_fields(hf_config), qkv_bias=False, moe=moe)
+    return MixtralConfig(
+        **common_fields(hf_config),
+        sliding_window=hf_config.values.get("sliding_window"),
+        moe=moe,
+    )
 
 
 def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
-    fields = common_hf_fields(config, ARCHITECTURE)
+    fields = common_hf_fields(config, ARCHITECTURE, free=frozenset({"sliding_window"}))
     moe = config.moe
-    if config.qkv_bias:
-        raise ConfigError(f"qkv_bias: {ARCHITECTURE} has no attention biases; set qkv_bias=False")
     if not moe.normalize_topk:
         raise ConfigError(f"moe.normalize_topk: {ARCHITECTURE} always renormalises; set it to True")
     return {
@@ -65,7 +62,7 @@ def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
         "intermediate_size": moe.expert_mlp_dim,
         "num_local_experts": moe.n_experts,
         "num_experts_per_tok": moe.top_k,
-        "sliding_window": None,
+        "sliding_window": config.sliding_window,
     }
 
 

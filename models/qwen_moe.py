@@ -76,7 +76,7 @@ def _check_layers(hf_config: HFConfig, n_layers: int) -> None:
 
 
 def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
-    fields = common_hf_fields(config, ARCHITECTURE)
+    fields = common_hf_fields(config, ARCHITECTURE, free=frozenset({"qkv_bias"}))
     moe = config.moe
     if not (moe.shared_mlp_dim > 0 and moe.shared_gate):
         raise ConfigError(

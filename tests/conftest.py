@@ -29,6 +29,16 @@ def _tiny_config(family: str, *, n_layers: int) -> models.DecoderConfig:
         return models.MixtralConfig(
             **common, moe=models.MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=16)
         )
+    if family == "gemma2":
+        return models.Gemma2Config(
+            **common, mlp_dim=48, sliding_window=3, attention_softcap=2.0, final_softcap=3.0
+        )
+    if family == "qwen3_moe":
+        return models.Qwen3MoeConfig(
+            **common,
+            head_dim=16,
+            moe=models.MoEConfig(n_experts=6, top_k=2, expert_mlp_dim=16, normalize_topk=True),
+        )
     assert family == "qwen_moe", family
     return models.QwenMoeConfig(
         **common,
@@ -41,8 +51,9 @@ def _tiny_config(family: str, *, n_layers: int) -> models.DecoderConfig:
 @pytest.fixture
 def tiny_config():
     """``tiny_config(family, n_layers=...)``: a d_model-32, 4-head (2 kv heads) model of
-    ``"llama"``, ``"mixtral"`` (4 experts, top 2) or ``"qwen_moe"`` (plus a gated shared
-    expert) over a vocabulary of `VOCAB` tokens."""
+    ``"llama"``, ``"mixtral"`` (4 experts, top 2), ``"qwen_moe"`` (plus a gated shared
+    expert), ``"gemma2"`` (a 3-token window in every other layer, soft-capped) or
+    ``"qwen3_moe"`` (6 experts, top 2, QK-norm) over a vocabulary of `VOCAB` tokens."""
     return _tiny_config
 
 

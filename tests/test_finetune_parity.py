@@ -107,7 +107,7 @@ CASES = {
 def make_hf_model(architecture, fields):
     """A tiny random float32 transformers model with four layers."""
     torch.manual_seed(0)
-    config = hf_config(architecture, num_hidden_layers=4, **fields)
+    config = hf_config(architecture, n_layers=4, **fields)
     return randomize(getattr(transformers, architecture)(config))
 
 

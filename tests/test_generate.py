@@ -30,6 +30,24 @@ CONFIGS = {
         qk_norm=True,
         moe=dataclasses.replace(MOE, normalize_topk=False, shared_mlp_dim=40, shared_gate=True),
     ),
+    # Every layer windowed: a ring cache of 3 slots for 11 positions (the second prefill
+    # chunk, 4 tokens, is longer than the ring).
+    "mistral_window": models.MistralConfig(**SMALL, n_kv_heads=2, sliding_window=3),
+    "gemma2_local_global_softcapped": models.Gemma2Config(
+        **SMALL, n_kv_heads=2, sliding_window=3, attention_softcap=1.5, final_softcap=2.0
+    ),
+    "gemma3_local_rope": models.Gemma3Config(
+        **SMALL, layer_types=("full_attention", "sliding_attention"), sliding_window=4
+    ),
+    "qwen3_moe_llama3_rope": models.Qwen3MoeConfig(
+        **SMALL,
+        head_dim=16,
+        rope_scaling=models.RopeScaling("llama3", 4.0, original_max_positions=16),
+        moe=MOE,
+    ),
+    "olmo2": models.Olmo2Config(**SMALL),
+    "olmoe_clipped": models.OlmoeConfig(**SMALL, clip_qkv=1.0, moe=MOE),
+    "gpt2": models.GPT2Config(**SMALL, max_positions=16),
 }
 
 PROMPT_LEN, NEW = 6, 5
@@ -79,8 +97,10 @@ def cached_and_full_logits(model):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_cached_logits_equal_full_recompute(name):
-    new_tokens, full, cached, cache = cached_and_full_logits(build(CONFIGS[name]))
+    model = build(CONFIGS[name])
+    new_tokens, full, cached, cache = cached_and_full_logits(model)
     assert int(cache.position) == PROMPT_LEN + NEW
+    assert cache.slots == (3 if name == "mistral_window" else PROMPT_LEN + NEW)
     np.testing.assert_allclose(cached, full, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(new_tokens, jnp.argmax(full[PROMPT_LEN - 1 : -1], axis=-1))
 

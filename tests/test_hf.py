@@ -28,12 +28,27 @@ from models import (  # noqa: E402
     ConfigError,
     DecoderConfig,
     DecoderLM,
+    Gemma2Config,
+    Gemma3Config,
+    GPT2Config,
     LlamaConfig,
+    MistralConfig,
     MixtralConfig,
     MoEConfig,
+    Olmo2Config,
+    OlmoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
     QwenMoeConfig,
+    RopeScaling,
 )
-from models.hf import HFCheckpointError, config_from_hf, load_hf, save_hf  # noqa: E402
+from models.hf import (  # noqa: E402
+    HFCheckpointError,
+    config_from_hf,
+    load_hf,
+    per_layer_data,
+    save_hf,
+)
 
 
 def tokens_for(case):
@@ -146,8 +161,10 @@ ZOO_CONFIGS = {
         head_dim=12,
         mlp_dim=40,
         qkv_bias=True,
+        attention_out_bias=True,
         tie_embeddings=True,
         norm_eps=1e-5,
+        rope_scaling=RopeScaling("llama3", 8.0, original_max_positions=64),
     ),
     "mixtral": MixtralConfig(
         vocab_size=VOCAB,
@@ -174,6 +191,81 @@ ZOO_CONFIGS = {
             shared_gate=True,
         ),
     ),
+    "mistral_dynamic_rope": MistralConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=1,
+        mlp_dim=40,
+        sliding_window=3,
+        rope_scaling=RopeScaling("dynamic", 2.0, original_max_positions=6),
+    ),
+    "qwen3_sliding": Qwen3Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        mlp_dim=40,
+        sliding_window=4,
+        layer_types=("full_attention", "sliding_attention", "full_attention"),
+        tie_embeddings=True,
+    ),
+    "qwen3_moe": Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        head_dim=8,
+        mlp_dim=40,
+        qkv_bias=True,
+        attention_out_bias=True,
+        moe=MoEConfig(n_experts=6, top_k=2, expert_mlp_dim=12, normalize_topk=True),
+    ),
+    "gemma2": Gemma2Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        mlp_dim=40,
+        sliding_window=4,
+        attention_scale_dim=20,
+        attention_softcap=2.0,
+        final_softcap=3.0,
+    ),
+    "gemma3": Gemma3Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        head_dim=16,
+        mlp_dim=40,
+        sliding_window=3,
+        layer_types=("sliding_attention", "full_attention"),
+        local_rope_theta=500.0,
+        rope_scaling=RopeScaling("linear", 4.0),
+        final_softcap=5.0,
+        tie_embeddings=False,
+    ),
+    "olmo2": Olmo2Config(
+        vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=40
+    ),
+    "olmoe": OlmoeConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        mlp_dim=16,
+        clip_qkv=0.7,
+        moe=MoEConfig(n_experts=5, top_k=2, expert_mlp_dim=16, normalize_topk=False),
+    ),
+    "gpt2": GPT2Config(
+        vocab_size=VOCAB, d_model=24, n_layers=2, n_heads=3, mlp_dim=56, max_positions=20
+    ),
 }
 
 
@@ -192,7 +284,9 @@ def random_zoo_model(config, seed=0):
         )
 
     skeleton = eqx.filter_eval_shape(DecoderLM, config, key=jax.random.key(0))
-    return jax.tree_util.tree_map_with_path(draw, skeleton)
+    floats, _ = eqx.partition(skeleton, lambda leaf: jnp.issubdtype(leaf.dtype, jnp.inexact))
+    drawn = jax.tree_util.tree_map_with_path(draw, floats)
+    return eqx.combine(per_layer_data(DecoderLM, config), drawn)
 
 
 @pytest.mark.parametrize("name", list(ZOO_CONFIGS))
@@ -291,11 +385,11 @@ def hf_config_dict(case, **changes):
 
 
 def test_unknown_architecture(tmp_path):
-    write_config(tmp_path, {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    write_config(tmp_path, {"architectures": ["PhiForCausalLM"], "model_type": "phi"})
     with pytest.raises(
         ConfigError,
-        match=r"architectures: \['GPT2LMHeadModel'\] is not supported; "
-        r"supported: LlamaForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM",
+        match=r"architectures: \['PhiForCausalLM'\] is not supported; "
+        r"supported: GPT2LMHeadModel, Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, ",
     ):
         load_hf(tmp_path)
 
@@ -364,17 +458,18 @@ def test_unexpected_tensor(tmp_path, llama_dir):
         load_hf(directory)
 
 
-def test_llama_output_bias_must_be_zero(tmp_path):
-    hf_model = make_hf_model("llama_attention_bias")
-    with torch.no_grad():
-        hf_model.model.layers[1].self_attn.o_proj.bias.fill_(0.5)
-    hf_model.save_pretrained(tmp_path)
-    with pytest.raises(
-        HFCheckpointError,
-        match=r"tensor model\.layers\.1\.self_attn\.o_proj\.bias is non-zero: "
-        r"the zoo's attention has no output bias",
-    ):
-        load_hf(tmp_path)
+def test_llama_with_q_k_v_biases_only_saves_a_zero_output_bias(tmp_path):
+    """Llama's ``attention_bias`` covers q/k/v and the output: a zoo model with q/k/v biases
+    alone is the Hugging Face model whose output bias is zero."""
+    config = dataclasses.replace(ZOO_CONFIGS["llama_tied_bias_head_dim"], attention_out_bias=False)
+    model = random_zoo_model(config)
+    save_hf(model, tmp_path)
+    tensors = read_tensors(tmp_path)
+    assert not np.any(tensors["model.layers.2.self_attn.o_proj.bias"])
+    reloaded = load_hf(tmp_path)
+    assert reloaded.config == dataclasses.replace(config, attention_out_bias=True)
+    tokens = np.arange(9) % VOCAB
+    np.testing.assert_array_equal(zoo_logits(reloaded, tokens), zoo_logits(model, tokens))
 
 
 @pytest.mark.parametrize(
@@ -382,17 +477,18 @@ def test_llama_output_bias_must_be_zero(tmp_path):
     [
         (
             "llama_mha",
-            {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
-            r"rope_parameters\.rope_type: 'linear': only unscaled \('default'\) rotary embeddings",
+            {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0}},
+            r"rope_parameters\.rope_type: 'yarn' is not supported; supported: default, linear, "
+            r"dynamic, llama3",
         ),
         (
             "llama_mha",
             {
                 "rope_parameters": None,
-                "rope_scaling": {"type": "dynamic", "factor": 2.0},
+                "rope_scaling": {"type": "linear", "factor": 2.0, "attention_factor": 0.5},
                 "rope_theta": 1e4,
             },
-            r"rope_scaling\.rope_type: 'dynamic': only unscaled \('default'\) rotary embeddings",
+            r"rope_scaling\.attention_factor: not supported with rope_type 'linear'",
         ),
         ("llama_mha", {"hidden_act": "gelu"}, r"hidden_act: 'gelu' is not supported"),
         (
@@ -415,9 +511,57 @@ def test_llama_output_bias_must_be_zero(tmp_path):
             r"zoo does not model",
         ),
         (
-            "mixtral_top2_of_4",
-            {"sliding_window": 4096},
-            r"sliding_window: 4096: sliding-window attention",
+            "mistral_window",
+            {"attention_bias": True},
+            r"attention_bias: True: an option of MistralForCausalLM the zoo does not model",
+        ),
+        (
+            "qwen3_tied",
+            {"layer_types": ["full_attention", "sliding_attention"]},
+            r"layer_types: sliding_attention layers need use_sliding_window = true",
+        ),
+        (
+            "qwen3_moe_norm_topk",
+            {"mlp_only_layers": [0]},
+            r"mlp_only_layers: \[0\] makes layers \[0\] dense: the zoo stacks equal layers",
+        ),
+        (
+            "qwen3_moe_norm_topk",
+            {"decoder_sparse_step": 2},
+            r"decoder_sparse_step: 2 makes layers \[0\] dense",
+        ),
+        (
+            "gemma2_softcapped",
+            {"use_bidirectional_attention": True},
+            r"use_bidirectional_attention: True: only causal attention is supported",
+        ),
+        (
+            "gemma3_local_global",
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "linear", "factor": 2.0},
+                }
+            },
+            r"rope_parameters\.sliding_attention\.rope_type: 'linear': sliding-window layers' "
+            r"rotary embeddings must be unscaled",
+        ),
+        (
+            "olmo2_gqa",
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+            r"rope_parameters\.partial_rotary_factor: partial rotary embeddings are not supported",
+        ),
+        ("olmoe_clip", {"hidden_act": "gelu"}, r"hidden_act: 'gelu' is not supported"),
+        (
+            "gpt2_tied",
+            {"activation_function": "relu"},
+            r"activation_function: 'relu' is not supported; supported: gelu_new",
+        ),
+        (
+            "gpt2_tied",
+            {"scale_attn_by_inverse_layer_idx": True},
+            r"scale_attn_by_inverse_layer_idx: True is not supported: the zoo models "
+            r"GPT2LMHeadModel only with Hugging Face's default False",
         ),
         ("qwen_moe_gqa", {"mlp_only_layers": [1]}, r"mlp_only_layers: \[1\]: dense layers"),
         ("qwen_moe_gqa", {"decoder_sparse_step": 2}, r"decoder_sparse_step: 2: only 1"),
@@ -463,11 +607,30 @@ TINY_MOE = MoEConfig(n_experts=2, top_k=1, expert_mlp_dim=8)
             LlamaConfig(**TINY, activation="gelu"),
             r"activation: 'gelu' has no LlamaForCausalLM counterpart",
         ),
-        (LlamaConfig(**TINY, qk_norm=True), r"qk_norm: LlamaForCausalLM has no QK-norm"),
+        (
+            LlamaConfig(**TINY, qk_norm=True),
+            r"qk_norm: True has no LlamaForCausalLM counterpart; use False",
+        ),
+        (
+            Qwen3Config(**TINY, norm_position="post"),
+            r"norm_position: 'post' has no Qwen3ForCausalLM counterpart; use 'pre'",
+        ),
+        (
+            Gemma3Config(**TINY, attention_softcap=50.0),
+            r"attention_softcap: 50\.0 has no Gemma3ForCausalLM counterpart; use None",
+        ),
+        (
+            GPT2Config(**TINY, n_kv_heads=1),
+            r"n_kv_heads: GPT2LMHeadModel has as many key/value heads as heads",
+        ),
+        (
+            Olmo2Config(**TINY, qkv_bias=True),
+            r"attention_out_bias: Olmo2ForCausalLM has q/k/v and output biases or neither",
+        ),
         (DecoderConfig(**TINY), r"family: 'decoder' has no Hugging Face architecture"),
         (
             MixtralConfig(**TINY, qkv_bias=True, moe=TINY_MOE),
-            r"qkv_bias: MixtralForCausalLM has no attention biases",
+            r"qkv_bias: True has no MixtralForCausalLM counterpart; use False",
         ),
         (
             MixtralConfig(**TINY, moe=dataclasses.replace(TINY_MOE, normalize_topk=False)),

@@ -37,10 +37,23 @@ from eqxzoo.train.rundir import CHECKPOINT_DIR, CONFIG_FILE  # noqa: E402
 from eqxzoo.train.state import init_train_state_from, train_state_axes  # noqa: E402
 from models import load_hf, model_factory  # noqa: E402
 from models.hf import open_hf  # noqa: E402
+from models.registry import hf_architectures  # noqa: E402
 from pipelines import export  # noqa: E402
 
-# One case per family (Llama with attention biases: its zero o_proj bias is exported too).
-FAMILY_CASES = ("llama_attention_bias", "mixtral_top2_of_4", "qwen_moe_gqa")
+# One case per family with a Hugging Face architecture.
+FAMILY_CASES = (
+    "llama_attention_bias",
+    "mixtral_top2_of_4",
+    "qwen_moe_gqa",
+    "mistral_window",
+    "qwen3_sliding_bias",
+    "qwen3_moe_window_bias",
+    "gemma2_softcapped",
+    "gemma3_local_global",
+    "olmo2_bias_tied",
+    "olmoe_clip",
+    "gpt2_untied",
+)
 MESH = MeshConfig(dp=2, pp=2, tp=2)
 CIRCULAR = PipelineConfig(schedule="circular", microbatches=2, repeats=2)
 
@@ -50,7 +63,7 @@ def save_hf_model(case: str, directory: Path, n_layers: int = 4) -> Path:
     ``directory`` by ``save_pretrained``."""
     architecture, fields, _ = HF_CASES[case]
     torch.manual_seed(0)
-    config = hf_config(architecture, **fields, num_hidden_layers=n_layers)
+    config = hf_config(architecture, n_layers=n_layers, **fields)
     model = randomize(getattr(transformers, architecture)(config))
     model.save_pretrained(directory)
     return directory
@@ -78,6 +91,10 @@ def stored_tensors(directory: Path) -> dict[str, np.ndarray]:
     for file in sorted(directory.glob("*.safetensors")):
         tensors.update(safetensors.numpy.load_file(str(file)))
     return tensors
+
+
+def test_every_family_has_a_round_trip_case():
+    assert {HF_CASES[case][0] for case in FAMILY_CASES} == set(hf_architectures())
 
 
 @pytest.mark.parametrize("case", FAMILY_CASES)

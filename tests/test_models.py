@@ -27,6 +27,22 @@ CONFIGS = {
     "mixtral_capacity": models.MixtralConfig(
         **SMALL, moe=dataclasses.replace(MOE, routing="capacity", capacity_factor=1.0)
     ),
+    "llama3_rope": models.LlamaConfig(
+        **SMALL, rope_scaling=models.RopeScaling("llama3", 8.0, original_max_positions=32)
+    ),
+    "mistral_window": models.MistralConfig(**SMALL, sliding_window=4),
+    "qwen3_sliding": models.Qwen3Config(
+        **SMALL,
+        head_dim=16,
+        sliding_window=3,
+        layer_types=("full_attention", "sliding_attention", "sliding_attention"),
+    ),
+    "qwen3_moe": models.Qwen3MoeConfig(**SMALL, moe=MOE),
+    "gemma2": models.Gemma2Config(**SMALL, sliding_window=5, attention_softcap=5.0),
+    "gemma3": models.Gemma3Config(**SMALL, n_kv_heads=1, sliding_window=4),
+    "olmo2": models.Olmo2Config(**SMALL, n_kv_heads=2),
+    "olmoe": models.OlmoeConfig(**SMALL, clip_qkv=2.0, moe=MOE),
+    "gpt2": models.GPT2Config(**SMALL, max_positions=16),
 }
 
 
@@ -59,7 +75,7 @@ def test_shapes_dtypes_and_aux(name):
     assert (model.unembedding is None) == model.config.tie_embeddings
 
 
-@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen_moe"])
+@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen_moe", "gemma2", "gpt2"])
 def test_causality(name):
     """Changing token t never changes the logits before t (dropless routing is per token)."""
     model = build(CONFIGS[name])
@@ -102,11 +118,13 @@ def test_grad_vmap_and_jit(name):
     assert all(np.isfinite(np.asarray(g)).all() for g in grad_leaves)
     assert float(jnp.abs(grads.blocks.layers.attention.wq).sum()) > 0
     np.testing.assert_allclose(eqx.filter_jit(_loss)(model, batch), loss, rtol=1e-6)
+    # Plain jax.grad over the float arrays (integer per-layer data, such as sliding windows,
+    # is not differentiable).
     raw_grads = jax.grad(
         lambda params: _loss(
-            eqx.combine(params, eqx.filter(model, eqx.is_array, inverse=True)), batch
+            eqx.combine(params, eqx.filter(model, eqx.is_inexact_array, inverse=True)), batch
         )
-    )(eqx.filter(model, eqx.is_array))
+    )(eqx.filter(model, eqx.is_inexact_array))
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), raw_grads, grads
     )
@@ -182,7 +200,7 @@ def test_config_from_table_builds_each_family():
         ({"family": "llama", "n_layers": 2.5}, r"model\.n_layers: expected int, got 2\.5"),
         (
             {"family": "llama", "norm": "batch"},
-            r"model\.norm: expected 'rms' or 'layer', got 'batch'",
+            r"model\.norm: expected 'rms' or 'rms_plus_one' or 'layer', got 'batch'",
         ),
         (
             {"family": "llama", "n_heads": 8, "n_kv_heads": 3},

@@ -84,6 +84,12 @@ GRID = [
     ("qwen_moe", MeshConfig(pp=4, ep=2), 4, 4, 1),
     ("qwen_moe", MeshConfig(pp=4, dp=2), 4, 6, 2),
     ("qwen_moe", MeshConfig(pp=8), 8, 16, 1),
+    # Second-wave families: per-layer windows (integer data staged with the weights) and
+    # Qwen3-MoE's experts, on dp x pp x tp.
+    ("gemma2", MeshConfig(dp=2, pp=2, tp=2), 2, 3, 1),
+    ("gemma2", MeshConfig(dp=2, pp=2, tp=2), 2, 4, 2),
+    ("qwen3_moe", MeshConfig(dp=2, pp=2, tp=2), 2, 3, 1),
+    ("qwen3_moe", MeshConfig(dp=2, pp=2, tp=2), 2, 2, 2),
 ]
 
 
@@ -103,6 +109,8 @@ def test_pipelined_loss_and_gradients_equal_sequential(
     assert_trees_close(pp_grads, grads)
     if family == "qwen_moe":
         assert pp_aux["expert_fraction"].shape == (8, 4)
+    if family == "gemma2":  # the windows were staged with their layers
+        assert pp_grads.blocks.layers.attention.window is None
 
 
 def test_bubbles_filled_with_nan_change_nothing(loss_and_grads):
@@ -133,6 +141,8 @@ FUSED_GRID = [
     ("interleaved_1f1b", "qwen_moe", MeshConfig(pp=2, ep=2), 2, 5, 2),
     ("interleaved_1f1b", "qwen_moe", MeshConfig(pp=4, dp=2), 4, 4, 2),
     ("interleaved_1f1b", "llama", MeshConfig(pp=4, tp=2), 4, 9, 2),
+    ("zb_h1", "gemma2", MeshConfig(dp=2, pp=2, tp=2), 2, 5, 1),
+    ("interleaved_1f1b", "gemma2", MeshConfig(pp=2, tp=2), 2, 4, 2),
 ]
 
 

@@ -86,8 +86,12 @@ ADAM = OptimizerConfig(
 
 @pytest.mark.parametrize(
     ("family", "mesh_config", "repeats"),
-    [("llama", MeshConfig(dp=2, pp=2, tp=2), 1), ("mixtral", MeshConfig(dp=2, pp=2, ep=2), 2)],
-    ids=["dense-gpipe", "moe-circular"],
+    [
+        ("llama", MeshConfig(dp=2, pp=2, tp=2), 1),
+        ("mixtral", MeshConfig(dp=2, pp=2, ep=2), 2),
+        ("gemma2", MeshConfig(dp=2, pp=2, tp=2), 2),
+    ],
+    ids=["dense-gpipe", "moe-circular", "windowed-circular"],
 )
 def test_three_steps_on_a_mesh_equal_one_device(
     family, mesh_config, repeats, tiny_config, run_steps, assert_trees_close
@@ -201,6 +205,31 @@ def test_frozen_parameters_never_change_and_have_no_optimizer_state(dense, make_
         np.asarray(state.model.blocks.layers.attention.wq), frozen_before[1]
     )
     assert not np.array_equal(np.asarray(state.model.blocks.layers.attention.wk), trainable_before)
+
+
+def test_per_layer_data_is_staged_with_its_layers_and_never_trained(tiny_config, make_batch):
+    """Gemma 2's sliding windows (every other layer) are integer arrays in the blocks: created
+    in the pipeline layout at their layers' places, sharded over pp like them, outside the
+    optimizer state, unchanged by steps."""
+    gemma = tiny_config("gemma2", n_layers=N_LAYERS)
+    config = step_config(2, ADAM, repeats=2)
+    mesh = make_mesh(MeshConfig(dp=2, pp=2, tp=2))
+    state = init_train_state(
+        functools.partial(models.DecoderLM, gemma), jax.random.key(0), config=config, mesh=mesh
+    )
+    window = state.model.blocks.layers.attention.window
+    assert window.dtype == jnp.int32 and window.shape == (2, 2, 1)
+    assert window.sharding.spec[1] == "pp"
+    plain_windows = from_pipeline_layout(state.model).blocks.layers.attention.window
+    np.testing.assert_array_equal(plain_windows, [3, 0, 3, 0])
+    adam_state = state.opt_state[1][0]
+    assert adam_state.mu.blocks.layers.attention.window is None
+    step = make_train_step(config, mesh)
+    for index in range(2):
+        state, _ = step(state, make_batch(index))
+    np.testing.assert_array_equal(
+        from_pipeline_layout(state.model).blocks.layers.attention.window, [3, 0, 3, 0]
+    )
 
 
 def test_init_on_a_mesh_is_the_plain_model_in_the_pipeline_layout(moe, assert_trees_close):

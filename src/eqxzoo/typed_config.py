@@ -126,6 +126,8 @@ def _dataclass_in(hint: Any) -> type | None:
 
 def _as_declared(value: Any, hint: Any) -> Any:
     item = _tuple_item(hint)
+    if item is None and isinstance(value, (list, tuple)):  # ``tuple[X, ...] | None``
+        item = next(filter(None, map(_tuple_item, typing.get_args(hint))), None)
     if item is not None and isinstance(value, (list, tuple)):
         converted = tuple(_as_declared(element, item) for element in value)
         return value if converted == value and isinstance(value, tuple) else converted

@@ -1,6 +1,6 @@
 """Pure Equinox building blocks: norms, rotary embeddings, attention, MLPs, MoE, layer stacks."""
 
-from eqxzoo.nn.attention import CausalSelfAttention
+from eqxzoo.nn.attention import CausalSelfAttention, QKNorm, attend, cache_slots
 from eqxzoo.nn.axes import AbstractAxesOwner, Axes, LogicalName, logical_axes
 from eqxzoo.nn.contract import LanguageModel, make_layers_for_keys, summarize_layer_aux
 from eqxzoo.nn.grouped import grouped_matmul
@@ -8,7 +8,7 @@ from eqxzoo.nn.linear import Embedding, Linear, normal_init
 from eqxzoo.nn.mlp import MLP, Activation
 from eqxzoo.nn.moe import Experts, MoE, Router, Routing, RoutingMode, router_losses
 from eqxzoo.nn.norm import LayerNorm, RMSNorm
-from eqxzoo.nn.rope import apply_rope, rope_frequencies
+from eqxzoo.nn.rope import RopeScaling, apply_rope, rope_frequencies
 from eqxzoo.nn.stack import RematPolicy, Stack, apply_layers, remat
 
 __all__ = [
@@ -29,9 +29,13 @@ __all__ = [
     "Router",
     "Routing",
     "RoutingMode",
+    "QKNorm",
+    "RopeScaling",
     "Stack",
     "apply_layers",
     "apply_rope",
+    "attend",
+    "cache_slots",
     "grouped_matmul",
     "logical_axes",
     "make_layers_for_keys",

@@ -1,10 +1,16 @@
-"""Causal self-attention with multi-head, grouped-query and multi-query layouts.
+"""Causal self-attention with multi-head, grouped-query and multi-query layouts, sliding windows,
+logit soft-capping and the per-family options of the zoo (biases, QK-norm, rotary or none).
 
+`attend` is the attention itself, with its mask built from positions: a query at position
+``q`` sees the keys at positions ``p`` with ``q - window < p <= q`` (``window = 0``: every
+``p <= q``), and never a key at a negative position (an unwritten cache slot).
 `CausalSelfAttention.__call__` attends within a sequence; `CausalSelfAttention.cached_forward`
-attends to a fixed-length key/value cache of earlier tokens (for incremental decoding).
+attends to a key/value cache of earlier tokens (incremental decoding), which may be a ring of
+the last ``window`` positions when that is all a model ever reads.
 """
 
 from collections.abc import Mapping
+from typing import Literal
 
 import equinox as eqx
 import jax
@@ -14,17 +20,62 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
 from eqxzoo.nn.linear import dense, normal_init
 from eqxzoo.nn.norm import RMSNorm
-from eqxzoo.nn.rope import apply_rope
+from eqxzoo.nn.rope import RopeScaling, apply_rope, rope_frequencies
+
+QKNorm = Literal["none", "head", "all_heads"]
+
+
+def attend(
+    q: Float[Array, "*batch seq heads head_dim"],
+    k: Float[Array, "*batch kv_seq kv_heads head_dim"],
+    v: Float[Array, "*batch kv_seq kv_heads head_dim"],
+    q_positions: Int[Array, " seq"],
+    k_positions: Int[Array, " kv_seq"],
+    *,
+    window: Int[Array, ""] | int = 0,
+    scale: float,
+    softcap: float | None = None,
+) -> Float[Array, "*batch seq heads head_dim"]:
+    """Softmax attention of each query over the keys its position may see.
+
+    Scores are ``scale * q.k``, then ``softcap * tanh(score / softcap)`` if ``softcap`` is
+    set (Gemma 2), masked by position (module docstring; ``window`` may be a traced per-layer
+    value), normalised in float32. Query head ``h`` reads key/value head
+    ``h // (heads / kv_heads)`` (grouped-query attention).
+    """
+    *batch, seq, n_heads, head_dim = q.shape
+    n_kv_heads = k.shape[-2]
+    grouped = q.reshape(*batch, seq, n_kv_heads, n_heads // n_kv_heads, head_dim)
+    scores = jnp.einsum("...tkgd,...skd->...kgts", grouped, k, preferred_element_type=jnp.float32)
+    scores = scores * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    offsets = q_positions[:, None] - k_positions[None, :]
+    visible = (k_positions[None, :] >= 0) & (offsets >= 0)
+    visible = visible & ((window == 0) | (offsets < window))
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    attended = jnp.einsum("...kgts,...skd->...tkgd", probs, v, preferred_element_type=jnp.float32)
+    return attended.reshape(q.shape).astype(q.dtype)
 
 
 class CausalSelfAttention(AbstractAxesOwner):
-    """Causal self-attention with rotary embeddings.
+    """Causal self-attention, optionally windowed, soft-capped and rotary-embedded.
 
     ``n_kv_heads == n_heads`` is MHA, ``1`` is MQA, anything dividing ``n_heads`` is GQA.
     Projections are kept per head (``wq: (embed, heads, head_dim)``) so that the logical
-    ``heads`` axis can be sharded over tensor parallelism without reshapes. Optional q/k/v
-    biases (Qwen2) and QK-norm (an RMSNorm over ``head_dim`` applied to queries and keys
-    before the rotation, as in Qwen3/OLMo-2).
+    ``heads`` axis can be sharded over tensor parallelism without reshapes. Options:
+
+    - biases on q/k/v (Qwen2) and on the output (GPT-2, ``attention_bias`` families);
+    - QK-norm: an RMSNorm of queries and keys before the rotation, per head over
+      ``head_dim`` (``"head"``: Qwen3, Gemma 3) or over all heads at once (``"all_heads"``:
+      OLMo 2, OLMoE); ``clip_qkv`` clamps queries, keys and values after it (OLMoE);
+    - rotary embeddings with base ``rope_theta`` (None: no positional rotation, GPT-2) and
+      ``rope_scaling``; layers with a window use ``local_rope_theta`` if set (Gemma 3);
+    - ``window``: the layer's sliding window as per-layer *data* (an integer array, 0 for
+      full attention; stacked layers carry one value each, so windowed and global layers
+      share one structure); None when no layer of the model has one;
+    - ``scale`` of the scores (default ``head_dim^-0.5``) and ``softcap`` (Gemma 2).
     """
 
     wq: Float[Array, "embed heads head_dim"]
@@ -34,12 +85,19 @@ class CausalSelfAttention(AbstractAxesOwner):
     bq: Float[Array, "heads head_dim"] | None
     bk: Float[Array, "kv_heads head_dim"] | None
     bv: Float[Array, "kv_heads head_dim"] | None
+    bo: Float[Array, " embed"] | None
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
+    window: Int[Array, ""] | None
     n_heads: int = eqx.field(static=True)
     n_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
-    rope_theta: float = eqx.field(static=True)
+    rope_theta: float | None = eqx.field(static=True)
+    rope_scaling: RopeScaling | None = eqx.field(static=True)
+    local_rope_theta: float | None = eqx.field(static=True)
+    scale: float = eqx.field(static=True)
+    softcap: float | None = eqx.field(static=True)
+    clip_qkv: float | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -48,15 +106,25 @@ class CausalSelfAttention(AbstractAxesOwner):
         n_kv_heads: int,
         head_dim: int,
         *,
-        rope_theta: float = 10000.0,
+        rope_theta: float | None = 10000.0,
+        rope_scaling: RopeScaling | None = None,
+        local_rope_theta: float | None = None,
+        window: int | None = None,
         qkv_bias: bool = False,
-        qk_norm: bool = False,
+        out_bias: bool = False,
+        qk_norm: QKNorm = "none",
         norm_eps: float = 1e-6,
+        norm_weight_offset: float = 0.0,
+        clip_qkv: float | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
         init_std: float = 0.02,
         key: PRNGKeyArray,
     ):
         if n_heads % n_kv_heads != 0:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        if qk_norm not in ("none", "head", "all_heads"):
+            raise ValueError(f"qk_norm must be 'none', 'head' or 'all_heads', got {qk_norm!r}")
         kq, kk, kv, ko = jax.random.split(key, 4)
         self.wq = normal_init(kq, (d_model, n_heads, head_dim), init_std)
         self.wk = normal_init(kk, (d_model, n_kv_heads, head_dim), init_std)
@@ -65,12 +133,28 @@ class CausalSelfAttention(AbstractAxesOwner):
         self.bq = jnp.zeros((n_heads, head_dim)) if qkv_bias else None
         self.bk = jnp.zeros((n_kv_heads, head_dim)) if qkv_bias else None
         self.bv = jnp.zeros((n_kv_heads, head_dim)) if qkv_bias else None
-        self.q_norm = RMSNorm(head_dim, eps=norm_eps, axis_name="head_dim") if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps=norm_eps, axis_name="head_dim") if qk_norm else None
+        self.bo = jnp.zeros((d_model,)) if out_bias else None
+        norm = dict(eps=norm_eps, weight_offset=norm_weight_offset)
+        if qk_norm == "head":
+            self.q_norm = RMSNorm(head_dim, axis_names=("head_dim",), **norm)
+            self.k_norm = RMSNorm(head_dim, axis_names=("head_dim",), **norm)
+        elif qk_norm == "all_heads":
+            self.q_norm = RMSNorm((n_heads, head_dim), axis_names=("heads", "head_dim"), **norm)
+            self.k_norm = RMSNorm(
+                (n_kv_heads, head_dim), axis_names=("kv_heads", "head_dim"), **norm
+            )
+        else:
+            self.q_norm = self.k_norm = None
+        self.window = None if window is None else jnp.asarray(window, jnp.int32)
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
         self.rope_theta = rope_theta
+        self.rope_scaling = rope_scaling
+        self.local_rope_theta = local_rope_theta
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap
+        self.clip_qkv = clip_qkv
 
     def param_axes(self) -> Mapping[str, tuple[LogicalName, ...]]:
         return {
@@ -81,7 +165,24 @@ class CausalSelfAttention(AbstractAxesOwner):
             "bq": ("heads", "head_dim"),
             "bk": ("kv_heads", "head_dim"),
             "bv": ("kv_heads", "head_dim"),
+            "bo": ("embed",),
+            "window": (),
         }
+
+    @property
+    def layer_window(self) -> Int[Array, ""] | int:
+        """This layer's window (0: the whole causal prefix)."""
+        return 0 if self.window is None else self.window
+
+    def rotary_frequencies(self, seq_len: Int[Array, ""]) -> Float[Array, " half"] | None:
+        """This layer's rotary frequencies for a sequence of ``seq_len`` positions so far."""
+        if self.rope_theta is None:
+            return None
+        frequencies = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, seq_len)
+        if self.local_rope_theta is not None and self.window is not None:
+            local = rope_frequencies(self.head_dim, self.local_rope_theta)
+            frequencies = jnp.where(self.window > 0, local, frequencies)
+        return frequencies
 
     def project_qkv(
         self, x: Float[Array, "*batch seq embed"], positions: Int[Array, " seq"]
@@ -96,14 +197,19 @@ class CausalSelfAttention(AbstractAxesOwner):
             q, k, v = q + self.bq, k + self.bk, v + self.bv
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, self.rope_theta)
-        k = apply_rope(k, positions, self.rope_theta)
+        if self.clip_qkv is not None:
+            q, k, v = (jnp.clip(a, -self.clip_qkv, self.clip_qkv) for a in (q, k, v))
+        frequencies = self.rotary_frequencies(positions[-1] + 1)
+        if frequencies is not None:
+            q = apply_rope(q, positions, frequencies)
+            k = apply_rope(k, positions, frequencies)
         return q, k, v
 
     def project_out(
         self, attended: Float[Array, "*batch seq heads head_dim"]
     ) -> Float[Array, "*batch seq embed"]:
-        return dense(attended, self.wo, n_contract=2)
+        out = dense(attended, self.wo, n_contract=2)
+        return out if self.bo is None else out + self.bo
 
     def __call__(
         self, x: Float[Array, "*batch seq embed"], positions: Int[Array, " seq"] | None = None
@@ -113,44 +219,64 @@ class CausalSelfAttention(AbstractAxesOwner):
             if positions is None:
                 positions = jnp.arange(x.shape[-2])
             q, k, v = self.project_qkv(x, positions)
-            lead_shape, seq_shape = q.shape[:-3], q.shape[-3:]
-            attended = jax.nn.dot_product_attention(
-                q.reshape(-1, *seq_shape),
-                k.reshape(-1, *k.shape[-3:]),
-                v.reshape(-1, *v.shape[-3:]),
-                is_causal=True,
+            attended = attend(
+                q,
+                k,
+                v,
+                positions,
+                positions,
+                window=self.layer_window,
+                scale=self.scale,
+                softcap=self.softcap,
             )
-            return self.project_out(attended.reshape(*lead_shape, *seq_shape))
+            return self.project_out(attended)
 
     def cached_forward(
         self,
         x: Float[Array, "seq embed"],
-        keys: Float[Array, "max_len kv_heads head_dim"],
-        values: Float[Array, "max_len kv_heads head_dim"],
+        keys: Float[Array, "cache kv_heads head_dim"],
+        values: Float[Array, "cache kv_heads head_dim"],
+        cache_positions: Int[Array, " cache"],
         start: Int[Array, ""],
     ) -> tuple[
         Float[Array, "seq embed"],
-        Float[Array, "max_len kv_heads head_dim"],
-        Float[Array, "max_len kv_heads head_dim"],
+        Float[Array, "cache kv_heads head_dim"],
+        Float[Array, "cache kv_heads head_dim"],
     ]:
-        """Attention of ``x``, the tokens at positions ``start, ..., start + seq - 1``, over a cache.
+        """Attention of ``x``, the tokens at positions ``start, ..., start + seq - 1``, over a
+        cache of earlier tokens and themselves.
 
-        Their rotated keys and values are written into ``keys``/``values`` at those positions
-        (rows before ``start`` hold the earlier tokens); each query then attends to every
-        cache row at or before its own position, so rows not yet written are masked out and
-        the cache keeps one static shape however far decoding has gone. With ``start = 0``
-        and ``seq = max_len`` this is `__call__`. Returns the output and the updated cache;
-        the caller ensures ``start + seq <= max_len``.
+        Cache slot ``i`` holds the (rotated) key and the value of position
+        ``cache_positions[i]`` (negative: empty). The queries attend to the cached keys and
+        their own together, masked by position, so the cache may be a ring: position ``p`` is
+        written to slot ``p % cache``, and of a chunk longer than the cache only its last
+        ``cache`` tokens are kept. A cache at least as long as the sequence, or as the longest
+        window of a model whose every layer is windowed, gives `__call__`'s result. Returns
+        the output and the cache with these tokens written.
         """
-        positions = start + jnp.arange(x.shape[0])
+        seq, size = x.shape[0], keys.shape[0]
+        positions = start + jnp.arange(seq)
         q, k, v = self.project_qkv(x, positions)
-        keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), start, axis=0)
-        values = jax.lax.dynamic_update_slice_in_dim(values, v.astype(values.dtype), start, axis=0)
-        visible = jnp.arange(keys.shape[0])[None, :] <= positions[:, None]
-        attended = jax.nn.dot_product_attention(
-            q[None],
-            keys[None].astype(q.dtype),
-            values[None].astype(q.dtype),
-            mask=visible[None, None],
+        attended = attend(
+            q,
+            jnp.concatenate([keys.astype(q.dtype), k]),
+            jnp.concatenate([values.astype(q.dtype), v]),
+            positions,
+            jnp.concatenate([cache_positions, positions]),
+            window=self.layer_window,
+            scale=self.scale,
+            softcap=self.softcap,
         )
-        return self.project_out(attended[0]), keys, values
+        slots = cache_slots(positions, size)
+        keys = keys.at[slots].set(k.astype(keys.dtype), mode="drop")
+        values = values.at[slots].set(v.astype(values.dtype), mode="drop")
+        return self.project_out(attended), keys, values
+
+
+def cache_slots(positions: Int[Array, " seq"], size: int) -> Int[Array, " seq"]:
+    """The cache slot each of a chunk's consecutive ``positions`` is written to in a ring of
+    ``size`` slots: ``position % size``, or ``size`` (out of range: not written) for the
+    tokens a later token of the same chunk overwrites."""
+    seq = positions.shape[0]
+    superseded = jnp.arange(seq) < seq - size
+    return jnp.where(superseded, size, positions % size)

@@ -93,15 +93,27 @@ class Linear(AbstractAxesOwner):
 
 
 class Embedding(AbstractAxesOwner):
-    """Token embedding table ``(vocab, embed)``; `attend` reuses it as a tied output layer."""
+    """An embedding table ``(rows, embed)``: token embeddings (rows on the logical ``vocab``
+    axis) or learned positions (``row_axis=None``); `attend` reuses a token table as a tied
+    output layer."""
 
-    weight: Float[Array, "vocab embed"]
+    weight: Float[Array, "rows embed"]
+    row_axis: LogicalName = eqx.field(static=True)
 
-    def __init__(self, vocab_size: int, d_model: int, *, init_std: float = 0.02, key: PRNGKeyArray):
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        *,
+        init_std: float = 0.02,
+        row_axis: LogicalName = "vocab",
+        key: PRNGKeyArray,
+    ):
         self.weight = normal_init(key, (vocab_size, d_model), init_std)
+        self.row_axis = row_axis
 
     def param_axes(self) -> Mapping[str, tuple[LogicalName, ...]]:
-        return {"weight": ("vocab", "embed")}
+        return {"weight": (self.row_axis, "embed")}
 
     def __call__(self, tokens: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq embed"]:
         return jnp.take(self.weight, tokens, axis=0)

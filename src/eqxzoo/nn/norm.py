@@ -1,4 +1,4 @@
-"""RMSNorm and LayerNorm over the last axis, computed in float32."""
+"""RMSNorm and LayerNorm over the trailing axes, computed in float32."""
 
 from collections.abc import Mapping
 
@@ -11,27 +11,47 @@ from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
 
 
 class RMSNorm(AbstractAxesOwner):
-    """``x / sqrt(mean(x^2) + eps) * weight`` (Llama/Mixtral/Qwen layout, no bias).
+    """``x / sqrt(mean(x^2) + eps) * (weight_offset + weight)`` over the trailing axes.
 
-    Statistics are taken in float32 whatever the input dtype; the result has the input dtype.
+    ``weight_offset = 0`` is the Llama/Mistral/Qwen layout; Gemma stores ``weight`` around
+    zero and scales by ``1 + weight`` (``weight_offset = 1``, ``weight`` initialised to zeros).
+    ``shape`` may span several trailing axes (OLMo 2 normalises queries over all heads at
+    once: ``(heads, head_dim)``), each with its logical name in ``axis_names``. Statistics
+    are taken in float32 whatever the input dtype; the result has the input dtype.
     """
 
-    weight: Float[Array, " dim"]
+    weight: Float[Array, "*dims"]
     eps: float = eqx.field(static=True)
-    axis_name: LogicalName = eqx.field(static=True)
+    weight_offset: float = eqx.field(static=True)
+    axis_names: tuple[LogicalName, ...] = eqx.field(static=True)
 
-    def __init__(self, dim: int, *, eps: float = 1e-6, axis_name: LogicalName = "embed"):
-        self.weight = jnp.ones((dim,))
+    def __init__(
+        self,
+        shape: int | tuple[int, ...],
+        *,
+        eps: float = 1e-6,
+        weight_offset: float = 0.0,
+        axis_names: tuple[LogicalName, ...] = ("embed",),
+    ):
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if len(axis_names) != len(shape):
+            raise ValueError(f"axis_names {axis_names} do not name the axes of shape {shape}")
+        self.weight = jnp.full(shape, 1.0 - weight_offset)
         self.eps = eps
-        self.axis_name = axis_name
+        self.weight_offset = weight_offset
+        self.axis_names = axis_names
 
     def param_axes(self) -> Mapping[str, tuple[LogicalName, ...]]:
-        return {"weight": (self.axis_name,)}
+        return {"weight": self.axis_names}
 
-    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+    def __call__(self, x: Float[Array, "*batch dims"]) -> Float[Array, "*batch dims"]:
+        axes = tuple(range(-self.weight.ndim, 0))
         x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-        return (self.weight * normed.astype(x.dtype)).astype(x.dtype)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axes, keepdims=True) + self.eps)
+        if self.weight_offset == 0.0:
+            return (self.weight * normed.astype(x.dtype)).astype(x.dtype)
+        scale = self.weight_offset + self.weight.astype(jnp.float32)
+        return (normed * scale).astype(x.dtype)
 
 
 class LayerNorm(AbstractAxesOwner):

@@ -92,11 +92,19 @@ def pipeline_value_and_grad(
         name: jnp.asarray(getattr(table, name))
         for name in ("action", "microbatch", "repeat", "slot", "arrive_input", "arrive_grad")
     }
-    layer_params, layer_static = eqx.partition(layers, eqx.is_inexact_array)
+    # Per-layer data (integer arrays such as sliding windows) is staged with the weights but
+    # never differentiated.
+    layer_arrays, layer_static = eqx.partition(layers, eqx.is_array)
+    layer_params, layer_data = eqx.partition(layer_arrays, eqx.is_inexact_array)
     outer_params, outer_static = eqx.partition(outer, eqx.is_inexact_array)
 
-    def stage_fn(stage_params, h):
-        return apply_layers(eqx.combine(stage_params, layer_static), h, remat_policy=remat_policy)
+    def stage_fn(stage_params, stage_data, h):
+        stage = eqx.combine(stage_params, stage_data, layer_static)
+        return apply_layers(stage, h, remat_policy=remat_policy)
+
+    def stage_with(stage_data):
+        """The stage as a function of its weights and input, for one repeat's data."""
+        return lambda stage_params, h: stage_fn(stage_params, stage_data, h)
 
     def first_fn(params, tokens_m):
         return first(eqx.combine(params, outer_static), tokens_m)
@@ -104,9 +112,9 @@ def pipeline_value_and_grad(
     def last_fn(params, h, targets_m):
         return last(eqx.combine(params, outer_static), h, targets_m)
 
-    one_repeat = jax.tree.map(lambda p: p[0, 0], layer_params)
+    one_repeat, one_repeat_data = jax.tree.map(lambda p: p[0, 0], (layer_params, layer_data))
     h_shape = jax.eval_shape(first_fn, outer_params, tokens[0])
-    _, aux_shapes = jax.eval_shape(stage_fn, one_repeat, h_shape)
+    _, aux_shapes = jax.eval_shape(stage_fn, one_repeat, one_repeat_data, h_shape)
     aux_cotangent = {
         name: jnp.full(shape.shape, aux_scales.get(name, 0.0), shape.dtype)
         for name, shape in aux_shapes.items()
@@ -120,18 +128,18 @@ def pipeline_value_and_grad(
 
     transport_dtype = jnp.promote_types(h_shape.dtype, jnp.float32) if manual else h_shape.dtype
 
-    def per_stage(layer_params, outer_params, tick_tokens, tick_targets):
+    def per_stage(layer_params, layer_data, outer_params, tick_tokens, tick_targets):
         stage = jax.lax.axis_index("pp") if manual else 0
-        layer_params = jax.tree.map(lambda p: p[:, 0], layer_params)
+        layer_params, layer_data = jax.tree.map(lambda p: p[:, 0], (layer_params, layer_data))
         outer_params = _varying_over_pp(outer_params, manual)
         varying = lambda tree: _varying_over_pp(tree, manual)  # noqa: E731
         residual_shapes, residual_tree, weight_of_residual = [], None, []
         if not remat_stages:
             # The pullback's structure as traced here, inside the shard_map (its leaves are
             # the residuals a stash slot keeps); the computation itself is dead code.
-            weights = jax.tree.map(lambda p: p[0], layer_params)
+            weights, data = jax.tree.map(lambda p: p[0], (layer_params, layer_data))
             probe = varying(jnp.zeros(h_shape.shape, h_shape.dtype))
-            _, pullback = jax.vjp(stage_fn, weights, probe)
+            _, pullback = jax.vjp(stage_with(data), weights, probe)
             residual_tree = jax.tree.structure(pullback)
             weight_leaves = jax.tree.leaves(weights)
             # A residual that is a weight itself is read from the weights, not stashed.
@@ -165,13 +173,13 @@ def pipeline_value_and_grad(
             _, pullback = jax.vjp(lambda o: first_fn(o, tokens_m), outer_params)
             return pullback(d_h)[0]
 
-        def vjp_of_stage(weights, h_in, h_grad, residuals):
+        def vjp_of_stage(weights, data, h_in, h_grad, residuals):
             """The stage's pullback, and the cotangent of its outputs: the item's gradient and
             the aux losses' constant one, each varying over ``pp`` where its output is."""
             if remat_stages:
-                outputs, pullback = jax.vjp(stage_fn, weights, h_in)
+                outputs, pullback = jax.vjp(stage_with(data), weights, h_in)
             else:
-                outputs = jax.eval_shape(stage_fn, weights, h_in)
+                outputs = jax.eval_shape(stage_with(data), weights, h_in)
                 pullback = pullback_from(weights, residuals)
             cotangent = (h_grad, aux_cotangent)
             cotangent = jax.tree.map(
@@ -194,7 +202,7 @@ def pipeline_value_and_grad(
             # What the neighbours sent at the tick before lands in the slot the table names.
             inputs = _write(inputs, row["arrive_input"], carry["received"].astype(h_shape.dtype))
             grads = _write(grads, row["arrive_grad"], carry["received_grad"].astype(h_shape.dtype))
-            weights = jax.tree.map(lambda p: p[r], layer_params)
+            weights, data = jax.tree.map(lambda p: p[r], (layer_params, layer_data))
             is_first = (stage == 0) & (r == 0)
             is_last = (stage == last_stage) & (r == n_repeats - 1)
             stashed_residuals = jax.tree.map(lambda buffer: buffer[slot], residuals)
@@ -215,9 +223,9 @@ def pipeline_value_and_grad(
             def forward():
                 h_in = stage_input()
                 if remat_stages:
-                    (h_out, aux), new_residuals = stage_fn(weights, h_in), stashed_residuals
+                    (h_out, aux), new_residuals = stage_fn(weights, data, h_in), stashed_residuals
                 else:
-                    (h_out, aux), pullback = jax.vjp(stage_fn, weights, h_in)
+                    (h_out, aux), pullback = jax.vjp(stage_with(data), weights, h_in)
                     new_residuals = stashable(pullback)
 
                 def head():
@@ -254,7 +262,7 @@ def pipeline_value_and_grad(
             def backward(weight_grad: bool, input_grad: bool):
                 def run():
                     pullback, cotangent = vjp_of_stage(
-                        weights, inputs[slot], grads[slot], stashed_residuals
+                        weights, data, inputs[slot], grads[slot], stashed_residuals
                     )
                     d_weights, d_h = pullback(cotangent)
                     result = _nothing()
@@ -350,7 +358,7 @@ def pipeline_value_and_grad(
         return layer_grads, *stacked
 
     stage_spec = jax.tree.map(
-        lambda _: activation_spec("repeats", "stages", rules=rules), layer_params
+        lambda _: activation_spec("repeats", "stages", rules=rules), (layer_params, layer_data)
     )
     per_stage_spec = activation_spec("stages", rules=rules)
     replicated = activation_spec(rules=rules)
@@ -370,8 +378,8 @@ def pipeline_value_and_grad(
         run = jax.shard_map(
             per_stage,
             mesh=mesh,
-            in_specs=(stage_spec, replicated, per_tick_spec, per_tick_spec),
-            out_specs=(stage_spec, per_stage_spec, per_stage_spec, per_stage_spec),
+            in_specs=(*stage_spec, replicated, per_tick_spec, per_tick_spec),
+            out_specs=(stage_spec[0], per_stage_spec, per_stage_spec, per_stage_spec),
             axis_names={"pp"},
             check_vma=True,
         )
@@ -385,7 +393,7 @@ def pipeline_value_and_grad(
     tick_tokens = jax.lax.with_sharding_constraint(tokens[columns["microbatch"]], replicated_ids)
     tick_targets = jax.lax.with_sharding_constraint(targets[columns["microbatch"]], replicated_ids)
     layer_grads, outer_grads, loss_sums, aux_sums = run(
-        layer_params, outer_params, tick_tokens, tick_targets
+        layer_params, layer_data, outer_params, tick_tokens, tick_targets
     )
     outer_grads = jax.tree.map(lambda g: g.sum(axis=0), outer_grads)
     layer_aux = jax.tree.map(

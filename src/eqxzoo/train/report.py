@@ -55,6 +55,8 @@ class ParameterCounts:
 def parameter_counts(config: DecoderConfig) -> ParameterCounts:
     """Counted from the model's shapes (`jax.eval_shape`: nothing is allocated)."""
     shapes = eqx.filter_eval_shape(DecoderLM, config, key=jax.random.key(0))
+    # Parameters only: per-layer integer data (sliding windows) is not counted.
+    shapes, _ = eqx.partition(shapes, lambda leaf: jnp.issubdtype(leaf.dtype, jnp.inexact))
     leaves = jax.tree.leaves(shapes)
     axes = jax.tree.leaves(logical_axes(shapes), is_leaf=lambda a: hasattr(a, "names"))
     total = sum(math.prod(leaf.shape) for leaf in leaves)
