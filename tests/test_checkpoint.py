@@ -28,6 +28,7 @@ from eqxzoo.train.checkpoint import (
     CheckpointError,
     CheckpointWarning,
     StopSignal,
+    inspect_arrays,
 )
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import (
@@ -470,3 +471,17 @@ def test_an_iterator_state_of_the_wrong_type_falls_back_to_the_one_before(tmp_pa
         "checkpoint at step 2 is unusable (data: the iterator state is not a JSON object); "
         "trying an older one"
     ]
+
+
+def test_checksums_never_gather_a_sharded_array():
+    """Each device sums its own shard: the compiled checksum pass holds a few shards' worth
+    of temporaries, never the whole array (numbering the words of a flattened array made
+    XLA gather it whole onto every device)."""
+    mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("y", "x"))
+    array = jax.device_put(jnp.arange(512 * 256, dtype=jnp.float32).reshape(512, 256), sharding)
+    compiled = checkpoint._inspect.lower((array,)).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < array.nbytes / 2
+    assert (
+        inspect_arrays({"a": array}).checksums == inspect_arrays({"a": np.asarray(array)}).checksums
+    )
