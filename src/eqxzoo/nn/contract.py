@@ -13,10 +13,13 @@ over ``pp`` inside it):
   ``blocks.remat_policy`` is how each layer is rematerialised.
 - ``head(h) -> logits``: hidden states to ``(*batch, seq, vocab)`` logits.
 - ``block_keys(key)``: the per-layer keys that ``Model(..., key=key)`` builds its blocks from,
-  shape ``(layers,)``, and ``make_layers(layer_keys)``: the layers for keys with any leading
-  axes, stacked on those axes. With both, the trainer creates the blocks directly in the
-  pipeline's ``[repeats, stages, layers per stage]`` layout, value for value the same as the
-  model's own initialisation.
+  shape ``(layers,)``, and ``make_layers(layer_keys)``: the layers for those keys reshaped to
+  any leading axes (layer order kept), stacked on those axes. With both, the trainer creates
+  the blocks directly in the pipeline's ``[repeats, stages, layers per stage]`` layout, value
+  for value the same as the model's own initialisation.
+- What differs between layers is integer *data* inside the blocks (a sliding window per
+  layer), stacked like the weights: it is staged, sharded and checkpointed with them, and
+  never differentiated or updated (only floating arrays are parameters).
 - ``__call__(tokens, *, key=None) -> (logits, aux)`` for one sequence: the composition,
   with ``aux`` the per-layer auxiliary values reduced by `summarize_layer_aux`.
 
