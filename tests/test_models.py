@@ -10,6 +10,7 @@ import pytest
 
 import models
 from eqxzoo.nn import Axes, logical_axes
+from eqxzoo.parallel import DEFAULT_RULES, MeshConfig, make_mesh, tree_shardings
 
 SMALL = dict(vocab_size=97, d_model=32, n_layers=3, n_heads=4, mlp_dim=48)
 MOE = models.MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=24)
@@ -139,6 +140,19 @@ def test_every_parameter_has_logical_axes():
     assert axes.blocks.layers.attention.wq == Axes(("layers", "embed", "heads", "head_dim"))
     assert axes.blocks.layers.mlp.experts.down == Axes(("layers", "experts", "mlp", "embed"))
     assert axes.unembedding.weight == Axes(("embed", "vocab"))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_family_shards_by_the_rules_table_alone(name):
+    """Every array of every family has logical axes that the default rules turn into a
+    sharding on a dp x pp x tp mesh: no family needs code of its own to be sharded."""
+    model = eqx.filter_eval_shape(models.DecoderLM, CONFIGS[name], key=jax.random.key(0))
+    axes = logical_axes(model)
+    leaves = jax.tree.leaves(axes, is_leaf=lambda a: isinstance(a, Axes))
+    assert len(leaves) == len(jax.tree.leaves(model))
+    mesh = make_mesh(MeshConfig(dp=2, pp=2, tp=2))
+    shardings = tree_shardings(model, axes, mesh, DEFAULT_RULES)
+    assert len(jax.tree.leaves(shardings)) == len(leaves)
 
 
 def test_config_from_a_toml_document():
