@@ -21,39 +21,45 @@ import models  # noqa: E402
 VOCAB = 53
 
 
-def _tiny_config(family: str, *, n_layers: int) -> models.DecoderConfig:
-    common = dict(vocab_size=VOCAB, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2)
-    if family == "llama":
-        return models.LlamaConfig(**common, mlp_dim=48)
-    if family == "mixtral":
-        return models.MixtralConfig(
-            **common, moe=models.MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=16)
-        )
-    if family == "gemma2":
-        return models.Gemma2Config(
-            **common, mlp_dim=48, sliding_window=3, attention_softcap=2.0, final_softcap=3.0
-        )
-    if family == "qwen3_moe":
-        return models.Qwen3MoeConfig(
-            **common,
-            head_dim=16,
-            moe=models.MoEConfig(n_experts=6, top_k=2, expert_mlp_dim=16, normalize_topk=True),
-        )
-    assert family == "qwen_moe", family
-    return models.QwenMoeConfig(
-        **common,
+# What each family's tiny model sets beyond the common shapes: experts, windows shorter than
+# the tests' sequences, soft-caps that bite, a learned position table.
+_TINY_MOE = models.MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=16)
+_TINY_EXTRAS = {
+    "mixtral": dict(moe=_TINY_MOE),
+    "qwen_moe": dict(
         moe=models.MoEConfig(
             n_experts=4, top_k=2, expert_mlp_dim=16, shared_mlp_dim=16, shared_gate=True
-        ),
+        )
+    ),
+    "mistral": dict(sliding_window=3),
+    "qwen3": dict(head_dim=16),
+    "qwen3_moe": dict(
+        head_dim=16,
+        moe=models.MoEConfig(n_experts=6, top_k=2, expert_mlp_dim=16, normalize_topk=True),
+    ),
+    "gemma2": dict(sliding_window=3, attention_softcap=2.0, final_softcap=3.0),
+    "gemma3": dict(sliding_window=3, layer_types=("sliding_attention", "full_attention") * 4),
+    "olmoe": dict(moe=_TINY_MOE, clip_qkv=1.0),
+    "gpt2": dict(n_kv_heads=None, max_positions=16),
+}
+
+
+def _tiny_config(family: str, *, n_layers: int) -> models.DecoderConfig:
+    fields = dict(
+        vocab_size=VOCAB, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, mlp_dim=48
     )
+    fields.update(_TINY_EXTRAS.get(family, {}))
+    if "layer_types" in fields:
+        fields["layer_types"] = fields["layer_types"][:n_layers]
+    return models.families()[family].config_class(**fields)
 
 
 @pytest.fixture
 def tiny_config():
-    """``tiny_config(family, n_layers=...)``: a d_model-32, 4-head (2 kv heads) model of
-    ``"llama"``, ``"mixtral"`` (4 experts, top 2), ``"qwen_moe"`` (plus a gated shared
-    expert), ``"gemma2"`` (a 3-token window in every other layer, soft-capped) or
-    ``"qwen3_moe"`` (6 experts, top 2, QK-norm) over a vocabulary of `VOCAB` tokens."""
+    """``tiny_config(family, n_layers=...)``: a d_model-32, 4-head (2 kv heads) model of any
+    family (``"llama"``, ``"mixtral"`` with 4 experts top 2, ``"qwen_moe"`` plus a gated
+    shared expert, ``"gemma2"`` with a 3-token window in every other layer, soft-capped, ...:
+    `_TINY_EXTRAS`) over a vocabulary of `VOCAB` tokens."""
     return _tiny_config
 
 
