@@ -14,11 +14,15 @@ from eqxzoo.nn import (
     LayerNorm,
     MoE,
     RMSNorm,
+    RopeScaling,
     Router,
     Routing,
     Stack,
     apply_rope,
+    attend,
+    cache_slots,
     logical_axes,
+    rope_frequencies,
     router_losses,
 )
 
@@ -41,12 +45,14 @@ def test_rope_preserves_norm_and_is_relative():
     q = jax.random.normal(jax.random.key(2), (1, 2, 8))
     k = jax.random.normal(jax.random.key(3), (1, 2, 8))
     np.testing.assert_allclose(
-        jnp.linalg.norm(apply_rope(q, jnp.array([7]), 10000.0)), jnp.linalg.norm(q), rtol=1e-6
+        jnp.linalg.norm(apply_rope(q, jnp.array([7]), rope_frequencies(8, 10000.0))),
+        jnp.linalg.norm(q),
+        rtol=1e-6,
     )
 
     def score(pq, pk):
-        rq = apply_rope(q, jnp.array([pq]), 100.0)
-        rk = apply_rope(k, jnp.array([pk]), 100.0)
+        rq = apply_rope(q, jnp.array([pq]), rope_frequencies(8, 100.0))
+        rk = apply_rope(k, jnp.array([pk]), rope_frequencies(8, 100.0))
         return jnp.sum(rq * rk, axis=-1)
 
     np.testing.assert_allclose(score(3, 1), score(12, 10), rtol=1e-5)
@@ -59,7 +65,7 @@ def _attention(n_kv_heads, key=jax.random.key(4), **kwargs):
 
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
 def test_attention_shapes_and_causality(n_kv_heads):
-    attention = _attention(n_kv_heads, qk_norm=True, qkv_bias=True)
+    attention = _attention(n_kv_heads, qk_norm="head", qkv_bias=True)
     x = jax.random.normal(jax.random.key(5), (10, 32))
     y = attention(x)
     assert y.shape == (10, 32) and y.dtype == jnp.float32
@@ -88,17 +94,95 @@ def test_gqa_with_all_kv_heads_equals_mha():
     np.testing.assert_allclose(gqa(x), manual, rtol=1e-5, atol=1e-6)
 
 
+def _reference_attention(q, k, v, q_positions, k_positions, window, scale, softcap):
+    """Attention written out in numpy, one query and head at a time."""
+    out = np.zeros(q.shape, np.float64)
+    group = q.shape[1] // k.shape[1]
+    for t, q_position in enumerate(q_positions):
+        for head in range(q.shape[1]):
+            kv_head = head // group
+            scores = scale * (k[:, kv_head] @ q[t, head])
+            if softcap is not None:
+                scores = softcap * np.tanh(scores / softcap)
+            offsets = q_position - np.asarray(k_positions)
+            visible = (np.asarray(k_positions) >= 0) & (offsets >= 0)
+            if window:
+                visible &= offsets < window
+            scores = np.where(visible, scores, -np.inf)
+            weights = np.exp(scores - scores.max())
+            out[t, head] = (weights / weights.sum()) @ v[:, kv_head]
+    return out
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(0, None), (3, None), (4, 1.5), (1, None)])
+def test_attend_masks_by_position_window_and_soft_cap(window, softcap):
+    """A query at q sees keys at p with q - window < p <= q (window 0: all p <= q) and never
+    a negative position (an empty cache slot); scores are soft-capped before the mask."""
+    keys = jax.random.split(jax.random.key(11), 3)
+    q = jax.random.normal(keys[0], (5, 4, 8))
+    k = jax.random.normal(keys[1], (7, 2, 8))
+    v = jax.random.normal(keys[2], (7, 2, 8))
+    q_positions = jnp.arange(5) + 3
+    k_positions = jnp.array([3, 4, -1, 5, 6, 7, 2])  # a cache slot still empty
+    got = attend(q, k, v, q_positions, k_positions, window=window, scale=0.3, softcap=softcap)
+    expected = _reference_attention(
+        *map(np.asarray, (q, k, v, q_positions, k_positions)), window, 0.3, softcap
+    )
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_ring_cache_slots_keep_the_last_positions():
+    np.testing.assert_array_equal(cache_slots(jnp.arange(3, 6), 4), [3, 0, 1])
+    # A chunk longer than the ring: only its last 4 tokens are written (4 = not written).
+    np.testing.assert_array_equal(cache_slots(jnp.arange(2, 8), 4), [4, 4, 0, 1, 2, 3])
+
+
+def test_rms_norm_over_several_axes_and_with_a_weight_offset():
+    x = jax.random.normal(jax.random.key(12), (3, 4, 8))
+    heads = eqx.tree_at(
+        lambda n: n.weight,
+        RMSNorm((4, 8), axis_names=("heads", "head_dim")),
+        jnp.linspace(0.5, 1.5, 32).reshape(4, 8),
+    )
+    flat = np.asarray(x).reshape(3, 32)
+    expected = flat / np.sqrt(np.mean(flat**2, -1, keepdims=True) + 1e-6)
+    expected = expected * np.linspace(0.5, 1.5, 32)
+    np.testing.assert_allclose(heads(x), expected.reshape(3, 4, 8), rtol=1e-5)
+    gemma = RMSNorm(8, weight_offset=1.0)
+    np.testing.assert_array_equal(gemma.weight, np.zeros(8))  # scale 1 + 0 at initialisation
+    gemma = eqx.tree_at(lambda n: n.weight, gemma, jnp.full(8, 0.25))
+    np.testing.assert_allclose(gemma(x), RMSNorm(8)(x) * 1.25, rtol=1e-6)
+
+
+def test_rope_scalings():
+    base = rope_frequencies(16, 10000.0)
+    linear = rope_frequencies(16, 10000.0, RopeScaling("linear", 4.0))
+    np.testing.assert_allclose(linear, base / 4.0, rtol=1e-6)
+    dynamic = RopeScaling("dynamic", 2.0, original_max_positions=8)
+    np.testing.assert_allclose(rope_frequencies(16, 10000.0, dynamic, seq_len=8), base, rtol=1e-6)
+    longer = rope_frequencies(16, 10000.0, dynamic, seq_len=16)  # base 10000 * 3^(16/14)
+    stretched = 10000.0 * 3 ** (16 / 14)
+    np.testing.assert_allclose(longer, stretched ** -(np.arange(0, 16, 2) / 16), rtol=1e-5)
+    llama3 = rope_frequencies(16, 500000.0, RopeScaling("llama3", 8.0, original_max_positions=64))
+    base = rope_frequencies(16, 500000.0)
+    wavelengths = 2 * np.pi / np.asarray(base)
+    np.testing.assert_allclose(llama3[wavelengths < 16], base[wavelengths < 16], rtol=1e-6)
+    np.testing.assert_allclose(llama3[wavelengths > 64], base[wavelengths > 64] / 8.0, rtol=1e-6)
+
+
 def test_attention_rejects_bad_kv_heads():
     with pytest.raises(ValueError, match=r"n_heads \(4\) must be a multiple of n_kv_heads \(3\)"):
         _attention(3)
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu"])
 def test_mlp_matches_formula(activation):
     mlp = MLP(16, 24, activation=activation, key=jax.random.key(7))
     x = jax.random.normal(jax.random.key(8), (3, 16))
     if activation == "swiglu":
         hidden = jax.nn.silu(x @ mlp.gate.weight) * (x @ mlp.up.weight)
+    elif activation == "geglu":
+        hidden = jax.nn.gelu(x @ mlp.gate.weight, approximate=True) * (x @ mlp.up.weight)
     else:
         hidden = jax.nn.gelu(x @ mlp.up.weight)
     np.testing.assert_allclose(mlp(x), hidden @ mlp.down.weight, rtol=1e-6)
