@@ -378,3 +378,27 @@ def test_the_typed_config_machinery_imports_no_jax():
     code = "import sys, eqxzoo.typed_config, eqxzoo.errors; print('jax' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "False", result.stderr
+
+
+def test_learned_positions_bound_the_sequence_length():
+    document = {
+        "model": {
+            "family": "gpt2",
+            "vocab_size": 2048,
+            "d_model": 32,
+            "n_layers": 4,
+            "n_heads": 4,
+            "mlp_dim": 64,
+            "max_positions": 128,
+        },
+        "mesh": {"dp": 2, "pp": 2, "tp": 2},
+        "data": {"seq_len": 256, "batch_size": 2, "vocab_size": 2048},
+    }
+    with pytest.raises(
+        ConfigError,
+        match=r"^data\.seq_len: 256 tokens per sequence, but the model learns 128 positions "
+        r"\(model\.max_positions\); set data\.seq_len <= 128$",
+    ):
+        config_from_dict(document)
+    document["data"]["seq_len"] = 128
+    assert config_from_dict(document).model.max_positions == 128

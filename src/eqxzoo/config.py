@@ -301,6 +301,13 @@ class RunConfig:
                 f"{data.batch_size} sequences per microbatch cannot be split evenly over "
                 f"mesh.dp={mesh.dp}; use a multiple of {mesh.dp}",
             )
+        positions = self.model.max_positions
+        if self.model.positions == "learned" and data.seq_len > positions:
+            refuse(
+                "data.seq_len",
+                f"{data.seq_len} tokens per sequence, but the model learns {positions} "
+                f"positions (model.max_positions); set data.seq_len <= {positions}",
+            )
         if data.is_stdlib and data.vocab_size > self.model.vocab_size:
             refuse(
                 "data.vocab_size",
