@@ -75,7 +75,7 @@ def hf_run_config(hf_dir: Path, tmp_path: Path, **sections) -> RunConfig:
         "model": {"init_from_hf": str(hf_dir)},
         "mesh": {"dp": 2, "pp": 2, "tp": 2},
         "pipeline": {"schedule": "circular", "microbatches": 2, "repeats": 2},
-        "data": {"path": str(tmp_path / "no-data"), "batch_size": 2},
+        "data": {"path": str(tmp_path / "no-data"), "batch_size": 2, "seq_len": 8},
         **sections,
     }
     return config_from_dict(document)
