@@ -17,6 +17,11 @@
    (``schedule_activation_bytes``), tokens/s at M = 8 (``schedule_tokens_per_s``) and the
    modelled bubble at M = 8 (``schedule_bubble_fraction``, the lockstep model of
    `eqxzoo.parallel.Schedule`).
+8. MoE at the cost of its active FLOPs, on one device: tokens/s of a top-2 dropless MoE train
+   step over that of a dense model with the same active FLOPs (same attention and layers,
+   SwiGLU MLP of width ``top_k * expert_mlp_dim``), at 8 experts of width 512 and 64
+   fine-grained experts of width ``d_model / 2`` (OLMoE's ratio) (``moe_vs_dense_active``);
+   the same for capacity routing (``moe_capacity_vs_dense_active``).
 
 Absolute times on a shared machine are noise; the ratios, measured in one run, are the result.
 """
@@ -27,7 +32,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import statistics  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 
 import jax  # noqa: E402
 
@@ -36,6 +43,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp  # noqa: E402
 
 import models  # noqa: E402
+from eqxzoo.nn import RoutingMode  # noqa: E402
 from eqxzoo.optim import OptimizerConfig  # noqa: E402
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh  # noqa: E402
 from eqxzoo.train.report import flops_per_token, measured_matmul_flops, median_seconds  # noqa: E402
@@ -98,8 +106,8 @@ class StepRunner:
         self.tokens = self.batch["tokens"].size
 
     def step(self):
-        self.state, metrics = self.compiled(self.state, self.batch)
-        return metrics["loss"]
+        self.state, self.metrics = self.compiled(self.state, self.batch)
+        return self.metrics["loss"]
 
     def tokens_per_second(self, repeats: int) -> float:
         return self.tokens / median_seconds(self.step, repeats=repeats)
@@ -271,6 +279,74 @@ def loader_throughput(repeats: int, quick: bool) -> dict:
     }
 
 
+MOE_EXPERTS = {8: 512, 64: 128}  # n_experts: expert_mlp_dim at d_model 256; top-2
+QUICK_MOE_EXPERTS = {8: 16, 64: 16}  # one dense baseline for both
+
+
+def moe_configs(
+    n_experts: int, routing: RoutingMode, *, quick: bool
+) -> tuple[models.DecoderConfig, models.DecoderConfig]:
+    """A top-2 Mixtral-style MoE with ``n_experts`` experts and the dense SwiGLU model of
+    the same active FLOPs (the reference sizes, RMSNorm; 2 layers with --quick)."""
+    sizes = {**(QUICK if quick else REFERENCE), **({"n_layers": 2} if quick else {})}
+    expert_mlp_dim = (QUICK_MOE_EXPERTS if quick else MOE_EXPERTS)[n_experts]
+    moe = models.MoEConfig(
+        n_experts=n_experts, top_k=2, expert_mlp_dim=expert_mlp_dim, routing=routing
+    )
+    dense = models.LlamaConfig(**{**sizes, "mlp_dim": moe.top_k * expert_mlp_dim})
+    return models.MixtralConfig(**{**sizes, "moe": moe}), dense
+
+
+def moe_figures(repeats: int, quick: bool) -> dict:
+    """Dropless and capacity MoE train steps over the dense step of equal active FLOPs,
+    their steps timed in turn (round-robin) so that a slow spell of a shared machine slows
+    all three alike; and the dropless step's padding fraction."""
+    batch, seq = _sizes(quick)
+    result: dict[str, dict[str, float]] = {
+        "moe_vs_dense_active": {},
+        "moe_capacity_vs_dense_active": {},
+        "moe_padding_fraction": {},
+    }
+
+    def one_device(config) -> StepRunner:
+        shape = (1, 1, batch, seq)
+        return StepRunner(
+            config, MeshConfig(), Schedule("gpipe", 1, 1, 1), shape, remat_stages=False
+        )
+
+    dense_runner: tuple[models.DecoderConfig, StepRunner] | None = None
+    for n_experts in QUICK_MOE_EXPERTS if quick else MOE_EXPERTS:
+        dropless, dense = moe_configs(n_experts, "dropless", quick=quick)
+        capacity, _ = moe_configs(n_experts, "capacity", quick=quick)
+        if dense_runner is None or dense_runner[0] != dense:
+            dense_runner = None  # frees the previous dense model before the next is built
+            dense_runner = (dense, one_device(dense))
+        steps = {
+            "dense": dense_runner[1],
+            "dropless": one_device(dropless),
+            "capacity": one_device(capacity),
+        }
+        seconds = interleaved_seconds({name: r.step for name, r in steps.items()}, repeats)
+        key = str(n_experts)
+        result["moe_vs_dense_active"][key] = seconds["dense"] / seconds["dropless"]
+        result["moe_capacity_vs_dense_active"][key] = seconds["dense"] / seconds["capacity"]
+        result["moe_padding_fraction"][key] = float(steps["dropless"].metrics["padding_fraction"])
+    return result
+
+
+def interleaved_seconds(steps: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median wall time of each step, the steps run in turn ``repeats`` times (after one
+    warm-up call each)."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for round_ in range(repeats + 1):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            jax.block_until_ready(step())
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1))
 
 
@@ -303,6 +379,9 @@ def schedule_figures(repeats: int, quick: bool) -> dict:
     }
 
 
+PARTS = ("single", "pipeline", "compile", "memory", "torch", "loader", "schedules", "moe")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         prog="python -m pipelines.bench", description=__doc__.splitlines()[0]
@@ -313,16 +392,14 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument(
         "--only",
-        choices=["single", "pipeline", "compile", "memory", "torch", "loader", "schedules"],
+        choices=list(PARTS),
         action="append",
     )
     parser.add_argument(
         "--quick", action="store_true", help="a toy model: checks the command, not speed"
     )
     args = parser.parse_args(argv)
-    parts = set(
-        args.only or ["single", "pipeline", "compile", "memory", "torch", "loader", "schedules"]
-    )
+    parts = set(args.only or PARTS)
 
     figures: dict = {}
     peak = measured_matmul_flops()
@@ -377,6 +454,20 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{figures['schedule_tokens_per_s'][name] / gpipe_rate:.2f}; modelled bubble "
                 f"{figures['schedule_bubble_fraction'][name]:.3f}"
             )
+    if "moe" in parts:
+        figures.update(moe_figures(args.repeats, args.quick))
+        for name, label in (
+            ("moe_vs_dense_active", "dropless"),
+            ("moe_capacity_vs_dense_active", "capacity"),
+        ):
+            print(
+                f"moe {label} / dense of equal active FLOPs, by experts: "
+                + ", ".join(f"{n}: {ratio:.2f}" for n, ratio in figures[name].items())
+            )
+        print(
+            "moe dropless padding fraction, by experts: "
+            + ", ".join(f"{n}: {value:.3f}" for n, value in figures["moe_padding_fraction"].items())
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

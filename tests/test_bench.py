@@ -22,6 +22,9 @@ KEYS = {
     "schedule_activation_bytes": dict,
     "schedule_tokens_per_s": dict,
     "schedule_bubble_fraction": dict,
+    "moe_vs_dense_active": dict,
+    "moe_capacity_vs_dense_active": dict,
+    "moe_padding_fraction": dict,
 }
 SCHEDULES = {"gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1"}
 
@@ -55,5 +58,8 @@ def test_bench_json_has_every_key(tmp_path):
         == set(figures["schedule_bubble_fraction"])
         == SCHEDULES
     )
+    for key in ("moe_vs_dense_active", "moe_capacity_vs_dense_active", "moe_padding_fraction"):
+        assert set(figures[key]) == {"8", "64"}, key
+    assert all(0.0 < fraction < 1.0 for fraction in figures["moe_padding_fraction"].values())
     bubble = figures["schedule_bubble_fraction"]
     assert bubble["zb_h1"] <= bubble["1f1b"] / 2

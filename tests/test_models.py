@@ -69,6 +69,7 @@ def test_shapes_dtypes_and_aux(name):
             "router_z_loss",
             "expert_fraction",
             "dropped_fraction",
+            "padding_fraction",
         }
         assert aux["expert_fraction"].shape == (3, 4)
         np.testing.assert_allclose(jnp.sum(aux["expert_fraction"], -1), np.ones(3), rtol=1e-6)

@@ -214,13 +214,18 @@ def _with_mode(moe, routing_mode, capacity_factor=1.25):
 
 @pytest.mark.parametrize("normalize_topk", [True, False])
 @pytest.mark.parametrize("shared", [0, 20])
-def test_moe_dropless_equals_dense_reference(normalize_topk, shared):
+@pytest.mark.parametrize("n_tokens", [37, 300])
+def test_moe_dropless_equals_dense_reference(normalize_topk, shared, n_tokens):
+    """37 tokens: 74 assignments in blocks of 16, about one block per expert; 300 tokens:
+    blocks of 64, several per expert."""
     moe = _moe(normalize_topk=normalize_topk, shared_mlp_dim=shared, shared_gate=bool(shared))
-    x = jax.random.normal(jax.random.key(10), (37, 16))
+    x = jax.random.normal(jax.random.key(10), (n_tokens, 16))
     dropless, aux = moe(x)
     dense, dense_aux = _with_mode(moe, "dense")(x)
     np.testing.assert_allclose(dropless, dense, rtol=1e-6, atol=1e-7)
     assert float(aux["dropped_fraction"]) == 0.0
+    assert 0.0 < float(aux.pop("padding_fraction")) < 0.5
+    assert float(dense_aux.pop("padding_fraction")) == 0.0
     jax.tree.map(np.testing.assert_array_equal, aux, dense_aux)
 
 
@@ -308,13 +313,34 @@ def test_moe_gradients_flow_through_all_paths():
         return jnp.sum(out**2) + aux["load_balance_loss"] + aux["router_z_loss"]
 
     grads = {mode: eqx.filter_grad(loss)(moe, mode) for mode in ("dropless", "capacity", "dense")}
-    for mode in ("dropless", "capacity"):
+    for mode, rtol in (("dropless", 1e-6), ("capacity", 1e-5)):
         jax.tree.map(
-            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+            lambda a, b, rtol=rtol: np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-7),
             grads[mode],
             grads["dense"],
         )
     assert float(jnp.abs(grads["dropless"].router.weight).sum()) > 0
+
+
+def test_moe_dropless_gradients_equal_dense_with_several_blocks_per_expert():
+    """300 tokens: 600 assignments over 6 experts in blocks of 64 (the block-sparse path's
+    block loop, partial last blocks and its weight-gradient accumulation across blocks)."""
+    x = jax.random.normal(jax.random.key(17), (300, 16))
+    moe = _moe(shared_mlp_dim=8)
+
+    @eqx.filter_jit
+    def grads(moe, mode):
+        def loss(moe):
+            out, aux = _with_mode(moe, mode)(x)
+            return jnp.sum(jnp.sin(out)) + aux["load_balance_loss"]
+
+        return eqx.filter_grad(loss)(moe)
+
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+        grads(moe, "dropless"),
+        grads(moe, "dense"),
+    )
 
 
 class _Affine(eqx.Module):

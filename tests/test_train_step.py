@@ -112,10 +112,12 @@ def test_metrics_of_a_moe_step(moe, run_steps):
         "load_balance_loss",
         "router_z_loss",
         "dropped_fraction",
+        "padding_fraction",
         "grad_norm",
         "learning_rate",
     ):
         assert np.shape(metrics[name]) == (), name
+    assert 0.0 < float(metrics["padding_fraction"]) < 1.0
     assert metrics["expert_fraction"].shape == (4, 4)
     np.testing.assert_allclose(metrics["expert_fraction"].sum(-1), np.ones(4), rtol=1e-5)
     assert int(metrics["tokens"]) == np.prod(SHAPE)

@@ -67,7 +67,7 @@ def make_layers_for_keys(make_layer, layer_keys: Key[Array, "*stack"]) -> PyTree
 def summarize_layer_aux(layer_aux: dict[str, Array]) -> dict[str, Array]:
     """Reduce per-layer aux values (leading ``layers`` axis) to the model's ``aux``.
 
-    Losses and the dropped fraction are averaged over layers; ``expert_fraction`` keeps its
+    Losses and the dropped and padding fractions are averaged over layers; ``expert_fraction`` keeps its
     ``(layers, experts)`` shape as the per-layer expert load.
     """
     return {

@@ -501,7 +501,7 @@ def step_record(
         "mfu": tokens_per_s * flops_per_token_ / peak,
         "skipped": int(values["skipped"]),
     }
-    for name in ("load_balance_loss", "router_z_loss", "dropped_fraction"):
+    for name in ("load_balance_loss", "router_z_loss", "dropped_fraction", "padding_fraction"):
         if name in values:
             record[name] = float(values[name])
     if "expert_fraction" in values:
