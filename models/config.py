@@ -38,7 +38,12 @@ RUNTIME_KEYS = ("scan_layers", "remat", "moe.routing", "moe.capacity_factor")
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """Routed experts (and optional shared experts) replacing every layer's MLP."""
+    """Routed experts (and optional shared experts) replacing every layer's MLP.
+
+    ``routing``: ``"dropless"`` (every assignment computed), ``"capacity"`` (at most
+    ``capacity_factor`` times the mean load per expert, the rest dropped) or ``"dense"``
+    (every expert on every token: the reference).
+    """
 
     n_experts: int = 8
     top_k: int = 2

@@ -21,7 +21,10 @@
    step over that of a dense model with the same active FLOPs (same attention and layers,
    SwiGLU MLP of width ``top_k * expert_mlp_dim``), at 8 experts of width 512 and 64
    fine-grained experts of width ``d_model / 2`` (OLMoE's ratio) (``moe_vs_dense_active``);
-   the same for capacity routing (``moe_capacity_vs_dense_active``).
+   the same for capacity routing (``moe_capacity_vs_dense_active``) and the dropless path's
+   padding (``moe_padding_fraction``).
+9. Expert dispatch: the collectives of a compiled pipelined 64-expert MoE step on
+   dp2 x pp2 x ep2, by kind, and the bytes they move per step (``moe_dispatch_collectives``).
 
 Absolute times on a shared machine are noise; the ratios, measured in one run, are the result.
 """
@@ -31,6 +34,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -46,6 +50,7 @@ import models  # noqa: E402
 from eqxzoo.nn import RoutingMode  # noqa: E402
 from eqxzoo.optim import OptimizerConfig  # noqa: E402
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh  # noqa: E402
+from eqxzoo.parallel.collectives import collective_traffic  # noqa: E402
 from eqxzoo.train.report import flops_per_token, measured_matmul_flops, median_seconds  # noqa: E402
 from eqxzoo.train.settings import StepConfig  # noqa: E402
 from eqxzoo.train.state import init_train_state  # noqa: E402
@@ -334,6 +339,34 @@ def moe_figures(repeats: int, quick: bool) -> dict:
     return result
 
 
+DISPATCH_MESH = MeshConfig(dp=2, pp=2, ep=2)
+DISPATCH_EXPERTS, QUICK_DISPATCH_EXPERTS = 64, 8
+
+
+def dispatch_figures(quick: bool) -> dict:
+    """The collectives of a compiled pipelined train step of a top-2 dropless MoE with 64
+    experts (width 128, the reference sizes otherwise) on dp2 x pp2 x ep2, GPipe over 4
+    microbatches: counts and buffer bytes per step by kind (`eqxzoo.parallel.collectives`).
+    Compiled only, not run."""
+    sizes = QUICK if quick else REFERENCE
+    batch, seq = _sizes(quick)
+    n_experts = QUICK_DISPATCH_EXPERTS if quick else DISPATCH_EXPERTS
+    moe = models.MoEConfig(n_experts=n_experts, top_k=2, expert_mlp_dim=128)
+    runner = StepRunner(
+        models.MixtralConfig(**sizes, moe=moe),
+        DISPATCH_MESH,
+        Schedule("gpipe", DISPATCH_MESH.pp, 4, 1),
+        (1, 4, batch, seq),
+    )
+    traffic = collective_traffic(runner.compiled.as_text())
+    return {
+        "moe_dispatch_collectives": {
+            **{kind: dataclasses.asdict(t) for kind, t in sorted(traffic.items())},
+            "total_bytes": sum(t.bytes for t in traffic.values()),
+        }
+    }
+
+
 def interleaved_seconds(steps: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
     """Median wall time of each step, the steps run in turn ``repeats`` times (after one
     warm-up call each)."""
@@ -379,7 +412,17 @@ def schedule_figures(repeats: int, quick: bool) -> dict:
     }
 
 
-PARTS = ("single", "pipeline", "compile", "memory", "torch", "loader", "schedules", "moe")
+PARTS = (
+    "single",
+    "pipeline",
+    "compile",
+    "memory",
+    "torch",
+    "loader",
+    "schedules",
+    "moe",
+    "dispatch",
+)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -467,6 +510,18 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             "moe dropless padding fraction, by experts: "
             + ", ".join(f"{n}: {value:.3f}" for n, value in figures["moe_padding_fraction"].items())
+        )
+    if "dispatch" in parts:
+        figures.update(dispatch_figures(args.quick))
+        by_kind = figures["moe_dispatch_collectives"]
+        print(
+            "moe expert dispatch (64 experts, dp2 x pp2 x ep2): "
+            + ", ".join(
+                f"{kind} {t['count']} ops {t['bytes'] / 2**20:.1f} MiB"
+                for kind, t in by_kind.items()
+                if kind != "total_bytes"
+            )
+            + f"; total {by_kind['total_bytes'] / 2**20:.1f} MiB per step"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -25,6 +25,7 @@ KEYS = {
     "moe_vs_dense_active": dict,
     "moe_capacity_vs_dense_active": dict,
     "moe_padding_fraction": dict,
+    "moe_dispatch_collectives": dict,
 }
 SCHEDULES = {"gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1"}
 
@@ -61,5 +62,10 @@ def test_bench_json_has_every_key(tmp_path):
     for key in ("moe_vs_dense_active", "moe_capacity_vs_dense_active", "moe_padding_fraction"):
         assert set(figures[key]) == {"8", "64"}, key
     assert all(0.0 < fraction < 1.0 for fraction in figures["moe_padding_fraction"].values())
+    dispatch = figures["moe_dispatch_collectives"]
+    assert dispatch["total_bytes"] == sum(
+        by_kind["bytes"] for name, by_kind in dispatch.items() if name != "total_bytes"
+    )
+    assert dispatch["total_bytes"] > 0
     bubble = figures["schedule_bubble_fraction"]
     assert bubble["zb_h1"] <= bubble["1f1b"] / 2

@@ -79,7 +79,9 @@ def test_block_size_and_padding_fraction():
     # Blocks of 16: 1 + 0 + 2 + 1 blocks = 64 rows computed for 21 assigned.
     sizes = jnp.array([3, 0, 17, 1], jnp.int32)
     np.testing.assert_allclose(padding_fraction(sizes, 24, implementation="blocks"), 43 / 64)
-    assert float(padding_fraction(sizes, 24, implementation="ragged_dot")) == 0.0
+    # ragged_dot: native on GPU; XLA:CPU multiplies every row by all 4 groups' matrices.
+    expected = 0.0 if jax.default_backend() == "gpu" else 0.75
+    assert float(padding_fraction(sizes, 24, implementation="ragged_dot")) == expected
     zero = jnp.zeros(4, jnp.int32)
     assert float(padding_fraction(zero, 24, implementation="blocks")) == 0.0
 

@@ -37,6 +37,8 @@ import jax.numpy as jnp
 from jax import custom_batching
 from jaxtyping import Array, Float, Int
 
+from eqxzoo.nn.varying import cotangent_for, varying_like
+
 Implementation = Literal["auto", "blocks", "ragged_dot"]
 NATIVE_RAGGED_DOT_BACKENDS = ("gpu",)
 MIN_BLOCK, MAX_BLOCK = 16, 256
@@ -94,28 +96,12 @@ def _blocks(group_sizes: Int[Array, " groups"], n_rows: int, block: int):
     return block_ends[-1], group, start, first_row - start, rows
 
 
-def _varying_axes(value) -> frozenset[str]:
-    aval = jax.typeof(value)
-    varying = getattr(aval, "vma", None)
-    if varying is None:
-        manual = getattr(aval, "manual_axis_type", None)
-        varying = () if manual is None else manual.varying
-    return frozenset(varying)
-
-
-def _loop_carry(initial: Array, *inputs: Array) -> Array:
-    """``initial`` made to vary over every manual mesh axis that ``inputs`` vary over (inside
-    `jax.shard_map` with ``check_vma``), as a loop carry computed from them must."""
-    missing = frozenset().union(*map(_varying_axes, inputs)) - _varying_axes(initial)
-    return jax.lax.pcast(initial, tuple(sorted(missing)), to="varying") if missing else initial
-
-
 def _in_block(first, rows, block: int) -> Array:
     offset = jnp.arange(block)[:, None]
     return (offset >= first) & (offset < first + rows)
 
 
-def _block_matmul(x, w, group_sizes, *, transpose_w: bool):
+def _block_matmul(x, w, group_sizes, *, transpose_w: bool, block: int | None = None):
     """``x[r] @ w[g(r)]`` (``w[g(r)]^T`` with ``transpose_w``), one block per loop step,
     each writing only its own rows: rows past ``sum(group_sizes)`` keep their zeros."""
     n_rows = x.shape[0]
@@ -124,7 +110,7 @@ def _block_matmul(x, w, group_sizes, *, transpose_w: bool):
     out = jnp.zeros((n_rows, w.shape[3 - contract]), out_dtype)
     if n_rows == 0:
         return out
-    block = block_rows(n_rows, group_sizes.shape[0])
+    block = min(block or block_rows(n_rows, group_sizes.shape[0]), n_rows)
     count, group, start, first, rows = _blocks(group_sizes, n_rows, block)
 
     def multiply_block(index, out):
@@ -139,17 +125,17 @@ def _block_matmul(x, w, group_sizes, *, transpose_w: bool):
         product = jnp.where(in_block, product.astype(out_dtype), kept)
         return jax.lax.dynamic_update_slice_in_dim(out, product, start[index], 0)
 
-    return jax.lax.fori_loop(0, count, multiply_block, _loop_carry(out, x, w, group_sizes))
+    return jax.lax.fori_loop(0, count, multiply_block, varying_like(out, x, w, group_sizes))
 
 
-def _block_weight_gradient(x, dy, group_sizes):
+def _block_weight_gradient(x, dy, group_sizes, block: int | None = None):
     """``dw[g] = sum over rows r of group g of outer(x[r], dy[r])``, accumulated in float32
     one block at a time into the block's group."""
     n_rows = x.shape[0]
     dw = jnp.zeros((group_sizes.shape[0], x.shape[1], dy.shape[1]), jnp.float32)
     if n_rows == 0:
         return dw
-    block = block_rows(n_rows, group_sizes.shape[0])
+    block = min(block or block_rows(n_rows, group_sizes.shape[0]), n_rows)
     count, group, start, first, rows = _blocks(group_sizes, n_rows, block)
 
     def accumulate_block(index, dw):
@@ -164,7 +150,7 @@ def _block_weight_gradient(x, dy, group_sizes):
         )
         return dw.at[group[index]].add(product)
 
-    return jax.lax.fori_loop(0, count, accumulate_block, _loop_carry(dw, x, dy, group_sizes))
+    return jax.lax.fori_loop(0, count, accumulate_block, varying_like(dw, x, dy, group_sizes))
 
 
 def _ragged_matmul(x, w, group_sizes, *, transpose_w: bool):
@@ -269,18 +255,22 @@ def _differentiable(matmul, weight_gradient):
 
     def grouped_backward(residuals, dy):
         x, w, group_sizes = residuals
-        dx = transposed(dy, w, group_sizes).astype(x.dtype)
-        dw = per_group(x, dy, group_sizes).astype(w.dtype)
+        dx = cotangent_for(transposed(dy, w, group_sizes).astype(x.dtype), x)
+        dw = cotangent_for(per_group(x, dy, group_sizes).astype(w.dtype), w)
         return dx, dw, jnp.zeros(group_sizes.shape, jax.dtypes.float0)
 
     grouped.defvjp(grouped_forward, grouped_backward)
     return grouped
 
 
-_IMPLEMENTATIONS = {
-    "blocks": _differentiable(_block_matmul, _block_weight_gradient),
-    "ragged_dot": _differentiable(_ragged_matmul, _ragged_weight_gradient),
-}
+@functools.cache
+def _implementation(name: str, block: int | None):
+    if name == "ragged_dot":
+        return _differentiable(_ragged_matmul, _ragged_weight_gradient)
+    return _differentiable(
+        functools.partial(_block_matmul, block=block),
+        functools.partial(_block_weight_gradient, block=block),
+    )
 
 
 def grouped_matmul(
@@ -289,26 +279,35 @@ def grouped_matmul(
     group_sizes: Int[Array, " groups"],
     *,
     implementation: Implementation = "auto",
+    block: int | None = None,
 ) -> Float[Array, "rows out_features"]:
     """``out[r] = x[r] @ w[g(r)]`` where rows are sorted by group, ``group_sizes[g]`` per group.
 
     Rows past ``sum(group_sizes)`` give zeros. Differentiable and batchable in any order.
     Products accumulate in float32; the result has the inputs' dtype. ``implementation``
-    (see the module docstring) is resolved by `resolve_implementation`.
+    (see the module docstring) is resolved by `resolve_implementation`; ``block`` sets the
+    rows per block of ``"blocks"`` (default `block_rows`).
     """
-    return _IMPLEMENTATIONS[resolve_implementation(implementation)](x, w, group_sizes)
+    return _implementation(resolve_implementation(implementation), block)(x, w, group_sizes)
 
 
 def padding_fraction(
-    group_sizes: Int[Array, " groups"], n_rows: int, *, implementation: Implementation = "auto"
+    group_sizes: Int[Array, " groups"],
+    n_rows: int,
+    *,
+    implementation: Implementation = "auto",
+    block: int | None = None,
 ) -> Float[Array, ""]:
     """The fraction of the rows ``grouped_matmul`` computes for ``n_rows`` rows grouped by
     ``group_sizes`` that are padding: each group's last block's empty rows (``"blocks"``),
-    none for ``"ragged_dot"`` (where it is native). Under `jax.vmap` the batch's rows share
+    for ``"ragged_dot"`` none where it is native, else ``1 - 1 / groups`` (every group's
+    matrix on every row, masked). Under `jax.vmap` the batch's rows share
     one layout; this is the fraction one unbatched call would pad."""
+    n_groups = group_sizes.shape[0]
     if resolve_implementation(implementation) == "ragged_dot":
-        return jnp.zeros((), jnp.float32)
-    block = block_rows(n_rows, group_sizes.shape[0])
+        native = jax.default_backend() in NATIVE_RAGGED_DOT_BACKENDS
+        return jnp.asarray(0.0 if native else 1 - 1 / n_groups, jnp.float32)
+    block = max(1, min(block or block_rows(n_rows, group_sizes.shape[0]), n_rows))
     computed = (jnp.sum((group_sizes + block - 1) // block) * block).astype(jnp.float32)
     padding = computed - jnp.sum(group_sizes).astype(jnp.float32)
     return jnp.where(computed > 0, padding / jnp.maximum(computed, 1.0), 0.0)

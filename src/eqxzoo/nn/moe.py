@@ -2,9 +2,10 @@
 
 Three ways to run the same experts on the same routing decisions:
 
-- ``"dropless"``: sort the (token, choice) assignments by expert, one grouped matmul per
-  weight (`eqxzoo.nn.grouped_matmul`: block-sparse, or `jax.lax.ragged_dot` on GPU), unsort.
-  Every assignment is computed, at the cost of the assignments plus a little padding.
+- ``"dropless"``: every (token, choice) assignment computed, at the cost of the assignments
+  plus a little padding: each expert's slots as batched matmuls and the overflow past them
+  as a block-sparse loop (`eqxzoo.nn.dispatch`), or, where `jax.lax.ragged_dot` is native
+  (GPU), the assignments sorted by expert into one grouped matmul per weight.
 - ``"capacity"``: each expert takes at most ``capacity`` assignments (first choices of all
   tokens before second choices, tokens in order); overflow is dropped and reported. Fixed
   shapes ``(experts, capacity, embed)``, for hardware where ragged matmuls are slow.
@@ -22,9 +23,19 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
-from eqxzoo.nn.grouped import grouped_matmul, padding_fraction
+from eqxzoo.nn.dispatch import (
+    OVERFLOW_BLOCK,
+    RowMap,
+    computed_and_assigned_rows,
+    rows_from_tokens,
+    rows_to_assignments,
+    slot_layout,
+)
+from eqxzoo.nn.dispatch import padding_fraction as padding_fraction_of_rows
+from eqxzoo.nn.grouped import grouped_matmul, padding_fraction, resolve_implementation
 from eqxzoo.nn.linear import Linear, normal_init
 from eqxzoo.nn.mlp import MLP
+from eqxzoo.nn.varying import cotangent_for
 
 RoutingMode = Literal["dropless", "capacity", "dense"]
 
@@ -112,20 +123,82 @@ class Experts(AbstractAxesOwner):
     def dropless(
         self, x: Float[Array, "tokens embed"], routing: Routing
     ) -> tuple[Float[Array, "tokens embed"], Float[Array, ""]]:
-        """Sort assignments by expert, grouped matmuls, unsort, combine; returns the output
-        and the fraction of the grouped matmuls' rows that are padding."""
+        """Every assignment computed; returns the output and the fraction of the computed
+        rows that are padding. Where `jax.lax.ragged_dot` is native (`resolve_implementation`)
+        the assignments are sorted by expert into one grouped matmul per weight; elsewhere
+        each expert's slots are batched matmuls and the overflow a block loop
+        (`slotted_dropless`), except inside a partitioned mesh (`partitioned_mesh`): there
+        the sorted rows and `jax.lax.ragged_dot` keep the program free of data-dependent
+        loops and branches, whose partitioner-inserted collectives devices on different
+        pipeline stages would reach in different numbers (a deadlock on XLA:CPU)."""
+        if resolve_implementation("auto") == "ragged_dot" or partitioned_mesh():
+            return self._sorted_dropless(x, routing)
+        output, rows = self.slotted_dropless(x, routing.weights, routing.experts)
+        return output, padding_fraction_of_rows(rows)
+
+    def slotted_dropless(
+        self,
+        x: Float[Array, "tokens embed"],
+        weights: Float[Array, "tokens k"],
+        experts: Int[Array, "tokens k"],
+    ) -> tuple[Float[Array, "tokens embed"], Float[Array, "2"]]:
+        """Each expert's slots as batched matmuls, the overflow as a block loop
+        (`eqxzoo.nn.dispatch`). Returns the output and the rows computed and assigned
+        (`eqxzoo.nn.dispatch.computed_and_assigned_rows`)."""
+        n_assignments = experts.size
+        layout = slot_layout(experts, self.n_experts)
+        slot_inputs = rows_from_tokens(x, layout.slots)
+        slot_inputs = slot_inputs.reshape(self.n_experts, layout.capacity, -1)
+        gate, up = (batched_matmul(slot_inputs, w) for w in (self.gate, self.up))
+        slot_outputs = batched_matmul(jax.nn.silu(gate) * up, self.down)
+        per_choice = rows_to_assignments(slot_outputs.reshape(-1, x.shape[-1]), layout.slots)
+
+        def overflow_outputs(overflow: RowMap) -> Float[Array, "tokens k embed"]:
+            def matmul(rows, weights):
+                return grouped_matmul(
+                    rows,
+                    weights,
+                    layout.overflow_sizes,
+                    implementation="blocks",
+                    block=OVERFLOW_BLOCK,
+                )
+
+            inputs = rows_from_tokens(x, overflow)
+            gate, up = (matmul(inputs, w) for w in (self.gate, self.up))
+            return rows_to_assignments(matmul(jax.nn.silu(gate) * up, self.down), overflow)
+
+        few_rows = overflow_rows(n_assignments)
+        if few_rows < n_assignments:
+            per_choice += jax.lax.cond(
+                jnp.sum(layout.overflow_sizes) <= few_rows,
+                lambda: overflow_outputs(layout.overflow.first_rows(few_rows)),
+                lambda: overflow_outputs(layout.overflow),
+            )
+        else:
+            per_choice += overflow_outputs(layout.overflow)
+        output = jnp.einsum("tkd,tk->td", per_choice, weights.astype(x.dtype))
+        return output, computed_and_assigned_rows(layout)
+
+    def _sorted_dropless(
+        self, x: Float[Array, "tokens embed"], routing: Routing
+    ) -> tuple[Float[Array, "tokens embed"], Float[Array, ""]]:
+        """Sort assignments by expert, grouped matmuls (`jax.lax.ragged_dot`), unsort."""
         n_tokens, top_k = routing.experts.shape
         flat_experts = routing.experts.reshape(-1)
         order = jnp.argsort(flat_experts, stable=True)
         inverse_order = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
         sorted_inputs = permute_rows(jnp.repeat(x, top_k, axis=0), order, inverse_order)
         group_sizes = jnp.bincount(flat_experts, length=self.n_experts).astype(jnp.int32)
-        gate = grouped_matmul(sorted_inputs, self.gate, group_sizes)
-        up = grouped_matmul(sorted_inputs, self.up, group_sizes)
-        sorted_outputs = grouped_matmul(jax.nn.silu(gate) * up, self.down, group_sizes)
+
+        def matmul(rows, weights):
+            return grouped_matmul(rows, weights, group_sizes, implementation="ragged_dot")
+
+        gate, up = (matmul(sorted_inputs, w) for w in (self.gate, self.up))
+        sorted_outputs = matmul(jax.nn.silu(gate) * up, self.down)
         outputs = permute_rows(sorted_outputs, inverse_order, order).reshape(n_tokens, top_k, -1)
         output = jnp.einsum("tkd,tk->td", outputs, routing.weights.astype(x.dtype))
-        return output, padding_fraction(group_sizes, order.shape[0])
+        padding = padding_fraction(group_sizes, order.shape[0], implementation="ragged_dot")
+        return output, padding
 
     def capacity(
         self, x: Float[Array, "tokens embed"], routing: Routing, capacity_factor: float
@@ -181,8 +254,9 @@ class MoE(eqx.Module):
     - ``router_z_loss``: mean over tokens of ``logsumexp(logits)^2`` (ST-MoE);
     - ``expert_fraction``: ``f``, shape ``(experts,)``;
     - ``dropped_fraction``: assignments dropped by the capacity path (0 otherwise);
-    - ``padding_fraction``: the fraction of the rows the dropless path's grouped matmuls
-      compute that are padding (`eqxzoo.nn.grouped.padding_fraction`; 0 otherwise).
+    - ``padding_fraction``: the fraction of the rows the dropless path computes that hold
+      no assignment (empty slots, the overflow's last blocks; 0 otherwise).
+
     """
 
     router: Router
@@ -282,15 +356,39 @@ def permute_rows(
 
 
 def _permute_rows_forward(x, order, inverse):
-    return jnp.take(x, order, axis=0), (order, inverse)
+    return jnp.take(x, order, axis=0), (x, inverse)
 
 
 def _permute_rows_backward(residuals, dy):
-    _, inverse = residuals
-    return jnp.take(dy, inverse, axis=0), None, None
+    x, inverse = residuals
+    return cotangent_for(jnp.take(dy, inverse, axis=0), x), None, None
 
 
 permute_rows.defvjp(_permute_rows_forward, _permute_rows_backward)
+
+
+def partitioned_mesh() -> bool:
+    """Whether the ambient mesh (`jax.set_mesh`, or inside `jax.shard_map`) has an axis of
+    more than one device left to XLA's partitioner."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return False
+    manual = set(mesh.manual_axes)
+    return any(size > 1 for name, size in mesh.shape.items() if name not in manual)
+
+
+def overflow_rows(n_assignments: int) -> int:
+    """Rows for the overflow of a balanced router: an eighth of the assignments, in whole
+    `OVERFLOW_BLOCK` blocks (more overflow runs on ``n_assignments`` rows, slower)."""
+    return -(-n_assignments // (8 * OVERFLOW_BLOCK)) * OVERFLOW_BLOCK
+
+
+def batched_matmul(
+    x: Float[Array, "experts rows in_features"], w: Float[Array, "experts in_features out_features"]
+) -> Float[Array, "experts rows out_features"]:
+    """Each expert's rows times its matrix, accumulated in float32, in the inputs' dtype."""
+    product = jnp.einsum("erd,edf->erf", x, w, preferred_element_type=jnp.float32)
+    return product.astype(jnp.result_type(x.dtype, w.dtype))
 
 
 def router_losses(routing: Routing) -> dict[str, Array]:

@@ -1,0 +1,31 @@
+"""Manual-axis bookkeeping for code that may run inside `jax.shard_map` with ``check_vma``.
+
+Inside a manual region every value carries the mesh axes it varies over. A loop carry must
+vary over whatever its body mixes in, and a custom VJP must return each cotangent varying
+over exactly the axes its primal did: a primal the same on every device of an axis (used by
+each of them) gets the sum of their cotangents. Outside a manual region both are no-ops.
+"""
+
+import jax
+from jaxtyping import Array
+
+
+def varying_axes(value: Array) -> frozenset[str]:
+    """The manual mesh axes ``value`` varies over (empty outside `jax.shard_map`)."""
+    aval = jax.typeof(value)
+    manual = getattr(aval, "manual_axis_type", None)
+    varying = manual.varying if manual is not None else getattr(aval, "vma", None)
+    return frozenset(varying or ())
+
+
+def varying_like(initial: Array, *inputs: Array) -> Array:
+    """``initial`` made to vary over every axis that ``inputs`` vary over, as a loop carry
+    computed from them must."""
+    missing = frozenset().union(*map(varying_axes, inputs)) - varying_axes(initial)
+    return jax.lax.pcast(initial, tuple(sorted(missing)), to="varying") if missing else initial
+
+
+def cotangent_for(cotangent: Array, primal: Array) -> Array:
+    """``cotangent`` summed over the axes it varies over and ``primal`` does not."""
+    extra = varying_axes(cotangent) - varying_axes(primal)
+    return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
