@@ -8,15 +8,17 @@ checked against their annotations first (`eqxzoo.typed_config.check_fields`), so
 """
 
 import dataclasses
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from eqxzoo.nn import Activation, RematPolicy, RopeScaling, RoutingMode
+from eqxzoo.nn import Activation, RematPolicy, RopeScaling, RoutingMode, Scoring
+from eqxzoo.nn.moe import check_groups
 from eqxzoo.typed_config import ConfigError, check_fields, refuse, require_at_least
 
 __all__ = [
     "RUNTIME_KEYS",
     "ConfigError",
     "DecoderConfig",
+    "LatentAttentionConfig",
     "LayerType",
     "MoEConfig",
     "NormKind",
@@ -43,6 +45,13 @@ class MoEConfig:
     ``routing``: ``"dropless"`` (every assignment computed), ``"capacity"`` (at most
     ``capacity_factor`` times the mean load per expert, the rest dropped) or ``"dense"``
     (every expert on every token: the reference).
+
+    The router (`eqxzoo.nn.Router`): ``scoring`` is ``"softmax"``, ``"sigmoid"``
+    (DeepSeek-V3) or ``"softmax_topk"`` (GPT-OSS: softmax over the chosen logits);
+    ``n_groups`` / ``topk_groups`` limit each token to its best groups of experts (DeepSeek);
+    ``routed_scaling`` multiplies the routing weights; ``router_bias`` adds a trained bias to
+    the logits (GPT-OSS); ``selection_bias`` adds DeepSeek-V3's balancing bias to the scores
+    used for choosing, moved after each step by the run's ``loss.bias_update_rate``.
     """
 
     n_experts: int = 8
@@ -51,8 +60,26 @@ class MoEConfig:
     normalize_topk: bool = True
     shared_mlp_dim: int = 0
     shared_gate: bool = False
+    scoring: Scoring = "softmax"
+    n_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
+    router_bias: bool = False
+    selection_bias: bool = False
     routing: RoutingMode = "dropless"
     capacity_factor: float = 1.25
+
+    @property
+    def router_options(self) -> dict[str, Any]:
+        """The `eqxzoo.nn.Router` options beyond ``top_k`` and ``normalize_topk``."""
+        return dict(
+            scoring=self.scoring,
+            n_groups=self.n_groups,
+            topk_groups=self.topk_groups,
+            scaling=self.routed_scaling,
+            bias=self.router_bias,
+            selection_bias=self.selection_bias,
+        )
 
     def __post_init__(self):
         check_fields(self)
@@ -67,6 +94,40 @@ class MoEConfig:
             refuse("shared_gate", "needs shared experts: set shared_mlp_dim > 0")
         if self.capacity_factor <= 0:
             refuse("capacity_factor", f"must be > 0, got {self.capacity_factor}")
+        if self.routed_scaling <= 0:
+            refuse("routed_scaling", f"must be > 0, got {self.routed_scaling}")
+        try:
+            check_groups(self.n_experts, self.top_k, self.n_groups, self.topk_groups)
+        except ValueError as error:
+            field = "n_groups" if str(error).startswith("n_groups") else "topk_groups"
+            refuse(field, str(error).removeprefix(f"{field} "))
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentAttentionConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3), replacing every layer's attention.
+
+    Queries come through a ``q_lora_rank`` bottleneck (None: one projection, V2-Lite);
+    keys and values are expanded per head from one ``kv_lora_rank`` latent per token, which
+    is what the KV cache keeps, beside one RoPE key of ``qk_rope_head_dim`` shared by all
+    heads. Each head's query and key are ``qk_nope_head_dim`` features without position and
+    ``qk_rope_head_dim`` rotated ones; its value has ``v_head_dim``.
+    """
+
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+
+    def __post_init__(self):
+        check_fields(self)
+        require_at_least(self, 1, "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
+        require_at_least(self, 2, "qk_rope_head_dim")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            refuse("q_lora_rank", f"must be >= 1 (or unset), got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            refuse("qk_rope_head_dim", f"must be even, got {self.qk_rope_head_dim}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +153,12 @@ class DecoderConfig:
     ``attention_softcap``; logits by ``final_softcap``. ``qk_norm`` normalises queries and keys
     per head (``qk_norm_over = "head"``) or over all heads (``"all_heads"``); ``clip_qkv``
     clamps them. ``scale_embeddings`` multiplies the embeddings by ``sqrt(d_model)``.
+
+    Layers: with ``moe`` set, the first ``first_dense_layers`` layers keep a dense MLP of
+    ``mlp_dim`` (DeepSeek's ``first_k_dense_replace``): their shapes differ from the MoE
+    layers', so they form the model's ``prefix`` (run before the pipelined blocks) and
+    ``n_layers`` counts both. ``latent_attention`` replaces every layer's attention by
+    multi-head latent attention (`LatentAttentionConfig`).
 
     ``scan_layers`` and ``remat`` change how the layers run, never the parameters.
     """
@@ -132,6 +199,8 @@ class DecoderConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     moe: MoEConfig | None = None
+    first_dense_layers: int = 0
+    latent_attention: LatentAttentionConfig | None = None
     scan_layers: bool = True
     remat: RematPolicy = "none"
 
@@ -169,6 +238,16 @@ class DecoderConfig:
             refuse("layer_types", "'sliding_attention' layers need sliding_window")
         if self.local_rope_theta is not None and self.sliding_window is None:
             refuse("local_rope_theta", "applies to sliding-window layers: set sliding_window")
+        if self.first_dense_layers:
+            if self.moe is None:
+                refuse("first_dense_layers", "dense first layers need MoE layers after them")
+            if not 0 < self.first_dense_layers < self.n_layers:
+                refuse(
+                    "first_dense_layers",
+                    f"must be in [0, n_layers={self.n_layers}), got {self.first_dense_layers}",
+                )
+        if self.latent_attention is not None and self.positions != "rope":
+            refuse("latent_attention", "latent attention needs rotary positions")
         self._canonicalize()
 
     def _canonicalize(self) -> None:
@@ -184,6 +263,11 @@ class DecoderConfig:
             object.__setattr__(self, "layer_types", None)
             if self.attention_layer_types != given:
                 object.__setattr__(self, "layer_types", given)
+
+    @property
+    def n_blocks(self) -> int:
+        """The repeated (pipelined) layers: every layer after the prefix."""
+        return self.n_layers - self.first_dense_layers
 
     @property
     def kv_heads(self) -> int:

@@ -44,12 +44,15 @@ def make_norm(config: DecoderConfig) -> Norm:
 
 
 class KVCache(eqx.Module):
-    """Every layer's attention keys and values of a sequence's tokens so far.
+    """Every layer's attention cache of a sequence's tokens so far.
 
-    Stacked on a leading ``layers`` axis like the blocks, so a decode step is one
-    `jax.lax.scan` over layers and cache together; the slots keep one static shape however far
-    decoding has gone, so decoding compiles once. ``slot_positions[i]`` is the position whose
-    key and value slot ``i`` holds (negative: not yet written); attention masks by it. A
+    ``layers`` holds the blocks' cache arrays stacked on a leading ``layers`` axis like the
+    blocks (keys and values for `CausalSelfAttention`; the compressed latent and the RoPE
+    key for `LatentAttention`: each attention's ``empty_cache``), so a decode step is one
+    `jax.lax.scan` over layers and cache together; ``prefix_layers`` the same for the
+    prefix's layers (None without a prefix). The slots keep one static shape however far
+    decoding has gone, so decoding compiles once. ``slot_positions[i]`` is the position
+    whose entries slot ``i`` holds (negative: not yet written); attention masks by it. A
     cache as long as the sequence holds position ``p`` in slot ``p``; a model whose every
     layer has a sliding window needs only its longest window, and its cache is a ring
     (position ``p`` in slot ``p % slots``). Keys are stored rotated (RoPE at their absolute
@@ -57,14 +60,14 @@ class KVCache(eqx.Module):
     `DecoderLM.init_cache`; batch with `jax.vmap`.
     """
 
-    keys: Float[Array, "layers slots kv_heads head_dim"]
-    values: Float[Array, "layers slots kv_heads head_dim"]
+    layers: tuple[Float[Array, "layers slots *entry"], ...]
+    prefix_layers: tuple[Float[Array, "prefix_layers slots *entry"], ...] | None
     slot_positions: Int[Array, " slots"]
     position: Int[Array, ""]
 
     @property
     def slots(self) -> int:
-        return self.keys.shape[1]
+        return self.slot_positions.shape[0]
 
 
 def _residual(
@@ -84,46 +87,29 @@ class DecoderBlock(eqx.Module):
 
     The norms sit before each sublayer (``attention_norm``, ``mlp_norm``), after it before
     the residual sum (``attention_post_norm``, ``mlp_post_norm``) or both, as
-    ``config.norm_position`` says. ``mlp`` is a dense `MLP` or a `MoE`; the block returns
-    ``(h, aux)`` with the MoE's per-layer auxiliary values (empty for dense blocks).
+    ``config.norm_position`` says. ``mlp`` is a `MoE` when the config has one and the block
+    is not ``dense`` (a prefix layer), else an `MLP`; the block returns ``(h, aux)`` with
+    the MoE's per-layer auxiliary values (empty for dense blocks). ``attention`` is
+    `LatentAttention` with ``config.latent_attention``, else `CausalSelfAttention`.
     """
 
     attention_norm: Norm | None
-    attention: CausalSelfAttention
+    attention: CausalSelfAttention  # TODO(mla) | LatentAttention
     attention_post_norm: Norm | None
     mlp_norm: Norm | None
     mlp: MLP | MoE
     mlp_post_norm: Norm | None
 
-    def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray):
+    def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray, dense: bool = False):
         attention_key, mlp_key = jax.random.split(key)
         pre = config.norm_position in ("pre", "both")
         post = config.norm_position in ("post", "both")
         self.attention_norm = make_norm(config) if pre else None
-        self.attention = CausalSelfAttention(
-            config.d_model,
-            config.n_heads,
-            config.kv_heads,
-            config.attention_head_dim,
-            rope_theta=config.rope_theta if config.positions == "rope" else None,
-            rope_scaling=config.rope_scaling,
-            local_rope_theta=config.local_rope_theta,
-            window=None if config.layer_windows is None else 0,
-            qkv_bias=config.qkv_bias,
-            out_bias=config.attention_out_bias,
-            qk_norm=config.qk_norm_over if config.qk_norm else "none",
-            norm_eps=config.norm_eps,
-            norm_weight_offset=1.0 if config.norm == "rms_plus_one" else 0.0,
-            clip_qkv=config.clip_qkv,
-            scale=None if config.attention_scale_dim is None else config.attention_scale_dim**-0.5,
-            softcap=config.attention_softcap,
-            init_std=config.init_std,
-            key=attention_key,
-        )
+        self.attention = make_attention(config, attention_key)
         self.attention_post_norm = make_norm(config) if post else None
         self.mlp_norm = make_norm(config) if pre else None
         moe = config.moe
-        if moe is None:
+        if moe is None or dense:
             self.mlp = MLP(
                 config.d_model,
                 config.mlp_dim,
@@ -139,6 +125,7 @@ class DecoderBlock(eqx.Module):
                 moe.n_experts,
                 moe.top_k,
                 normalize_topk=moe.normalize_topk,
+                router=moe.router_options,
                 shared_mlp_dim=moe.shared_mlp_dim,
                 shared_gate=moe.shared_gate,
                 routing_mode=moe.routing,
@@ -166,36 +153,71 @@ class DecoderBlock(eqx.Module):
     def cached_forward(
         self,
         h: Float[Array, "seq embed"],
-        keys: Float[Array, "slots kv_heads head_dim"],
-        values: Float[Array, "slots kv_heads head_dim"],
+        cache: tuple[Array, ...],
         slot_positions: Int[Array, " slots"],
         start: Int[Array, ""],
-    ) -> tuple[
-        Float[Array, "seq embed"],
-        Float[Array, "slots kv_heads head_dim"],
-        Float[Array, "slots kv_heads head_dim"],
-    ]:
-        """The block on tokens at positions ``start, ...`` against this layer's cache.
+    ) -> tuple[Float[Array, "seq embed"], tuple[Array, ...]]:
+        """The block on tokens at positions ``start, ...`` against this layer's ``cache``
+        (its attention's ``empty_cache`` layout).
 
-        Returns the hidden states and the cache with these tokens' keys and values written.
-        A MoE routes each token as its own one-token sequence: routing is per token, as in
-        the full pass, and no expert capacity can drop a token (a capacity-routed model
-        decodes as if dropless; its full pass agrees wherever that drops nothing).
+        Returns the hidden states and the cache with these tokens written. A MoE routes each
+        token as its own one-token sequence: routing is per token, as in the full pass, and
+        no expert capacity can drop a token (a capacity-routed model decodes as if dropless;
+        its full pass agrees wherever that drops nothing).
         """
 
         def attention(x):
-            out, new_keys, new_values = self.attention.cached_forward(
-                x, keys, values, slot_positions, start
-            )
-            return out, (new_keys, new_values)
+            return self.attention.cached_forward(x, cache, slot_positions, start)
 
         def mlp(x):
             out, _ = self._mlp(x[:, None, :])
             return out[:, 0, :], None
 
-        h, (keys, values) = _residual(h, self.attention_norm, attention, self.attention_post_norm)
+        h, cache = _residual(h, self.attention_norm, attention, self.attention_post_norm)
         h, _ = _residual(h, self.mlp_norm, mlp, self.mlp_post_norm)
-        return h, keys, values
+        return h, cache
+
+
+def make_attention(config: DecoderConfig, key: PRNGKeyArray):
+    """The attention of one layer of ``config``."""
+    latent = config.latent_attention
+    if latent is not None:
+        from eqxzoo.nn.mla import LatentAttention  # TODO(mla)
+
+        return LatentAttention(
+            config.d_model,
+            config.n_heads,
+            q_lora_rank=latent.q_lora_rank,
+            kv_lora_rank=latent.kv_lora_rank,
+            qk_nope_head_dim=latent.qk_nope_head_dim,
+            qk_rope_head_dim=latent.qk_rope_head_dim,
+            v_head_dim=latent.v_head_dim,
+            rope_theta=config.rope_theta,
+            rope_scaling=config.rope_scaling,
+            norm_eps=config.norm_eps,
+            init_std=config.init_std,
+            key=key,
+        )
+    return CausalSelfAttention(
+        config.d_model,
+        config.n_heads,
+        config.kv_heads,
+        config.attention_head_dim,
+        rope_theta=config.rope_theta if config.positions == "rope" else None,
+        rope_scaling=config.rope_scaling,
+        local_rope_theta=config.local_rope_theta,
+        window=None if config.layer_windows is None else 0,
+        qkv_bias=config.qkv_bias,
+        out_bias=config.attention_out_bias,
+        qk_norm=config.qk_norm_over if config.qk_norm else "none",
+        norm_eps=config.norm_eps,
+        norm_weight_offset=1.0 if config.norm == "rms_plus_one" else 0.0,
+        clip_qkv=config.clip_qkv,
+        scale=None if config.attention_scale_dim is None else config.attention_scale_dim**-0.5,
+        softcap=config.attention_softcap,
+        init_std=config.init_std,
+        key=key,
+    )
 
 
 class DecoderLM(eqx.Module):
@@ -237,16 +259,31 @@ class DecoderLM(eqx.Module):
             if config.positions == "learned"
             else None
         )
+        n_prefix = config.first_dense_layers
         self.prefix = None
+        if n_prefix:
+            prefix = Stack(
+                lambda layer_key: DecoderBlock(config, key=layer_key, dense=True),
+                n_prefix,
+                scan=config.scan_layers,
+                remat_policy=config.remat,
+                key=jax.random.fold_in(blocks_key, 1),
+            )
+            windows = _windows(config, prefix=True)
+            self.prefix = eqx.tree_at(
+                lambda s: s.layers, prefix, _with_windows(prefix.layers, windows, (n_prefix,))
+            )
         blocks = Stack(
             lambda layer_key: DecoderBlock(config, key=layer_key),
-            config.n_layers,
+            config.n_blocks,
             scan=config.scan_layers,
             remat_policy=config.remat,
             key=blocks_key,
         )
         self.blocks = eqx.tree_at(
-            lambda s: s.layers, blocks, _with_layer_data(blocks.layers, config, (config.n_layers,))
+            lambda s: s.layers,
+            blocks,
+            _with_windows(blocks.layers, _windows(config), (config.n_blocks,)),
         )
         self.final_norm = make_norm(config)
         self.unembedding = (
@@ -278,9 +315,9 @@ class DecoderLM(eqx.Module):
         return h
 
     def block_keys(self, key: PRNGKeyArray) -> Key[Array, " layers"]:
-        """The ``(n_layers,)`` keys ``DecoderLM(config, key=key)`` builds its blocks from."""
+        """The ``(n_blocks,)`` keys ``DecoderLM(config, key=key)`` builds its blocks from."""
         _, blocks_key, _ = jax.random.split(key, 3)
-        return jax.random.split(blocks_key, self.config.n_layers)
+        return jax.random.split(blocks_key, self.config.n_blocks)
 
     def make_layers(self, layer_keys: Key[Array, "*stack"]) -> DecoderBlock:
         """Blocks for ``layer_keys`` of any shape, stacked on its axes (``blocks.layers`` for
@@ -288,7 +325,7 @@ class DecoderLM(eqx.Module):
         which places each layer's per-layer data with its weights."""
         config = self.config
         layers = make_layers_for_keys(lambda key: DecoderBlock(config, key=key), layer_keys)
-        return _with_layer_data(layers, config, layer_keys.shape)
+        return _with_windows(layers, _windows(config), layer_keys.shape)
 
     def head(self, h: Float[Array, "*batch seq embed"]) -> Float[Array, "*batch seq vocab"]:
         """Final norm, the output projection (or the tied embedding) and, with
@@ -325,11 +362,16 @@ class DecoderLM(eqx.Module):
                 f"max_len {max_len} exceeds the model's {config.max_positions} learned positions"
             )
         slots = self.cache_slots_needed(max_len)
-        shape = (config.n_layers, slots, config.kv_heads, config.attention_head_dim)
         dtype = self.embedding.weight.dtype if dtype is None else dtype
+
+        def stacked_cache(stack: Stack) -> tuple[Array, ...]:
+            attention = stack.layers.attention
+            empty = jax.eval_shape(lambda: _first_layer(attention).empty_cache(slots, dtype))
+            return tuple(jnp.zeros((stack.n_layers, *e.shape), e.dtype) for e in empty)
+
         return KVCache(
-            keys=jnp.zeros(shape, dtype),
-            values=jnp.zeros(shape, dtype),
+            layers=stacked_cache(self.blocks),
+            prefix_layers=None if self.prefix is None else stacked_cache(self.prefix),
             slot_positions=jnp.full((slots,), -1, jnp.int32),
             position=jnp.zeros((), jnp.int32),
         )
@@ -354,30 +396,51 @@ class DecoderLM(eqx.Module):
                 "KVCache overflow: the tokens do not fit in max_len; build the cache larger",
             )
         positions = position + jnp.arange(seq)
-        params, static = eqx.partition(self.blocks.layers, eqx.is_array)
 
-        def one_layer(h, layer):
-            layer_params, keys, values = layer
-            block = eqx.combine(layer_params, static)
-            h, keys, values = block.cached_forward(h, keys, values, cache.slot_positions, position)
-            return h, (keys, values)
+        def run_layers(h, stack: Stack, layer_caches: tuple[Array, ...]):
+            params, static = eqx.partition(stack.layers, eqx.is_array)
 
-        h, (keys, values) = jax.lax.scan(
-            one_layer, self.embed(tokens, positions), (params, cache.keys, cache.values)
-        )
+            def one_layer(h, layer):
+                layer_params, layer_cache = layer
+                block = eqx.combine(layer_params, static)
+                return block.cached_forward(h, layer_cache, cache.slot_positions, position)
+
+            return jax.lax.scan(one_layer, h, (params, layer_caches))
+
+        h = self.embed(tokens, positions)
+        prefix_layers = None
+        if self.prefix is not None:
+            h, prefix_layers = run_layers(h, self.prefix, cache.prefix_layers)
+        h, layers = run_layers(h, self.blocks, cache.layers)
         slot_positions = cache.slot_positions.at[cache_slots(positions, cache.slots)].set(
             positions, mode="drop"
         )
         cache = KVCache(
-            keys=keys, values=values, slot_positions=slot_positions, position=position + seq
+            layers=layers,
+            prefix_layers=prefix_layers,
+            slot_positions=slot_positions,
+            position=position + seq,
         )
         return self.head(h), cache
 
 
-def _with_layer_data(layers: DecoderBlock, config: DecoderConfig, shape: tuple[int, ...]):
-    """Stacked ``layers`` (leading axes ``shape``, layers in order) with their per-layer data
-    set from ``config``: each layer's sliding window."""
+def _first_layer(stacked: Any) -> Any:
+    """One layer of stacked layers (arrays indexed at 0 on the leading axis)."""
+    return jax.tree.map(lambda a: a[0] if eqx.is_array(a) else a, stacked)
+
+
+def _windows(config: DecoderConfig, *, prefix: bool = False) -> tuple[int, ...] | None:
+    """The sliding windows of the blocks' layers (or, with ``prefix``, of the prefix's)."""
     windows = config.layer_windows
+    if windows is None:
+        return None
+    n_prefix = config.first_dense_layers
+    return windows[:n_prefix] if prefix else windows[n_prefix:]
+
+
+def _with_windows(layers: DecoderBlock, windows: tuple[int, ...] | None, shape: tuple[int, ...]):
+    """Stacked ``layers`` (leading axes ``shape``, layers in order) with each layer's sliding
+    window set from ``windows`` (per-layer data; unchanged when no layer has one)."""
     if windows is None:
         return layers
     return eqx.tree_at(

@@ -12,7 +12,7 @@
                   microbatches (M), repeats (R), remat_stages
     [optimizer]   `eqxzoo.optim.OptimizerConfig` (decay_steps defaults to run.steps)
     [precision]   params, compute, output (`eqxzoo.train.settings.Precision`)
-    [loss]        load_balance_weight, router_z_weight
+    [loss]        load_balance_weight, router_z_weight, bias_update_rate
     [data]        path, vocab_size, seq_len (T), batch_size (B), grad_accum (G), seed,
                   prefetch, num_threads
     [checkpoint]  every, keep, async_save
@@ -132,14 +132,17 @@ class PipelineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """``[loss]``: weights of the MoE auxiliary losses added to the cross-entropy."""
+    """``[loss]``: weights of the MoE auxiliary losses added to the cross-entropy, and
+    ``bias_update_rate``: how far each step moves the balancing biases of routers that have
+    them (DeepSeek-V3's auxiliary-loss-free balancing; 0 freezes them)."""
 
     load_balance_weight: float = 0.01
     router_z_weight: float = 0.001
+    bias_update_rate: float = 0.001
 
     def __post_init__(self):
         check_fields(self)
-        require_at_least(self, 0, "load_balance_weight", "router_z_weight")
+        require_at_least(self, 0, "load_balance_weight", "router_z_weight", "bias_update_rate")
 
 
 MAX_SEQ_LEN = 2**22
@@ -408,6 +411,7 @@ def step_config(config: RunConfig) -> StepConfig:
         precision=config.precision,
         load_balance_weight=config.loss.load_balance_weight,
         router_z_weight=config.loss.router_z_weight,
+        bias_update_rate=config.loss.bias_update_rate,
         remat_stages=config.pipeline.remat_stages,
         sharding=config.sharding,
     )

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import PyTree
 
+from eqxzoo.nn import BUFFER_FIELDS
 from eqxzoo.typed_config import check_fields, refuse
 
 
@@ -80,14 +81,24 @@ def decay_mask(params: PyTree) -> PyTree[bool]:
 
 
 def trainable_mask(model: PyTree, freeze: Sequence[str] = ()) -> PyTree[bool]:
-    """True for floating arrays whose path matches none of the ``freeze`` patterns."""
+    """True for floating arrays whose path matches none of the ``freeze`` patterns and that
+    are not buffers (`is_buffer`)."""
     patterns = [re.compile(p) for p in freeze]
 
     def trainable(path, leaf):
         name = jax.tree_util.keystr(path)
-        return _is_inexact(leaf) and not any(p.search(name) for p in patterns)
+        return (
+            _is_inexact(leaf) and not is_buffer(path) and not any(p.search(name) for p in patterns)
+        )
 
     return jax.tree_util.tree_map_with_path(trainable, model)
+
+
+def is_buffer(path: tuple) -> bool:
+    """Whether the array at ``path`` is a buffer: a floating array the trainer moves by a rule
+    after each step (`eqxzoo.nn.BUFFER_FIELDS`: DeepSeek-V3's balancing bias), which no
+    gradient or optimizer touches."""
+    return bool(path) and getattr(path[-1], "name", None) in BUFFER_FIELDS
 
 
 def _is_inexact(leaf) -> bool:

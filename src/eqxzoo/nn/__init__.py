@@ -6,12 +6,25 @@ from eqxzoo.nn.contract import LanguageModel, make_layers_for_keys, summarize_la
 from eqxzoo.nn.grouped import grouped_matmul
 from eqxzoo.nn.linear import Embedding, Linear, normal_init
 from eqxzoo.nn.mlp import MLP, Activation
-from eqxzoo.nn.moe import Experts, MoE, Router, Routing, RoutingMode, router_losses
+from eqxzoo.nn.moe import (
+    BUFFER_FIELDS,
+    Experts,
+    MoE,
+    Router,
+    Routing,
+    RoutingMode,
+    Scoring,
+    balance_selection_bias,
+    router_losses,
+)
 from eqxzoo.nn.norm import LayerNorm, RMSNorm
 from eqxzoo.nn.rope import RopeScaling, apply_rope, rope_frequencies
 from eqxzoo.nn.stack import RematPolicy, Stack, apply_layers, remat
 
 __all__ = [
+    "BUFFER_FIELDS",
+    "Scoring",
+    "balance_selection_bias",
     "AbstractAxesOwner",
     "Activation",
     "Axes",

@@ -231,29 +231,37 @@ class CausalSelfAttention(AbstractAxesOwner):
             )
             return self.project_out(attended)
 
+    def empty_cache(
+        self, slots: int, dtype
+    ) -> tuple[Float[Array, "slots kv_heads head_dim"], Float[Array, "slots kv_heads head_dim"]]:
+        """This layer's empty cache of ``slots`` positions: keys and values."""
+        shape = (slots, self.n_kv_heads, self.head_dim)
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
     def cached_forward(
         self,
         x: Float[Array, "seq embed"],
-        keys: Float[Array, "cache kv_heads head_dim"],
-        values: Float[Array, "cache kv_heads head_dim"],
+        cache: tuple[
+            Float[Array, "cache kv_heads head_dim"], Float[Array, "cache kv_heads head_dim"]
+        ],
         cache_positions: Int[Array, " cache"],
         start: Int[Array, ""],
     ) -> tuple[
         Float[Array, "seq embed"],
-        Float[Array, "cache kv_heads head_dim"],
-        Float[Array, "cache kv_heads head_dim"],
+        tuple[Float[Array, "cache kv_heads head_dim"], Float[Array, "cache kv_heads head_dim"]],
     ]:
         """Attention of ``x``, the tokens at positions ``start, ..., start + seq - 1``, over a
         cache of earlier tokens and themselves.
 
-        Cache slot ``i`` holds the (rotated) key and the value of position
-        ``cache_positions[i]`` (negative: empty). The queries attend to the cached keys and
-        their own together, masked by position, so the cache may be a ring: position ``p`` is
-        written to slot ``p % cache``, and of a chunk longer than the cache only its last
-        ``cache`` tokens are kept. A cache at least as long as the sequence, or as the longest
-        window of a model whose every layer is windowed, gives `__call__`'s result. Returns
-        the output and the cache with these tokens written.
+        ``cache`` is ``(keys, values)`` (`empty_cache`): slot ``i`` holds the (rotated) key
+        and the value of position ``cache_positions[i]`` (negative: empty). The queries
+        attend to the cached keys and their own together, masked by position, so the cache
+        may be a ring: position ``p`` is written to slot ``p % cache``, and of a chunk longer
+        than the cache only its last ``cache`` tokens are kept. A cache at least as long as
+        the sequence, or as the longest window of a model whose every layer is windowed,
+        gives `__call__`'s result. Returns the output and the cache with these tokens written.
         """
+        keys, values = cache
         seq, size = x.shape[0], keys.shape[0]
         positions = start + jnp.arange(seq)
         q, k, v = self.project_qkv(x, positions)
@@ -270,7 +278,7 @@ class CausalSelfAttention(AbstractAxesOwner):
         slots = cache_slots(positions, size)
         keys = keys.at[slots].set(k.astype(keys.dtype), mode="drop")
         values = values.at[slots].set(v.astype(values.dtype), mode="drop")
-        return self.project_out(attended), keys, values
+        return self.project_out(attended), (keys, values)
 
 
 def cache_slots(positions: Int[Array, " seq"], size: int) -> Int[Array, " seq"]:

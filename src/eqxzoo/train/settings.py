@@ -34,13 +34,15 @@ class Precision:
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     """Everything the train step needs besides the model: schedule, optimizer, precision,
-    loss weights, stage remat and the sharding rules (`step_config` derives it from a run)."""
+    loss weights, the balancing biases' update rate, stage remat and the sharding rules
+    (`step_config` derives it from a run)."""
 
     schedule: Schedule
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     precision: Precision = dataclasses.field(default_factory=Precision)
     load_balance_weight: float = 0.01
     router_z_weight: float = 0.001
+    bias_update_rate: float = 0.001
     remat_stages: bool = True
     bubble_fill: float = 0.0
     sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, PyTree
 
-from eqxzoo.nn import LanguageModel
-from eqxzoo.optim import build_optimizer, learning_rate_schedule, trainable_mask
+from eqxzoo.nn import LanguageModel, balance_selection_bias
+from eqxzoo.optim import build_optimizer, is_buffer, learning_rate_schedule, trainable_mask
 from eqxzoo.parallel import DEFAULT_RULES, MeshAxes, activation_sharding
 from eqxzoo.train.loss import pipelined_loss, pipelined_loss_and_grad
 from eqxzoo.train.settings import StepConfig
@@ -99,12 +99,36 @@ def train_step(
         tokens=jnp.asarray(batch["tokens"].size, jnp.int32),
         skipped=jnp.logical_not(finite).astype(jnp.int32),
     )
+    if "expert_fraction" in metrics:
+        frozen = keep_finite(
+            balance_buffers(frozen, metrics["expert_fraction"], config.bias_update_rate), frozen
+        )
     new_state = TrainState(
         step=state.step + finite.astype(state.step.dtype),
         model=eqx.combine(keep_finite(updated, trainable), frozen),
         opt_state=keep_finite(opt_state, state.opt_state),
     )
     return new_state, metrics
+
+
+def balance_buffers(
+    model: PyTree, expert_fraction: Float[Array, "layers experts"], rate: float
+) -> PyTree:
+    """``model`` with every balancing bias (`eqxzoo.optim.is_buffer`) moved by
+    `eqxzoo.nn.balance_selection_bias` from this step's per-layer expert load.
+
+    The biases are stacked like the blocks (``(layers, experts)``, or staged
+    ``(repeats, stages, layers per stage, experts)``, layers in order either way), so the
+    load reshaped to a bias's shape lines each layer's load up with its bias.
+    """
+
+    def balance(path, leaf):
+        if leaf is None or not is_buffer(path):
+            return leaf
+        load = expert_fraction.reshape(leaf.shape)
+        return balance_selection_bias(leaf, load, rate)
+
+    return jax.tree_util.tree_map_with_path(balance, model)
 
 
 def batch_sharding(mesh: Mesh, rules: Mapping[str, MeshAxes] = DEFAULT_RULES) -> NamedSharding:
