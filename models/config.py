@@ -111,7 +111,9 @@ class LatentAttentionConfig:
     keys and values are expanded per head from one ``kv_lora_rank`` latent per token, which
     is what the KV cache keeps, beside one RoPE key of ``qk_rope_head_dim`` shared by all
     heads. Each head's query and key are ``qk_nope_head_dim`` features without position and
-    ``qk_rope_head_dim`` rotated ones; its value has ``v_head_dim``.
+    ``qk_rope_head_dim`` rotated ones; its value has ``v_head_dim``. ``bias`` adds biases to
+    the compressing projections and the output (``attention_bias``); ``norm_eps`` is the
+    latent norms' epsilon (transformers builds them with 1e-6 whatever ``rms_norm_eps``).
     """
 
     q_lora_rank: int | None = None
@@ -119,6 +121,8 @@ class LatentAttentionConfig:
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
+    bias: bool = False
+    norm_eps: float = 1e-6
 
     def __post_init__(self):
         check_fields(self)

@@ -20,6 +20,7 @@ from eqxzoo.nn import (
     MLP,
     CausalSelfAttention,
     Embedding,
+    LatentAttention,
     LayerNorm,
     Linear,
     MoE,
@@ -94,7 +95,7 @@ class DecoderBlock(eqx.Module):
     """
 
     attention_norm: Norm | None
-    attention: CausalSelfAttention  # TODO(mla) | LatentAttention
+    attention: CausalSelfAttention | LatentAttention
     attention_post_norm: Norm | None
     mlp_norm: Norm | None
     mlp: MLP | MoE
@@ -178,12 +179,12 @@ class DecoderBlock(eqx.Module):
         return h, cache
 
 
-def make_attention(config: DecoderConfig, key: PRNGKeyArray):
+def make_attention(
+    config: DecoderConfig, key: PRNGKeyArray
+) -> CausalSelfAttention | LatentAttention:
     """The attention of one layer of ``config``."""
     latent = config.latent_attention
     if latent is not None:
-        from eqxzoo.nn.mla import LatentAttention  # TODO(mla)
-
         return LatentAttention(
             config.d_model,
             config.n_heads,
@@ -194,7 +195,8 @@ def make_attention(config: DecoderConfig, key: PRNGKeyArray):
             v_head_dim=latent.v_head_dim,
             rope_theta=config.rope_theta,
             rope_scaling=config.rope_scaling,
-            norm_eps=config.norm_eps,
+            attention_bias=latent.bias,
+            norm_eps=latent.norm_eps,
             init_std=config.init_std,
             key=key,
         )

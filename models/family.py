@@ -16,7 +16,7 @@ zoo array is stored in a Hugging Face checkpoint.
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from models.config import ConfigError, DecoderConfig, RopeScaling
 from models.tensor_files import Sliceable, stack
@@ -127,6 +127,13 @@ class Tensor:
     layered: bool
     to_hf: Callable[[Any], dict[str, Any]]
     from_hf: Callable[[LayerTensors, tuple[int, ...]], Sliceable]
+    stack: Literal["blocks", "prefix"] = "blocks"
+
+    def layers(self, config: DecoderConfig) -> range:
+        """The Hugging Face layer indices this layered tensor is stored at: the prefix's
+        layers come first (``0 .. first_dense_layers - 1``), then the blocks'."""
+        n_prefix = config.first_dense_layers
+        return range(n_prefix) if self.stack == "prefix" else range(n_prefix, config.n_layers)
 
 
 def tensor_parts(value: Any) -> list[Any]:
@@ -319,6 +326,19 @@ ROPE_KEYS = {
         "high_freq_factor",
         "original_max_position_embeddings",
     },
+    "yarn": {
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+        "truncate",
+    },
 }
 
 
@@ -344,7 +364,10 @@ def _rope_table(hf_config: HFConfig, field: str, table: Any) -> tuple[Any, RopeS
     theta = table.get("rope_theta")
     if rope_type == "default":
         return theta, None
-    scaling: dict[str, Any] = dict(kind=rope_type, factor=float(table["factor"]))
+    if rope_type == "yarn":
+        scaling = _yarn_scaling(hf_config, table)
+    else:
+        scaling = dict(kind=rope_type, factor=float(table["factor"]))
     if rope_type == "dynamic":
         scaling["original_max_positions"] = hf_config.get("max_position_embeddings")
     elif rope_type == "llama3":
@@ -359,6 +382,33 @@ def _rope_table(hf_config: HFConfig, field: str, table: Any) -> tuple[Any, RopeS
         raise hf_config.error(field, str(error)) from None
 
 
+def _yarn_scaling(hf_config: HFConfig, table: Mapping[str, Any]) -> dict[str, Any]:
+    """`RopeScaling` fields of a ``yarn`` table, with transformers' defaults: the original
+    context is ``max_position_embeddings`` if unset, ``factor`` the ratio of the two if
+    unset, and an unset or zero ``beta_fast`` / ``beta_slow`` is 32 / 1."""
+    original = table.get("original_max_position_embeddings")
+    if original is None:
+        original = hf_config.get("max_position_embeddings")
+    factor = table.get("factor")
+    if factor is None:
+        factor = hf_config.get("max_position_embeddings") / original
+
+    def optional(key: str) -> float | None:
+        return None if table.get(key) is None else float(table[key])
+
+    return dict(
+        kind="yarn",
+        factor=float(factor),
+        original_max_positions=original,
+        beta_fast=float(table.get("beta_fast") or 32),
+        beta_slow=float(table.get("beta_slow") or 1),
+        mscale=optional("mscale"),
+        mscale_all_dim=optional("mscale_all_dim"),
+        attention_factor=optional("attention_factor"),
+        truncate=table.get("truncate", True),
+    )
+
+
 def read_rope(hf_config: HFConfig, *, local: bool = False) -> dict[str, Any]:
     """``rope_theta`` and ``rope_scaling`` (and with ``local``, ``local_rope_theta``) from
     ``rope_parameters`` (transformers 5), or ``rope_scaling`` and a top-level ``rope_theta``
@@ -366,8 +416,8 @@ def read_rope(hf_config: HFConfig, *, local: bool = False) -> dict[str, Any]:
 
     With ``local``, ``rope_parameters`` may be one table per layer type (Gemma 3):
     ``full_attention``'s gives the global settings, ``sliding_attention``'s (unscaled) the
-    local base. Partial rotary embeddings and scalings other than ``linear``, ``dynamic``
-    and ``llama3`` are refused, naming the key.
+    local base. Partial rotary embeddings and scalings other than ``linear``, ``dynamic``,
+    ``llama3`` and ``yarn`` are refused, naming the key.
     """
     values = hf_config.values
     field = "rope_parameters" if values.get("rope_parameters") else "rope_scaling"
@@ -422,6 +472,16 @@ def rope_to_hf(config: DecoderConfig) -> dict[str, Any]:
                 high_freq_factor=scaling.high_freq_factor,
                 original_max_position_embeddings=scaling.original_max_positions,
             )
+        elif scaling.kind == "yarn":
+            table.update(
+                original_max_position_embeddings=scaling.original_max_positions,
+                beta_fast=scaling.beta_fast,
+                beta_slow=scaling.beta_slow,
+                truncate=scaling.truncate,
+            )
+            for key in ("mscale", "mscale_all_dim", "attention_factor"):
+                if getattr(scaling, key) is not None:
+                    table[key] = getattr(scaling, key)
     if config.local_rope_theta is not None:
         local = {"rope_type": "default", "rope_theta": config.local_rope_theta}
         table = {"full_attention": table, "sliding_attention": local}
@@ -611,6 +671,28 @@ def llama_like_tensors(config: DecoderConfig) -> list[Tensor]:
     """Embedding, final norm, head and every layer's norms and attention, named as in
     ``LlamaForCausalLM`` (and the families that copied its layout)."""
     return model_tensors(config) + norm_tensors(LLAMA_NORMS) + attention_tensors(config)
+
+
+class _PrefixAsBlocks:
+    """A model seen with its prefix in place of its blocks, so that a `Tensor` written for
+    the blocks (``m.blocks.layers...``) picks the same array of the prefix's layers."""
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    @property
+    def blocks(self) -> Any:
+        return self.model.prefix
+
+
+def on_prefix(tensors: list[Tensor]) -> list[Tensor]:
+    """The layered ``tensors`` of the blocks, stored for the prefix's layers instead (the
+    prefix's layers have the blocks' layout where they share a part: norms, attention)."""
+    return [
+        dataclasses.replace(t, where=lambda m, t=t: t.where(_PrefixAsBlocks(m)), stack="prefix")
+        for t in tensors
+        if t.layered
+    ]
 
 
 def routed_experts_tensors(prefix: str, names: tuple[str, str, str]) -> list[Tensor]:

@@ -277,7 +277,7 @@ def open_hf(path: str | os.PathLike) -> HFCheckpoint:
             per_layer = [shape[1:] for shape in shapes]
             layers = [
                 tensor_parts(tensor.from_hf(reader(mapping.layer_prefix(layer)), _like(per_layer)))
-                for layer in range(config.n_layers)
+                for layer in tensor.layers(config)
             ]
             arrays += [stack(list(part_layers)) for part_layers in zip(*layers, strict=True)]
         else:
@@ -371,7 +371,7 @@ def _producers(config: DecoderConfig, mapping: HFMapping) -> list[tuple[Tensor |
     producers: list[tuple[Tensor | str, int | None]] = []
     for tensor in mapping.tensors(config):
         if tensor.layered:
-            producers += [(tensor, layer) for layer in range(config.n_layers)]
+            producers += [(tensor, layer) for layer in tensor.layers(config)]
         else:
             producers.append((tensor, None))
     producers += [(name, None) for name in mapping.zero_tensors(config)]
@@ -392,7 +392,8 @@ def _produce(
             shape = array.shape if layer is None else array.shape[1:]
             parts.append(jax.ShapeDtypeStruct(shape, dtype))
         else:
-            index = () if layer is None else (slice(layer, layer + 1),)
+            stacked = None if layer is None else layer - tensor.layers(config).start
+            index = () if layer is None else (slice(stacked, stacked + 1),)
             values = np.asarray(array[index]).astype(dtype)
             parts.append(values if layer is None else values[0])
     whole = parts[0] if len(parts) == 1 else tuple(parts)

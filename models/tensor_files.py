@@ -5,7 +5,7 @@ the slices its devices hold. Everything here serves that: a `Sliceable` is anyth
 ``shape``, a ``dtype`` and ``array[index] -> np.ndarray`` for a tuple of slices (a numpy
 array is one). `LazyArray` is a sliceable that reads nothing until it is indexed; its views
 (`LazyArray.T`, `LazyArray.transpose`, `LazyArray.reshape` splitting axes,
-`LazyArray.window`, `stack`) turn an index into the index of what they view, so a slice of a
+`LazyArray.window`, `LazyArray.take`, `stack`) turn an index into the index of what they view, so a slice of a
 transposed, reshaped, stacked stored tensor reads only the stored bytes it covers (rows
 whole where a split axis needs them).
 
@@ -125,6 +125,12 @@ class LazyArray:
     def astype(self, dtype) -> "LazyArray":
         return _Cast(self, np.dtype(dtype))
 
+    def take(self, indices: Sequence[int] | np.ndarray, axis: int) -> "LazyArray":
+        """The view ``np.take(self, indices, axis)``: entries of ``axis`` picked or reordered
+        (a permutation, every other one). A read covers the picked entries' whole range on
+        that axis."""
+        return _Taken(self, np.asarray(indices, np.int64), axis)
+
 
 class StoredTensor(LazyArray):
     """One tensor of a safetensors file, read through ``np.memmap``; every read adds its
@@ -198,6 +204,24 @@ class _Window(LazyArray):
         first, last = bounds[self.axis]
         shifted = (first + self.start, last + self.start)
         return self.base.read(bounds[: self.axis] + (shifted,) + bounds[self.axis + 1 :])
+
+
+class _Taken(LazyArray):
+    def __init__(self, base: LazyArray, indices: np.ndarray, axis: int):
+        axis = axis % base.ndim
+        assert indices.ndim == 1 and np.all((0 <= indices) & (indices < base.shape[axis]))
+        self.base, self.indices, self.axis = base, indices, axis
+        self.shape = base.shape[:axis] + (len(indices),) + base.shape[axis + 1 :]
+        self.dtype = base.dtype
+
+    def read(self, bounds: Bounds) -> np.ndarray:
+        first, last = bounds[self.axis]
+        picked = self.indices[first:last]
+        if picked.size == 0:
+            return np.zeros([stop - start for start, stop in bounds], self.dtype)
+        low, high = int(picked.min()), int(picked.max()) + 1
+        covering = bounds[: self.axis] + ((low, high),) + bounds[self.axis + 1 :]
+        return np.take(self.base.read(covering), picked - low, axis=self.axis)
 
 
 class _Cast(LazyArray):

@@ -64,11 +64,21 @@ def check_options(args: argparse.Namespace) -> None:
         raise UserError(f"--seed must fit in 64 bits (-2**63 to 2**63 - 1), got {args.seed}")
 
 
-def kv_cache_bytes_per_position(*, layers: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
-    """Bytes of one position of the KV cache `models.generate` allocates: a key and a value
-    of ``kv_heads x head_dim`` for every layer, in the parameters' dtype
-    (`models.DecoderLM.init_cache`)."""
-    return 2 * layers * kv_heads * head_dim * itemsize
+def kv_cache_bytes_per_position(model_config, dtype: str) -> int:
+    """Bytes of one position of the KV cache `models.generate` allocates in ``dtype``
+    (`models.DecoderLM.init_cache`: keys and values for every layer, or latent attention's
+    compressed latent and RoPE key), from the cache's shapes (nothing is allocated)."""
+    import equinox as eqx
+    import jax
+
+    from models import model_factory
+
+    def one_slot_cache():
+        cache = model_factory(model_config)(key=jax.random.key(0)).init_cache(1, dtype)
+        return cache.layers, cache.prefix_layers
+
+    shapes = eqx.filter_eval_shape(one_slot_cache)
+    return sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(shapes))
 
 
 def check_cache_fits(
@@ -146,12 +156,7 @@ def generate_from_run(args: argparse.Namespace) -> int:
         raise UserError("--prompt encodes to no tokens")
     device = jax.devices()[0]
     memory, available = memory_available(device)
-    bytes_per_position = kv_cache_bytes_per_position(
-        layers=config.model.n_layers,
-        kv_heads=config.model.kv_heads,
-        head_dim=config.model.attention_head_dim,
-        itemsize=jnp.dtype(config.precision.params).itemsize,
-    )
+    bytes_per_position = kv_cache_bytes_per_position(config.model, config.precision.params)
     check_cache_fits(
         prompt_tokens=len(prompt),
         max_new_tokens=args.max_new_tokens,

@@ -344,6 +344,113 @@ HF_CASES = {
         ),
         9,
     ),
+    # DeepSeek: layer 0 dense (the prefix), the rest MoE; YaRN with DeepSeek's softmax-scale
+    # correction; one case per query layout, V2's group-limited and greedy routing.
+    "deepseek_v3_q_lora": (
+        "DeepseekV3ForCausalLM",
+        dict(
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=12,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            head_dim=8,
+            max_position_embeddings=32,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 8,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        ),
+        11,
+    ),
+    "deepseek_v3_no_q_lora": (
+        "DeepseekV3ForCausalLM",
+        dict(
+            hidden_size=32,
+            intermediate_size=40,
+            moe_intermediate_size=16,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            q_lora_rank=None,
+            kv_lora_rank=12,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            head_dim=4,
+            norm_topk_prob=False,
+            attention_bias=True,
+        ),
+        10,
+    ),
+    "deepseek_v2_lite": (
+        "DeepseekV2ForCausalLM",
+        dict(
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=12,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            n_routed_experts=6,
+            num_experts_per_tok=2,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+            head_dim=8,
+            routed_scaling_factor=1.5,
+        ),
+        9,
+    ),
+    "deepseek_v2_grouped": (
+        "DeepseekV2ForCausalLM",
+        dict(
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=12,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            q_lora_rank=20,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            head_dim=4,
+        ),
+        8,
+    ),
     "gpt2_tied": ("GPT2LMHeadModel", dict(n_embd=32, n_head=4, n_positions=16), 11),
     "gpt2_untied": (
         "GPT2LMHeadModel",
@@ -370,7 +477,8 @@ def hf_config(architecture, n_layers=2, **fields):
 
 
 def randomize(hf_model, seed=0):
-    """Re-draw every parameter: weights N(0, 0.1^2), norms 1 + N(0, 0.1^2).
+    """Re-draw every parameter: weights N(0, 0.1^2), norms 1 + N(0, 0.1^2); DeepSeek-V3's
+    balancing bias (a buffer) N(0, 0.1^2).
 
     A std of 0.1 (not HF's 0.02) keeps attention scores and router logits far from uniform,
     so head order, rotary layout and routing mistakes change the logits.
@@ -383,6 +491,9 @@ def randomize(hf_model, seed=0):
                 parameter.copy_(1.0 + noise)
             else:
                 parameter.copy_(noise)
+        for name, buffer in hf_model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's balancing bias
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
     return hf_model.eval()
 
 

@@ -477,9 +477,9 @@ def test_llama_with_q_k_v_biases_only_saves_a_zero_output_bias(tmp_path):
     [
         (
             "llama_mha",
-            {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0}},
-            r"rope_parameters\.rope_type: 'yarn' is not supported; supported: default, linear, "
-            r"dynamic, llama3",
+            {"rope_parameters": {"rope_type": "longrope", "factor": 2.0, "rope_theta": 1e4}},
+            r"rope_parameters\.rope_type: 'longrope' is not supported; supported: default, "
+            r"linear, dynamic, llama3, yarn",
         ),
         (
             "llama_mha",

@@ -53,6 +53,8 @@ FAMILY_CASES = (
     "olmo2_bias_tied",
     "olmoe_clip",
     "gpt2_untied",
+    "deepseek_v3_q_lora",
+    "deepseek_v2_lite",
 )
 MESH = MeshConfig(dp=2, pp=2, tp=2)
 CIRCULAR = PipelineConfig(schedule="circular", microbatches=2, repeats=2)
@@ -101,16 +103,21 @@ def test_every_family_has_a_round_trip_case():
 def test_hf_to_sharded_state_to_export_is_bitwise(case: str, tmp_path: Path):
     """Hugging Face -> train state (dp2 x pp2 x tp2, circular) -> checkpoint ->
     ``pipelines.export`` gives back every tensor bit for bit."""
-    hf_dir = save_hf_model(case, tmp_path / "hf")
+    prefix_layers = HF_CASES[case][1].get("first_k_dense_replace", 0)
+    hf_dir = save_hf_model(case, tmp_path / "hf", n_layers=4 + prefix_layers)
     config = hf_run_config(hf_dir, tmp_path)
     checkpoint = open_hf(hf_dir)
     make_model = model_factory(config.model)
     mesh = make_mesh(config.mesh)
     settings = step_config(config)
     state = init_train_state_from(make_model, checkpoint.model, config=settings, mesh=mesh)
-    wq = state.model.blocks.layers.attention.wq
-    assert wq.shape[:3] == (2, 2, 1) and wq.sharding.spec[1] == "pp"
-    assert wq.addressable_shards[0].data.size < wq.size  # never whole on one device
+    wo = state.model.blocks.layers.attention.wo
+    assert wo.shape[:3] == (2, 2, 1) and wo.sharding.spec[1] == "pp"
+    assert wo.addressable_shards[0].data.size < wo.size  # never whole on one device
+    if prefix_layers:  # outside the pipeline: not staged, sharded by the same rules
+        prefix_wo = state.model.prefix.layers.attention.wo
+        assert prefix_wo.shape[0] == prefix_layers
+        assert prefix_wo.addressable_shards[0].data.size < prefix_wo.size
     assert checkpoint.files.bytes_read <= checkpoint.files.total_bytes
 
     run_dir = tmp_path / "run"

@@ -264,12 +264,17 @@ class RunConfig:
     def _check_model_fits_mesh(self) -> None:
         model, mesh = self.model, self.mesh
         n_experts = None if model.moe is None else model.moe.n_experts
+        blocks = (
+            "model.n_layers - model.first_dense_layers (the pipelined layers)"
+            if model.first_dense_layers
+            else "model.n_layers"
+        )
         # One mesh axis at a time, so the message names the axis that does not fit.
         for key, axis_only, fix in (
             (
                 "mesh.pp",
                 MeshConfig(pp=mesh.pp),
-                "choose mesh.pp and pipeline.repeats whose product divides model.n_layers",
+                f"choose mesh.pp and pipeline.repeats whose product divides {blocks}",
             ),
             ("mesh.tp", MeshConfig(tp=mesh.tp), "choose a mesh.tp that divides model.n_heads"),
             (
@@ -281,7 +286,7 @@ class RunConfig:
             try:
                 check_model_fits(
                     axis_only,
-                    n_layers=model.n_layers,
+                    n_layers=model.n_blocks,
                     n_heads=model.n_heads,
                     n_experts=n_experts,
                     repeats=self.pipeline.repeats,

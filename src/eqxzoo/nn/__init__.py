@@ -5,6 +5,7 @@ from eqxzoo.nn.axes import AbstractAxesOwner, Axes, LogicalName, logical_axes
 from eqxzoo.nn.contract import LanguageModel, make_layers_for_keys, summarize_layer_aux
 from eqxzoo.nn.grouped import grouped_matmul
 from eqxzoo.nn.linear import Embedding, Linear, normal_init
+from eqxzoo.nn.mla import LatentAttention, deinterleave_rope_columns, interleave_rope_columns
 from eqxzoo.nn.mlp import MLP, Activation
 from eqxzoo.nn.moe import (
     BUFFER_FIELDS,
@@ -32,6 +33,7 @@ __all__ = [
     "Embedding",
     "Experts",
     "LanguageModel",
+    "LatentAttention",
     "LayerNorm",
     "Linear",
     "LogicalName",
@@ -49,6 +51,8 @@ __all__ = [
     "apply_rope",
     "attend",
     "cache_slots",
+    "deinterleave_rope_columns",
+    "interleave_rope_columns",
     "grouped_matmul",
     "logical_axes",
     "make_layers_for_keys",

@@ -20,7 +20,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
 from eqxzoo.nn.linear import dense, normal_init
 from eqxzoo.nn.norm import RMSNorm
-from eqxzoo.nn.rope import RopeScaling, apply_rope, rope_frequencies
+from eqxzoo.nn.rope import RopeScaling, apply_rope, rope_amplitude, rope_frequencies
 
 QKNorm = Literal["none", "head", "all_heads"]
 
@@ -28,20 +28,21 @@ QKNorm = Literal["none", "head", "all_heads"]
 def attend(
     q: Float[Array, "*batch seq heads head_dim"],
     k: Float[Array, "*batch kv_seq kv_heads head_dim"],
-    v: Float[Array, "*batch kv_seq kv_heads head_dim"],
+    v: Float[Array, "*batch kv_seq kv_heads v_head_dim"],
     q_positions: Int[Array, " seq"],
     k_positions: Int[Array, " kv_seq"],
     *,
     window: Int[Array, ""] | int = 0,
     scale: float,
     softcap: float | None = None,
-) -> Float[Array, "*batch seq heads head_dim"]:
+) -> Float[Array, "*batch seq heads v_head_dim"]:
     """Softmax attention of each query over the keys its position may see.
 
     Scores are ``scale * q.k``, then ``softcap * tanh(score / softcap)`` if ``softcap`` is
     set (Gemma 2), masked by position (module docstring; ``window`` may be a traced per-layer
     value), normalised in float32. Query head ``h`` reads key/value head
-    ``h // (heads / kv_heads)`` (grouped-query attention).
+    ``h // (heads / kv_heads)`` (grouped-query attention). Values may have another head
+    dimension than queries and keys (latent attention).
     """
     *batch, seq, n_heads, head_dim = q.shape
     n_kv_heads = k.shape[-2]
@@ -56,7 +57,7 @@ def attend(
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     attended = jnp.einsum("...kgts,...skd->...tkgd", probs, v, preferred_element_type=jnp.float32)
-    return attended.reshape(q.shape).astype(q.dtype)
+    return attended.reshape(*batch, seq, n_heads, v.shape[-1]).astype(q.dtype)
 
 
 class CausalSelfAttention(AbstractAxesOwner):
@@ -201,8 +202,11 @@ class CausalSelfAttention(AbstractAxesOwner):
             q, k, v = (jnp.clip(a, -self.clip_qkv, self.clip_qkv) for a in (q, k, v))
         frequencies = self.rotary_frequencies(positions[-1] + 1)
         if frequencies is not None:
-            q = apply_rope(q, positions, frequencies)
-            k = apply_rope(k, positions, frequencies)
+            amplitude = rope_amplitude(self.rope_scaling)
+            if self.local_rope_theta is not None and self.window is not None:
+                amplitude = jnp.where(self.window > 0, 1.0, amplitude)
+            q = apply_rope(q, positions, frequencies, amplitude)
+            k = apply_rope(k, positions, frequencies, amplitude)
         return q, k, v
 
     def project_out(

@@ -29,6 +29,7 @@ FIXED_RULES: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "layers": (),
         "grad_accum": (),
         "microbatches": (),
+        "prefix_microbatches": ("pp",),
         "batch": ("dp",),
         "seq": (),
     }
@@ -46,8 +47,9 @@ class ShardingConfig:
     and the vocabulary takes pp (the embeddings live outside the pipeline stages).
     The parameter axes (``embed`` to ``experts``) are a user's to change; the pipeline and
     batch axes are fixed by how the trainer works (`FIXED_RULES`: the pipeline runs manual
-    over pp, the loader splits each microbatch's sequences over dp) and named here so that
-    every sharding comes from this one table.
+    over pp, the loader splits each microbatch's sequences over dp, and a model's prefix
+    layers, run before the pipeline, split the microbatches over pp, which has no stages
+    there) and named here so that every sharding comes from this one table.
     """
 
     stages: tuple[str, ...] = FIXED_RULES["stages"]
@@ -62,6 +64,7 @@ class ShardingConfig:
     experts: tuple[str, ...] = ("ep",)
     grad_accum: tuple[str, ...] = FIXED_RULES["grad_accum"]
     microbatches: tuple[str, ...] = FIXED_RULES["microbatches"]
+    prefix_microbatches: tuple[str, ...] = FIXED_RULES["prefix_microbatches"]
     batch: tuple[str, ...] = FIXED_RULES["batch"]
     seq: tuple[str, ...] = FIXED_RULES["seq"]
 

@@ -26,7 +26,9 @@ def pipelined_loss(
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """Token-mean cross-entropy plus weighted aux losses, with the blocks pipelined over ``pp``.
 
-    ``model`` is in the pipeline layout. Embedding, prefix and head run outside the pipeline.
+    ``model`` is in the pipeline layout. Embedding, prefix and head run outside the pipeline;
+    the prefix's layers split the microbatches over ``pp`` (rule ``prefix_microbatches``)
+    where they divide, instead of every stage computing them all.
     """
     model = cast_floats(model, config.precision.compute)
     n_micro = tokens.shape[0]
@@ -34,6 +36,11 @@ def pipelined_loss(
         h = model.embed(tokens)
     if model.prefix is not None:
         with jax.named_scope("prefix"):
+            if n_micro % mesh.shape["pp"] == 0:
+                h = jax.lax.with_sharding_constraint(
+                    h,
+                    activation_sharding(mesh, "prefix_microbatches", "batch", rules=config.rules),
+                )
             h, _ = model.prefix(h)
     with jax.named_scope("pipeline"):
         h, layer_aux_sums = run_pipeline(

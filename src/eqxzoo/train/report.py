@@ -72,12 +72,18 @@ def parameter_counts(config: DecoderConfig) -> ParameterCounts:
 
 def flops_per_token(config: DecoderConfig, seq_len: int) -> float:
     """Training FLOPs per token: ``6 N`` over the active matmul parameters (the output head
-    included, tied or not; the input embedding lookup excluded) plus ``12 L H d_head T`` for
-    attention scores and values (PaLM's MFU convention)."""
+    included, tied or not; the input embedding lookup excluded) plus ``6 L H (d_qk + d_v) T``
+    for attention scores and values (PaLM's MFU convention, ``12 L H d_head T`` where queries
+    and values have one head size; latent attention's differ)."""
     counts = parameter_counts(config)
     head = config.vocab_size * config.d_model if config.tie_embeddings else 0
     matmul_params = counts.active - counts.embedding + head
-    attention = 12 * config.n_layers * config.n_heads * config.attention_head_dim * seq_len
+    latent = config.latent_attention
+    if latent is None:
+        qk_dim = v_dim = config.attention_head_dim
+    else:
+        qk_dim, v_dim = latent.qk_nope_head_dim + latent.qk_rope_head_dim, latent.v_head_dim
+    attention = 6 * config.n_layers * config.n_heads * (qk_dim + v_dim) * seq_len
     return float(6 * matmul_params + attention)
 
 
