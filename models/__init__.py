@@ -10,8 +10,16 @@ config class and its Hugging Face mapping. `models.registry` finds them.
 """
 
 from eqxzoo.nn import summarize_layer_aux
-from models.config import ConfigError, DecoderConfig, MoEConfig, RopeScaling
+from models.config import (
+    ConfigError,
+    DecoderConfig,
+    LatentAttentionConfig,
+    MoEConfig,
+    RopeScaling,
+)
 from models.decoder import DecoderBlock, DecoderLM, KVCache
+from models.deepseek_v2 import DeepseekV2Config
+from models.deepseek_v3 import DeepseekV3Config
 from models.gemma2 import Gemma2Config
 from models.gemma3 import Gemma3Config
 from models.generate import (
@@ -39,11 +47,14 @@ __all__ = [
     "DecoderBlock",
     "DecoderConfig",
     "DecoderLM",
+    "DeepseekV2Config",
+    "DeepseekV3Config",
     "GPT2Config",
     "Gemma2Config",
     "Gemma3Config",
     "HFCheckpointError",
     "KVCache",
+    "LatentAttentionConfig",
     "LlamaConfig",
     "MistralConfig",
     "MixtralConfig",

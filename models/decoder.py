@@ -61,8 +61,8 @@ class KVCache(eqx.Module):
     `DecoderLM.init_cache`; batch with `jax.vmap`.
     """
 
-    layers: tuple[Float[Array, "layers slots *entry"], ...]
-    prefix_layers: tuple[Float[Array, "prefix_layers slots *entry"], ...] | None
+    layers: tuple[Float[Array, "layers slots ..."], ...]
+    prefix_layers: tuple[Float[Array, "prefix_layers slots ..."], ...] | None
     slot_positions: Int[Array, " slots"]
     position: Int[Array, ""]
 

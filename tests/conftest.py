@@ -41,6 +41,25 @@ _TINY_EXTRAS = {
     "gemma3": dict(sliding_window=3, layer_types=("sliding_attention", "full_attention") * 4),
     "olmoe": dict(moe=_TINY_MOE, clip_qkv=1.0),
     "gpt2": dict(n_kv_heads=None, max_positions=16),
+    # One dense prefix layer before the n_layers MoE blocks, latent attention, group-limited
+    # sigmoid routing with the balancing bias.
+    "deepseek_v3": dict(
+        first_dense_layers=1,
+        moe=models.MoEConfig(
+            n_experts=4,
+            top_k=2,
+            expert_mlp_dim=16,
+            shared_mlp_dim=16,
+            scoring="sigmoid",
+            n_groups=2,
+            topk_groups=1,
+            routed_scaling=2.5,
+            selection_bias=True,
+        ),
+        latent_attention=models.LatentAttentionConfig(
+            q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8
+        ),
+    ),
 }
 
 
@@ -49,6 +68,7 @@ def _tiny_config(family: str, *, n_layers: int) -> models.DecoderConfig:
         vocab_size=VOCAB, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, mlp_dim=48
     )
     fields.update(_TINY_EXTRAS.get(family, {}))
+    fields["n_layers"] += fields.get("first_dense_layers", 0)  # n_layers counts the blocks
     if "layer_types" in fields:
         fields["layer_types"] = fields["layer_types"][:n_layers]
     return models.families()[family].config_class(**fields)
@@ -57,7 +77,7 @@ def _tiny_config(family: str, *, n_layers: int) -> models.DecoderConfig:
 @pytest.fixture
 def tiny_config():
     """``tiny_config(family, n_layers=...)``: a d_model-32, 4-head (2 kv heads) model of any
-    family (``"llama"``, ``"mixtral"`` with 4 experts top 2, ``"qwen_moe"`` plus a gated
+    family with ``n_layers`` blocks (after DeepSeek's one dense prefix layer) (``"llama"``, ``"mixtral"`` with 4 experts top 2, ``"qwen_moe"`` plus a gated
     shared expert, ``"gemma2"`` with a 3-token window in every other layer, soft-capped, ...:
     `_TINY_EXTRAS`) over a vocabulary of `VOCAB` tokens."""
     return _tiny_config

@@ -20,6 +20,9 @@ from pipelines.generate import main as generate_main
 
 SMALL = {"vocab_size": 97, "d_model": 32, "n_layers": 2, "n_heads": 4, "mlp_dim": 48}
 MOE = models.MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=24)
+LATENT = models.LatentAttentionConfig(
+    q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6
+)
 
 CONFIGS = {
     "llama_gqa": models.LlamaConfig(**SMALL, n_kv_heads=2),
@@ -48,6 +51,29 @@ CONFIGS = {
     "olmo2": models.Olmo2Config(**SMALL),
     "olmoe_clipped": models.OlmoeConfig(**SMALL, clip_qkv=1.0, moe=MOE),
     "gpt2": models.GPT2Config(**SMALL, max_positions=16),
+    # Latent attention (the cache holds the latent and the RoPE key), a dense prefix layer,
+    # YaRN past its original context; V2-Lite without query compression.
+    "deepseek_v3_yarn": models.DeepseekV3Config(
+        **{**SMALL, "n_layers": 3},
+        moe=dataclasses.replace(
+            MOE,
+            shared_mlp_dim=24,
+            scoring="sigmoid",
+            n_groups=2,
+            topk_groups=1,
+            routed_scaling=2.5,
+            selection_bias=True,
+        ),
+        latent_attention=LATENT,
+        rope_scaling=models.RopeScaling(
+            "yarn", 4.0, original_max_positions=4, mscale=1.0, mscale_all_dim=1.0
+        ),
+    ),
+    "deepseek_v2_lite": models.DeepseekV2Config(
+        **{**SMALL, "n_layers": 3},
+        moe=dataclasses.replace(MOE, normalize_topk=False, shared_mlp_dim=48),
+        latent_attention=dataclasses.replace(LATENT, q_lora_rank=None),
+    ),
 }
 
 PROMPT_LEN, NEW = 6, 5
@@ -103,6 +129,14 @@ def test_cached_logits_equal_full_recompute(name):
     assert cache.slots == (3 if name == "mistral_window" else PROMPT_LEN + NEW)
     np.testing.assert_allclose(cached, full, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(new_tokens, jnp.argmax(full[PROMPT_LEN - 1 : -1], axis=-1))
+    latent = CONFIGS[name].latent_attention
+    if latent is not None:  # the compressed latent and the RoPE key, for prefix and blocks
+        slots = PROMPT_LEN + NEW
+        assert [a.shape for a in cache.layers] == [
+            (2, slots, latent.kv_lora_rank),
+            (2, slots, latent.qk_rope_head_dim),
+        ]
+        assert [a.shape[:2] for a in cache.prefix_layers] == [(1, slots)] * 2
 
 
 def test_capacity_routing_decodes_dropless():

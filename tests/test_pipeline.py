@@ -113,6 +113,13 @@ GRID += [
     for family in ("mistral", "qwen3", "gemma3", "olmo2", "olmoe", "gpt2")
 ]
 
+# DeepSeek-V3's shape: a dense prefix layer run before the pipeline (its microbatches split
+# over pp where they divide: M = 4), latent attention, sigmoid group-limited routing.
+GRID += [
+    ("deepseek_v3", MeshConfig(dp=2, pp=2, ep=2), 2, 4, 1),
+    ("deepseek_v3", MeshConfig(pp=2, tp=2, ep=2), 2, 3, 2),
+]
+
 
 @pytest.mark.parametrize(
     ("family", "mesh_config", "stages", "microbatches", "repeats"),
@@ -179,6 +186,8 @@ FUSED_GRID = [
     ("interleaved_1f1b", "llama", MeshConfig(pp=4, tp=2), 4, 9, 2),
     ("zb_h1", "gemma2", MeshConfig(dp=2, pp=2, tp=2), 2, 5, 1),
     ("interleaved_1f1b", "gemma2", MeshConfig(pp=2, tp=2), 2, 4, 2),
+    ("1f1b", "deepseek_v3", MeshConfig(dp=2, pp=2, ep=2), 2, 4, 1),
+    ("zb_h1", "deepseek_v3", MeshConfig(pp=2, tp=2, ep=2), 2, 5, 1),
 ]
 
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 
 from eqxzoo.nn import logical_axes
+from eqxzoo.optim import trainable_mask
 from eqxzoo.progress import terminal_console
 from models import DecoderConfig, DecoderLM
 
@@ -55,8 +56,9 @@ class ParameterCounts:
 def parameter_counts(config: DecoderConfig) -> ParameterCounts:
     """Counted from the model's shapes (`jax.eval_shape`: nothing is allocated)."""
     shapes = eqx.filter_eval_shape(DecoderLM, config, key=jax.random.key(0))
-    # Parameters only: per-layer integer data (sliding windows) is not counted.
-    shapes, _ = eqx.partition(shapes, lambda leaf: jnp.issubdtype(leaf.dtype, jnp.inexact))
+    # Parameters only: per-layer integer data (sliding windows) and buffers (balancing
+    # biases) are not counted.
+    shapes, _ = eqx.partition(shapes, trainable_mask(shapes))
     leaves = jax.tree.leaves(shapes)
     axes = jax.tree.leaves(logical_axes(shapes), is_leaf=lambda a: hasattr(a, "names"))
     total = sum(math.prod(leaf.shape) for leaf in leaves)
