@@ -8,6 +8,7 @@ from eqxzoo.nn.linear import Embedding, Linear, normal_init
 from eqxzoo.nn.mlp import MLP, Activation
 from eqxzoo.nn.moe import (
     BUFFER_FIELDS,
+    ExpertActivation,
     Experts,
     MoE,
     Router,
@@ -15,6 +16,7 @@ from eqxzoo.nn.moe import (
     RoutingMode,
     Scoring,
     balance_selection_bias,
+    gated_activation,
     router_losses,
 )
 from eqxzoo.nn.norm import LayerNorm, RMSNorm
@@ -30,6 +32,7 @@ __all__ = [
     "Axes",
     "CausalSelfAttention",
     "Embedding",
+    "ExpertActivation",
     "Experts",
     "LanguageModel",
     "LayerNorm",
@@ -49,6 +52,7 @@ __all__ = [
     "apply_rope",
     "attend",
     "cache_slots",
+    "gated_activation",
     "grouped_matmul",
     "logical_axes",
     "make_layers_for_keys",
