@@ -5,7 +5,7 @@ the slices its devices hold. Everything here serves that: a `Sliceable` is anyth
 ``shape``, a ``dtype`` and ``array[index] -> np.ndarray`` for a tuple of slices (a numpy
 array is one). `LazyArray` is a sliceable that reads nothing until it is indexed; its views
 (`LazyArray.T`, `LazyArray.transpose`, `LazyArray.reshape` splitting axes,
-`LazyArray.window`, `stack`) turn an index into the index of what they view, so a slice of a
+`LazyArray.window`, `LazyArray.strided`, `stack`) turn an index into the index of what they view, so a slice of a
 transposed, reshaped, stacked stored tensor reads only the stored bytes it covers (rows
 whole where a split axis needs them).
 
@@ -122,6 +122,11 @@ class LazyArray:
         """The view ``[start:stop]`` along ``axis``."""
         return _Window(self, axis, start, stop)
 
+    def strided(self, axis: int, start: int, step: int) -> "LazyArray":
+        """The view ``[start::step]`` along ``axis`` (GPT-OSS interleaves its experts' gate
+        and up projections: ``gate_up[..., 0::2]`` and ``[..., 1::2]``)."""
+        return _Strided(self, axis, start, step)
+
     def astype(self, dtype) -> "LazyArray":
         return _Cast(self, np.dtype(dtype))
 
@@ -198,6 +203,26 @@ class _Window(LazyArray):
         first, last = bounds[self.axis]
         shifted = (first + self.start, last + self.start)
         return self.base.read(bounds[: self.axis] + (shifted,) + bounds[self.axis + 1 :])
+
+
+class _Strided(LazyArray):
+    """Reads the base's span from the first to the last selected index, then steps."""
+
+    def __init__(self, base: LazyArray, axis: int, start: int, step: int):
+        axis = axis % base.ndim
+        assert step >= 1 and 0 <= start < max(base.shape[axis], 1), (base.shape, start, step)
+        self.base, self.axis, self.start, self.step = base, axis, start, step
+        size = len(range(start, base.shape[axis], step))
+        self.shape = base.shape[:axis] + (size,) + base.shape[axis + 1 :]
+        self.dtype = base.dtype
+
+    def read(self, bounds: Bounds) -> np.ndarray:
+        first, last = bounds[self.axis]
+        base_first = self.start + first * self.step
+        base_last = base_first if last == first else self.start + (last - 1) * self.step + 1
+        base_bounds = bounds[: self.axis] + ((base_first, base_last),) + bounds[self.axis + 1 :]
+        stepped = (slice(None),) * self.axis + (slice(None, None, self.step),)
+        return self.base.read(base_bounds)[stepped]
 
 
 class _Cast(LazyArray):

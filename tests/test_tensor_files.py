@@ -149,6 +149,18 @@ VIEWS: dict[str, tuple[Callable, Callable]] = {
         lambda f: f.tensor("gate_up").window(1, COLUMNS, 2 * COLUMNS).transpose(0, 2, 1),
         lambda a: a["gate_up"][:, COLUMNS:].transpose(0, 2, 1),
     ),
+    "gate_interleaved": (
+        lambda f: f.tensor("gate_up").transpose(0, 2, 1).strided(2, 0, 2),
+        lambda a: a["gate_up"].transpose(0, 2, 1)[..., 0::2],
+    ),
+    "up_interleaved": (
+        lambda f: f.tensor("gate_up").strided(-2, 1, 2),
+        lambda a: a["gate_up"][:, 1::2],
+    ),
+    "strided_by_3": (
+        lambda f: f.tensor("matrix").strided(0, 1, 3),
+        lambda a: a["matrix"][1::3],
+    ),
     "cast": (
         lambda f: f.tensor("matrix").T.astype(ml_dtypes.bfloat16),
         lambda a: a["matrix"].T.astype(ml_dtypes.bfloat16),
