@@ -91,6 +91,10 @@ class LazyArray:
     def read(self, bounds: Bounds) -> np.ndarray:
         raise NotImplementedError
 
+    def read_stepped(self, bounds: Bounds, axis: int, step: int) -> np.ndarray:
+        """``read(bounds)`` taking every ``step``-th index along ``axis`` (`strided` views)."""
+        return self.read(bounds)[(slice(None),) * axis + (slice(None, None, step),)]
+
     def __getitem__(self, index: Index | slice) -> np.ndarray:
         return self.read(bounds_of(index, self.shape))
 
@@ -140,10 +144,17 @@ class StoredTensor(LazyArray):
         self.shape, self.dtype = tuple(shape), dtype
 
     def read(self, bounds: Bounds) -> np.ndarray:
+        return self.read_stepped(bounds, 0, 1)
+
+    def read_stepped(self, bounds: Bounds, axis: int, step: int) -> np.ndarray:
+        """Only the elements taken are copied and counted (the pages of an element-wise
+        interleave are read from disk once, by whichever view comes first)."""
+        index = list(_slices(bounds))
+        index[axis] = slice(bounds[axis][0], bounds[axis][1], step)
         if math.prod(self.shape) == 0:
-            return np.zeros([stop - start for start, stop in bounds], self.dtype)
+            return np.zeros([len(range(*part.indices(10**18))) for part in index], self.dtype)
         stored = np.memmap(self.path, self.dtype, "r", self.offset, self.shape)
-        array = np.array(stored[_slices(bounds)])
+        array = np.array(stored[tuple(index)])
         self.files.bytes_read += array.nbytes
         return array
 
@@ -155,10 +166,14 @@ class _Transposed(LazyArray):
         self.shape, self.dtype = tuple(base.shape[a] for a in axes), base.dtype
 
     def read(self, bounds: Bounds) -> np.ndarray:
+        return self.read_stepped(bounds, 0, 1)
+
+    def read_stepped(self, bounds: Bounds, axis: int, step: int) -> np.ndarray:
         base_bounds = [None] * self.base.ndim
-        for position, axis in enumerate(self.axes):
-            base_bounds[axis] = bounds[position]
-        return self.base.read(tuple(base_bounds)).transpose(self.axes)
+        for position, base_axis in enumerate(self.axes):
+            base_bounds[base_axis] = bounds[position]
+        base = self.base.read_stepped(tuple(base_bounds), self.axes[axis], step)
+        return base.transpose(self.axes)
 
 
 class _Split(LazyArray):
@@ -206,7 +221,7 @@ class _Window(LazyArray):
 
 
 class _Strided(LazyArray):
-    """Reads the base's span from the first to the last selected index, then steps."""
+    """Reads the base from the first to the last selected index, every ``step``-th."""
 
     def __init__(self, base: LazyArray, axis: int, start: int, step: int):
         axis = axis % base.ndim
@@ -221,8 +236,7 @@ class _Strided(LazyArray):
         base_first = self.start + first * self.step
         base_last = base_first if last == first else self.start + (last - 1) * self.step + 1
         base_bounds = bounds[: self.axis] + ((base_first, base_last),) + bounds[self.axis + 1 :]
-        stepped = (slice(None),) * self.axis + (slice(None, None, self.step),)
-        return self.base.read(base_bounds)[stepped]
+        return self.base.read_stepped(base_bounds, self.axis, self.step)
 
 
 class _Cast(LazyArray):

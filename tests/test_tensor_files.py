@@ -243,6 +243,12 @@ def test_bytes_read_counts_exactly_the_slices_read(tmp_path):
     # A window reads only inside the window.
     window = tensor.window(1, 8, 16)
     assert read(window, (slice(0, 1),), matrix[0:1, 8:16]) == 8 * 4
+    # A strided view counts only the elements it takes: the odd columns 3, 5, 7 of row 2,
+    # and (under a transpose) every third row's columns 1:3.
+    odd = tensor.strided(1, 1, 2)
+    assert read(odd, (slice(2, 3), slice(1, 4)), matrix[2:3, 1::2][:, 1:4]) == 3 * 4
+    every_third = tensor.T.strided(1, 0, 3)
+    assert read(every_third, (slice(1, 3),), matrix.T[1:3, 0::3]) == 2 * 3 * 4
 
 
 def test_opening_reads_no_tensor_data(tmp_path):
