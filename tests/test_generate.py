@@ -48,6 +48,13 @@ CONFIGS = {
     "olmo2": models.Olmo2Config(**SMALL),
     "olmoe_clipped": models.OlmoeConfig(**SMALL, clip_qkv=1.0, moe=MOE),
     "gpt2": models.GPT2Config(**SMALL, max_positions=16),
+    # Sliding and full layers alternating, attention sinks, biased clamped experts.
+    "gpt_oss": models.GptOssConfig(
+        **SMALL,
+        n_kv_heads=2,
+        sliding_window=3,
+        moe=dataclasses.replace(models.GptOssConfig().moe, n_experts=4, top_k=2, expert_mlp_dim=24),
+    ),
 }
 
 PROMPT_LEN, NEW = 6, 5

@@ -53,6 +53,7 @@ FAMILY_CASES = (
     "olmo2_bias_tied",
     "olmoe_clip",
     "gpt2_untied",
+    "gpt_oss_sliding_sinks",
 )
 MESH = MeshConfig(dp=2, pp=2, tp=2)
 CIRCULAR = PipelineConfig(schedule="circular", microbatches=2, repeats=2)
