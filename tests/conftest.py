@@ -1,6 +1,7 @@
 """Test setup: 8 simulated CPU devices and float32 matmuls, before any JAX computation; the
 tiny models, random batches and tolerance checks the test files share."""
 
+import dataclasses
 import gc
 import os
 from pathlib import Path
@@ -41,6 +42,10 @@ _TINY_EXTRAS = {
     "gemma3": dict(sliding_window=3, layer_types=("sliding_attention", "full_attention") * 4),
     "olmoe": dict(moe=_TINY_MOE, clip_qkv=1.0),
     "gpt2": dict(n_kv_heads=None, max_positions=16),
+    "gpt_oss": dict(
+        sliding_window=3,
+        moe=dataclasses.replace(models.GptOssConfig().moe, n_experts=4, top_k=2, expert_mlp_dim=16),
+    ),
 }
 
 
