@@ -31,6 +31,7 @@ from models.generate import (
     top_p_filter,
 )
 from models.gpt2 import GPT2Config
+from models.gpt_oss import GptOssConfig
 from models.hf import HFCheckpointError, load_hf, save_hf
 from models.llama import LlamaConfig
 from models.mistral import MistralConfig
@@ -52,6 +53,7 @@ __all__ = [
     "GPT2Config",
     "Gemma2Config",
     "Gemma3Config",
+    "GptOssConfig",
     "HFCheckpointError",
     "KVCache",
     "LatentAttentionConfig",

@@ -10,7 +10,14 @@ checked against their annotations first (`eqxzoo.typed_config.check_fields`), so
 import dataclasses
 from typing import Any, ClassVar, Literal
 
-from eqxzoo.nn import Activation, RematPolicy, RopeScaling, RoutingMode, Scoring
+from eqxzoo.nn import (
+    Activation,
+    ExpertActivation,
+    RematPolicy,
+    RopeScaling,
+    RoutingMode,
+    Scoring,
+)
 from eqxzoo.nn.moe import check_groups
 from eqxzoo.typed_config import ConfigError, check_fields, refuse, require_at_least
 
@@ -52,6 +59,12 @@ class MoEConfig:
     ``routed_scaling`` multiplies the routing weights; ``router_bias`` adds a trained bias to
     the logits (GPT-OSS); ``selection_bias`` adds DeepSeek-V3's balancing bias to the scores
     used for choosing, moved after each step by the run's ``loss.bias_update_rate``.
+
+    The experts (`eqxzoo.nn.Experts`): ``expert_bias`` gives each of their projections a
+    trained bias (GPT-OSS); ``expert_activation`` is ``"swiglu"`` or GPT-OSS's
+    ``"clamped_swiglu"``, whose gate is clamped above at ``swiglu_limit``, its up projection
+    to ``[-swiglu_limit, swiglu_limit]``, and whose sigmoid has gain ``swiglu_alpha`` (both
+    unused by ``"swiglu"``).
     """
 
     n_experts: int = 8
@@ -66,6 +79,10 @@ class MoEConfig:
     routed_scaling: float = 1.0
     router_bias: bool = False
     selection_bias: bool = False
+    expert_bias: bool = False
+    expert_activation: ExpertActivation = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     routing: RoutingMode = "dropless"
     capacity_factor: float = 1.25
 
@@ -79,6 +96,16 @@ class MoEConfig:
             scaling=self.routed_scaling,
             bias=self.router_bias,
             selection_bias=self.selection_bias,
+        )
+
+    @property
+    def expert_options(self) -> dict[str, Any]:
+        """The `eqxzoo.nn.Experts` options."""
+        return dict(
+            bias=self.expert_bias,
+            activation=self.expert_activation,
+            alpha=self.swiglu_alpha,
+            limit=self.swiglu_limit,
         )
 
     def __post_init__(self):
@@ -96,6 +123,8 @@ class MoEConfig:
             refuse("capacity_factor", f"must be > 0, got {self.capacity_factor}")
         if self.routed_scaling <= 0:
             refuse("routed_scaling", f"must be > 0, got {self.routed_scaling}")
+        if self.swiglu_limit <= 0:
+            refuse("swiglu_limit", f"must be > 0, got {self.swiglu_limit}")
         try:
             check_groups(self.n_experts, self.top_k, self.n_groups, self.topk_groups)
         except ValueError as error:
@@ -154,7 +183,8 @@ class DecoderConfig:
     absence means are unset on construction, so equal models have equal configs. Sliding layers rotate with
     ``local_rope_theta`` when it is set (Gemma 3). Scores are scaled by
     ``attention_scale_dim^-0.5`` (default ``head_dim``) and soft-capped by
-    ``attention_softcap``; logits by ``final_softcap``. ``qk_norm`` normalises queries and keys
+    ``attention_softcap``; logits by ``final_softcap``. ``attention_sinks`` gives each head a
+    trained logit that joins its softmax (GPT-OSS). ``qk_norm`` normalises queries and keys
     per head (``qk_norm_over = "head"``) or over all heads (``"all_heads"``); ``clip_qkv``
     clamps them. ``scale_embeddings`` multiplies the embeddings by ``sqrt(d_model)``.
 
@@ -198,6 +228,7 @@ class DecoderConfig:
     clip_qkv: float | None = None
     attention_scale_dim: int | None = None
     attention_softcap: float | None = None
+    attention_sinks: bool = False
     final_softcap: float | None = None
     scale_embeddings: bool = False
     tie_embeddings: bool = False
@@ -252,6 +283,8 @@ class DecoderConfig:
                 )
         if self.latent_attention is not None and self.positions != "rope":
             refuse("latent_attention", "latent attention needs rotary positions")
+        if self.latent_attention is not None and self.attention_sinks:
+            refuse("attention_sinks", "latent attention has no attention sinks; set it to false")
         self._canonicalize()
 
     def _canonicalize(self) -> None:

@@ -127,6 +127,7 @@ class DecoderBlock(eqx.Module):
                 moe.top_k,
                 normalize_topk=moe.normalize_topk,
                 router=moe.router_options,
+                experts=moe.expert_options,
                 shared_mlp_dim=moe.shared_mlp_dim,
                 shared_gate=moe.shared_gate,
                 routing_mode=moe.routing,
@@ -217,6 +218,7 @@ def make_attention(
         clip_qkv=config.clip_qkv,
         scale=None if config.attention_scale_dim is None else config.attention_scale_dim**-0.5,
         softcap=config.attention_softcap,
+        sinks=config.attention_sinks,
         init_std=config.init_std,
         key=key,
     )

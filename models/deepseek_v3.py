@@ -37,8 +37,20 @@ from models.family import (
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 
-# DecoderConfig fields a DeepSeek config.json states beyond the common ones.
-FREE = frozenset({"rope_scaling", "first_dense_layers", "latent_attention"})
+# DecoderConfig (and MoEConfig) fields a DeepSeek config.json states beyond the common ones;
+# the family configs fix the router's scoring and balancing bias.
+FREE = frozenset(
+    {
+        "rope_scaling",
+        "first_dense_layers",
+        "latent_attention",
+        "moe.scoring",
+        "moe.selection_bias",
+        "moe.n_groups",
+        "moe.topk_groups",
+        "moe.routed_scaling",
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from models.config import ConfigError, DecoderConfig, RopeScaling
+from models.config import ConfigError, DecoderConfig, MoEConfig, RopeScaling
 from models.tensor_files import Sliceable, stack
 
 # Keys of every transformers config that say nothing about the computation.
@@ -251,6 +251,20 @@ FREE_FIELDS = frozenset(
     }
 )
 
+# MoEConfig fields that change what the router and experts compute: like DecoderConfig's
+# fields, each is free, fixed ("moe.<field>" in `check_expressible`'s ``fixed`` / ``free``)
+# or at its default.
+MOE_ARCHITECTURE_FIELDS = (
+    "scoring",
+    "n_groups",
+    "topk_groups",
+    "routed_scaling",
+    "router_bias",
+    "selection_bias",
+    "expert_bias",
+    "expert_activation",
+)
+
 # Hugging Face activation names for the zoo's MLPs: gated (the config's activation) or not.
 GATED_ACTIVATIONS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu"}
 
@@ -266,17 +280,27 @@ def check_expressible(
 
     Every field is either free (`FREE_FIELDS` and ``free``: the family's ``config.json``
     states it), fixed by the architecture (``fixed``: e.g. Gemma's ``norm``), or must keep
-    `DecoderConfig`'s default. `ConfigError` names the first field that does not.
+    `DecoderConfig`'s default; so must the router's and experts' `MOE_ARCHITECTURE_FIELDS` (named
+    ``moe.<field>``). `ConfigError` names the first field that does not.
     """
     fixed = fixed or {}
-    for field in dataclasses.fields(DecoderConfig):
-        if field.name in FREE_FIELDS or field.name in free:
+    checked = [
+        (field.name, field.default, getattr(config, field.name))
+        for field in dataclasses.fields(DecoderConfig)
+        if field.name not in FREE_FIELDS
+    ]
+    if config.moe is not None:
+        defaults = {field.name: field.default for field in dataclasses.fields(MoEConfig)}
+        checked += [
+            (f"moe.{name}", defaults[name], getattr(config.moe, name)) for name in MOE_ARCHITECTURE_FIELDS
+        ]
+    for name, default, value in checked:
+        if name in free:
             continue
-        expected = fixed.get(field.name, field.default)
-        value = getattr(config, field.name)
+        expected = fixed.get(name, default)
         if value != expected:
             raise ConfigError(
-                f"{field.name}: {value!r} has no {architecture} counterpart; use {expected!r}"
+                f"{name}: {value!r} has no {architecture} counterpart; use {expected!r}"
             )
 
 

@@ -5,7 +5,8 @@ the slices its devices hold. Everything here serves that: a `Sliceable` is anyth
 ``shape``, a ``dtype`` and ``array[index] -> np.ndarray`` for a tuple of slices (a numpy
 array is one). `LazyArray` is a sliceable that reads nothing until it is indexed; its views
 (`LazyArray.T`, `LazyArray.transpose`, `LazyArray.reshape` splitting axes,
-`LazyArray.window`, `LazyArray.take`, `stack`) turn an index into the index of what they view, so a slice of a
+`LazyArray.window`, `LazyArray.strided`, `LazyArray.take`, `stack`) turn an index into the
+index of what they view, so a slice of a
 transposed, reshaped, stacked stored tensor reads only the stored bytes it covers (rows
 whole where a split axis needs them).
 
@@ -91,6 +92,10 @@ class LazyArray:
     def read(self, bounds: Bounds) -> np.ndarray:
         raise NotImplementedError
 
+    def read_stepped(self, bounds: Bounds, axis: int, step: int) -> np.ndarray:
+        """``read(bounds)`` taking every ``step``-th index along ``axis`` (`strided` views)."""
+        return self.read(bounds)[(slice(None),) * axis + (slice(None, None, step),)]
+
     def __getitem__(self, index: Index | slice) -> np.ndarray:
         return self.read(bounds_of(index, self.shape))
 
@@ -122,6 +127,11 @@ class LazyArray:
         """The view ``[start:stop]`` along ``axis``."""
         return _Window(self, axis, start, stop)
 
+    def strided(self, axis: int, start: int, step: int) -> "LazyArray":
+        """The view ``[start::step]`` along ``axis`` (GPT-OSS interleaves its experts' gate
+        and up projections: ``gate_up[..., 0::2]`` and ``[..., 1::2]``)."""
+        return _Strided(self, axis, start, step)
+
     def astype(self, dtype) -> "LazyArray":
         return _Cast(self, np.dtype(dtype))
 
@@ -141,10 +151,17 @@ class StoredTensor(LazyArray):
         self.shape, self.dtype = tuple(shape), dtype
 
     def read(self, bounds: Bounds) -> np.ndarray:
+        return self.read_stepped(bounds, 0, 1)
+
+    def read_stepped(self, bounds: Bounds, axis: int, step: int) -> np.ndarray:
+        """Only the elements taken are copied and counted (the pages of an element-wise
+        interleave are read from disk once, by whichever view comes first)."""
+        index = list(_slices(bounds))
+        index[axis] = slice(bounds[axis][0], bounds[axis][1], step)
         if math.prod(self.shape) == 0:
-            return np.zeros([stop - start for start, stop in bounds], self.dtype)
+            return np.zeros([len(range(*part.indices(10**18))) for part in index], self.dtype)
         stored = np.memmap(self.path, self.dtype, "r", self.offset, self.shape)
-        array = np.array(stored[_slices(bounds)])
+        array = np.array(stored[tuple(index)])
         self.files.bytes_read += array.nbytes
         return array
 
@@ -156,10 +173,14 @@ class _Transposed(LazyArray):
         self.shape, self.dtype = tuple(base.shape[a] for a in axes), base.dtype
 
     def read(self, bounds: Bounds) -> np.ndarray:
+        return self.read_stepped(bounds, 0, 1)
+
+    def read_stepped(self, bounds: Bounds, axis: int, step: int) -> np.ndarray:
         base_bounds = [None] * self.base.ndim
-        for position, axis in enumerate(self.axes):
-            base_bounds[axis] = bounds[position]
-        return self.base.read(tuple(base_bounds)).transpose(self.axes)
+        for position, base_axis in enumerate(self.axes):
+            base_bounds[base_axis] = bounds[position]
+        base = self.base.read_stepped(tuple(base_bounds), self.axes[axis], step)
+        return base.transpose(self.axes)
 
 
 class _Split(LazyArray):
@@ -222,6 +243,25 @@ class _Taken(LazyArray):
         low, high = int(picked.min()), int(picked.max()) + 1
         covering = bounds[: self.axis] + ((low, high),) + bounds[self.axis + 1 :]
         return np.take(self.base.read(covering), picked - low, axis=self.axis)
+
+
+class _Strided(LazyArray):
+    """Reads the base from the first to the last selected index, every ``step``-th."""
+
+    def __init__(self, base: LazyArray, axis: int, start: int, step: int):
+        axis = axis % base.ndim
+        assert step >= 1 and 0 <= start < max(base.shape[axis], 1), (base.shape, start, step)
+        self.base, self.axis, self.start, self.step = base, axis, start, step
+        size = len(range(start, base.shape[axis], step))
+        self.shape = base.shape[:axis] + (size,) + base.shape[axis + 1 :]
+        self.dtype = base.dtype
+
+    def read(self, bounds: Bounds) -> np.ndarray:
+        first, last = bounds[self.axis]
+        base_first = self.start + first * self.step
+        base_last = base_first if last == first else self.start + (last - 1) * self.step + 1
+        base_bounds = bounds[: self.axis] + ((base_first, base_last),) + bounds[self.axis + 1 :]
+        return self.base.read_stepped(base_bounds, self.axis, self.step)
 
 
 class _Cast(LazyArray):

@@ -1,6 +1,7 @@
 """Test setup: 8 simulated CPU devices and float32 matmuls, before any JAX computation; the
 tiny models, random batches and tolerance checks the test files share."""
 
+import dataclasses
 import gc
 import os
 from pathlib import Path
@@ -59,6 +60,10 @@ _TINY_EXTRAS = {
         latent_attention=models.LatentAttentionConfig(
             q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8
         ),
+    ),
+    "gpt_oss": dict(
+        sliding_window=3,
+        moe=dataclasses.replace(models.GptOssConfig().moe, n_experts=4, top_k=2, expert_mlp_dim=16),
     ),
 }
 

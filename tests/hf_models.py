@@ -451,6 +451,34 @@ HF_CASES = {
         ),
         8,
     ),
+    # Sliding and full layers alternating (Hugging Face's default layer_types), a window of 3
+    # in 11 positions; a clamp limit the experts' projections reach.
+    "gpt_oss_sliding_sinks": (
+        "GptOssForCausalLM",
+        dict(
+            hidden_size=32,
+            intermediate_size=16,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=3,
+            swiglu_limit=0.3,
+            swiglu_alpha=1.5,
+            max_position_embeddings=131072,
+            rope_parameters={  # GPT-OSS's own YaRN settings
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+            },
+        ),
+        11,
+    ),
     "gpt2_tied": ("GPT2LMHeadModel", dict(n_embd=32, n_head=4, n_positions=16), 11),
     "gpt2_untied": (
         "GPT2LMHeadModel",

@@ -250,6 +250,13 @@ def error_for(overrides, path=TINY) -> str:
             r"^model\.moe: llama is dense: use family 'mixtral' or 'qwen_moe'",
         ),
         (
+            ["model.family=gpt_oss", "model.moe.shared_mlp_dim=0", "model.moe.shared_gate=false"],
+            r"^model\.moe\.scoring: GPT-OSS's router and experts need 'softmax_topk', got "
+            r"'softmax'$",
+        ),
+        (["model.family=gpt_oss"], r"^model\.moe\.shared_mlp_dim: GPT-OSS has no shared experts$"),
+        (["model.moe.swiglu_limit=0"], r"^model\.moe\.swiglu_limit: must be > 0, got 0\.0$"),
+        (
             ["mesh.pp=4", "pipeline.microbatches=4"],
             r"^mesh\.pp: n_layers=4 is not divisible by pp \* repeats = 4 \* 2; choose mesh\.pp and ",
         ),

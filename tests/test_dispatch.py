@@ -61,6 +61,29 @@ def _experts() -> Experts:
     return Experts(D_MODEL, 12, N_EXPERTS, init_std=0.3, key=jax.random.key(2))
 
 
+def _gpt_oss_experts() -> Experts:
+    """GPT-OSS's experts: biases drawn nonzero, the clamped SwiGLU at a limit the projections
+    often pass."""
+    experts = Experts(
+        D_MODEL,
+        12,
+        N_EXPERTS,
+        bias=True,
+        activation="clamped_swiglu",
+        alpha=1.5,
+        limit=0.5,
+        init_std=0.3,
+        key=jax.random.key(2),
+    )
+
+    def biases(e):
+        return e.gate_bias, e.up_bias, e.down_bias
+
+    keys = jax.random.split(jax.random.key(7), 3)
+    drawn = tuple(0.3 * jax.random.normal(k, b.shape) for k, b in zip(keys, biases(experts)))
+    return eqx.tree_at(biases, experts, drawn)
+
+
 def test_capacity_and_overflow_rows():
     assert slot_capacity(96, 6) == 16 and slot_capacity(4096, 64) == 64
     assert slot_capacity(74, 6) == 16 and slot_capacity(5, 8) == 5
@@ -149,6 +172,16 @@ def test_dropless_equals_dense_reference_with_gradients(kind):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), got, expected)
 
 
+@pytest.mark.parametrize("kind", ["balanced", "random", "one_expert_first"])
+def test_dropless_equals_dense_with_expert_biases_and_clamped_swiglu(kind):
+    """Each overflow row's biases are its expert's, in both branches and in the slots."""
+    experts, routing = _gpt_oss_experts(), _routing(kind)
+    got = _outputs_and_gradients(experts, routing, "dropless")
+    expected = _outputs_and_gradients(experts, routing, "dense")
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), got, expected)
+    assert float(jnp.abs(got[1].gate_bias).sum()) > 0
+
+
 def test_overflow_past_the_few_rows_branch_is_exact():
     """Every first choice on expert 4: 32 of its 48 assignments beyond its 16 slots, more
     than `overflow_rows` (16), so the all-rows branch runs."""
@@ -162,9 +195,10 @@ def test_overflow_past_the_few_rows_branch_is_exact():
     )
 
 
-def test_sorted_dropless_equals_dense_reference():
+@pytest.mark.parametrize("make_experts", [_experts, _gpt_oss_experts])
+def test_sorted_dropless_equals_dense_reference(make_experts):
     """The sorted-rows path that `jax.lax.ragged_dot` platforms take."""
-    experts, routing = _experts(), _routing("random")
+    experts, routing = make_experts(), _routing("random")
     x = jax.random.normal(jax.random.key(5), (N_TOKENS, D_MODEL))
     output, padding = experts._sorted_dropless(x, routing)
     np.testing.assert_allclose(output, experts.dense(x, routing), rtol=1e-6, atol=1e-6)

@@ -74,6 +74,13 @@ CONFIGS = {
         moe=dataclasses.replace(MOE, normalize_topk=False, shared_mlp_dim=48),
         latent_attention=dataclasses.replace(LATENT, q_lora_rank=None),
     ),
+    # Sliding and full layers alternating, attention sinks, biased clamped experts.
+    "gpt_oss": models.GptOssConfig(
+        **SMALL,
+        n_kv_heads=2,
+        sliding_window=3,
+        moe=dataclasses.replace(models.GptOssConfig().moe, n_experts=4, top_k=2, expert_mlp_dim=24),
+    ),
 }
 
 PROMPT_LEN, NEW = 6, 5

@@ -31,6 +31,7 @@ from models import (  # noqa: E402
     Gemma2Config,
     Gemma3Config,
     GPT2Config,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -266,6 +267,29 @@ ZOO_CONFIGS = {
     "gpt2": GPT2Config(
         vocab_size=VOCAB, d_model=24, n_layers=2, n_heads=3, mlp_dim=56, max_positions=20
     ),
+    "gpt_oss": GptOssConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=1,
+        head_dim=12,
+        mlp_dim=12,
+        sliding_window=4,
+        layer_types=("full_attention", "sliding_attention", "sliding_attention"),
+        tie_embeddings=True,
+        moe=MoEConfig(
+            n_experts=5,
+            top_k=2,
+            expert_mlp_dim=12,
+            normalize_topk=False,
+            scoring="softmax_topk",
+            router_bias=True,
+            expert_bias=True,
+            expert_activation="clamped_swiglu",
+            swiglu_limit=0.2,
+        ),
+    ),
 }
 
 
@@ -389,7 +413,8 @@ def test_unknown_architecture(tmp_path):
     with pytest.raises(
         ConfigError,
         match=r"architectures: \['PhiForCausalLM'\] is not supported; "
-        r"supported: GPT2LMHeadModel, Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, ",
+        r"supported: GPT2LMHeadModel, Gemma2ForCausalLM, Gemma3ForCausalLM, GptOssForCausalLM, "
+        r"LlamaForCausalLM, ",
     ):
         load_hf(tmp_path)
 
@@ -571,6 +596,32 @@ def test_llama_with_q_k_v_biases_only_saves_a_zero_output_bias(tmp_path):
             r"use_sliding_window: sliding-window attention",
         ),
         ("llama_mha", {"num_key_value_heads": 3}, r"n_kv_heads: must divide n_heads=4, got 3"),
+        (
+            "gpt_oss_sliding_sinks",
+            {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": []}},
+            r"quantization_config: MXFP4 checkpoints are not supported: dequantise first",
+        ),
+        (
+            "gpt_oss_sliding_sinks",
+            {"quantization_config": {"quant_method": "fp8"}},
+            r"quantization_config: \{'quant_method': 'fp8'\}: quantised checkpoints are not "
+            r"supported; dequantise first",
+        ),
+        (
+            "gpt_oss_sliding_sinks",
+            {"layer_types": ["sliding_attention"]},
+            r"layer_types: \['sliding_attention'\]: expected 2 entries",
+        ),
+        (
+            "gpt_oss_sliding_sinks",
+            {"sliding_window": None},
+            r"sliding_window: null is not supported: GPT-OSS's sliding layers need a window",
+        ),
+        (
+            "gpt_oss_sliding_sinks",
+            {"router_jitter_noise": 0.1},
+            r"router_jitter_noise: 0\.1: an option of GptOssForCausalLM the zoo does not model",
+        ),
     ],
 )
 def test_unsupported_hf_config(case, changes, message, tmp_path):
@@ -581,6 +632,25 @@ def test_unsupported_hf_config(case, changes, message, tmp_path):
         load_hf(tmp_path)
     assert str(tmp_path / "config.json") in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_gpt_oss_config_keeps_a_window():
+    """Read with the keys of OpenAI's released config.json that transformers ignores."""
+    released_keys = dict(experts_per_token=2, initial_context_length=4096)
+    config = config_from_hf(hf_config_dict("gpt_oss_sliding_sinks", **released_keys))
+    assert config.attention_layer_types == ("sliding_attention", "full_attention")
+    with pytest.raises(ConfigError, match=r"^sliding_window: GPT-OSS keeps a window: to have"):
+        dataclasses.replace(config, sliding_window=None)
+
+
+def test_gpt_oss_without_rope_settings_reads_transformers_default_yarn():
+    architecture, fields, _ = HF_CASES["gpt_oss_sliding_sinks"]
+    values = hf_config(architecture, **fields).to_dict()
+    del values["rope_parameters"]
+    config = config_from_hf(values)
+    assert config.rope_scaling == RopeScaling(
+        "yarn", 32.0, original_max_positions=4096, truncate=False
+    )
 
 
 def test_keys_at_their_defaults_or_ignorable_are_accepted():
@@ -597,6 +667,7 @@ def test_keys_at_their_defaults_or_ignorable_are_accepted():
 
 TINY = dict(vocab_size=VOCAB, d_model=16, n_layers=1, n_heads=2, mlp_dim=16)
 TINY_MOE = MoEConfig(n_experts=2, top_k=1, expert_mlp_dim=8)
+GPT_OSS_MOE = dataclasses.replace(GptOssConfig().moe, n_experts=2, top_k=1, expert_mlp_dim=8)
 
 
 @pytest.mark.parametrize(
@@ -639,6 +710,31 @@ TINY_MOE = MoEConfig(n_experts=2, top_k=1, expert_mlp_dim=8)
         (
             QwenMoeConfig(**TINY, moe=TINY_MOE),
             r"moe\.shared_mlp_dim: Qwen2MoeForCausalLM always has a gated",
+        ),
+        (
+            MixtralConfig(**TINY, moe=dataclasses.replace(TINY_MOE, expert_bias=True)),
+            r"moe\.expert_bias: True has no MixtralForCausalLM counterpart; use False",
+        ),
+        (
+            QwenMoeConfig(
+                **TINY,
+                moe=dataclasses.replace(
+                    TINY_MOE, shared_mlp_dim=16, shared_gate=True, scoring="sigmoid"
+                ),
+            ),
+            r"moe\.scoring: 'sigmoid' has no Qwen2MoeForCausalLM counterpart; use 'softmax'",
+        ),
+        (
+            MixtralConfig(**TINY, moe=dataclasses.replace(TINY_MOE, n_groups=2)),
+            r"moe\.n_groups: 2 has no MixtralForCausalLM counterpart; use 1",
+        ),
+        (
+            GptOssConfig(**TINY, attention_sinks=False, moe=GPT_OSS_MOE),
+            r"attention_sinks: False has no GptOssForCausalLM counterpart; use True",
+        ),
+        (
+            GptOssConfig(**TINY, attention_out_bias=False, moe=GPT_OSS_MOE),
+            r"attention_out_bias: GptOssForCausalLM has q/k/v and output biases or neither",
         ),
     ],
 )

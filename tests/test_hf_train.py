@@ -55,6 +55,7 @@ FAMILY_CASES = (
     "gpt2_untied",
     "deepseek_v3_q_lora",
     "deepseek_v2_lite",
+    "gpt_oss_sliding_sinks",
 )
 MESH = MeshConfig(dp=2, pp=2, tp=2)
 CIRCULAR = PipelineConfig(schedule="circular", microbatches=2, repeats=2)

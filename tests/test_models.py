@@ -44,6 +44,12 @@ CONFIGS = {
     "olmo2": models.Olmo2Config(**SMALL, n_kv_heads=2),
     "olmoe": models.OlmoeConfig(**SMALL, clip_qkv=2.0, moe=MOE),
     "gpt2": models.GPT2Config(**SMALL, max_positions=16),
+    "gpt_oss": models.GptOssConfig(
+        **SMALL,
+        n_kv_heads=2,
+        sliding_window=4,
+        moe=dataclasses.replace(models.GptOssConfig().moe, n_experts=4, top_k=2, expert_mlp_dim=24),
+    ),
 }
 
 

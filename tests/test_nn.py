@@ -21,6 +21,7 @@ from eqxzoo.nn import (
     apply_rope,
     attend,
     cache_slots,
+    gated_activation,
     logical_axes,
     rope_frequencies,
     router_losses,
@@ -94,8 +95,9 @@ def test_gqa_with_all_kv_heads_equals_mha():
     np.testing.assert_allclose(gqa(x), manual, rtol=1e-5, atol=1e-6)
 
 
-def _reference_attention(q, k, v, q_positions, k_positions, window, scale, softcap):
-    """Attention written out in numpy, one query and head at a time."""
+def _reference_attention(q, k, v, q_positions, k_positions, window, scale, softcap, sinks=None):
+    """Attention written out in numpy, one query and head at a time; a head's sink is one
+    more logit in its softmax, with no value."""
     out = np.zeros(q.shape, np.float64)
     group = q.shape[1] // k.shape[1]
     for t, q_position in enumerate(q_positions):
@@ -109,8 +111,10 @@ def _reference_attention(q, k, v, q_positions, k_positions, window, scale, softc
             if window:
                 visible &= offsets < window
             scores = np.where(visible, scores, -np.inf)
-            weights = np.exp(scores - scores.max())
-            out[t, head] = (weights / weights.sum()) @ v[:, kv_head]
+            sink = -np.inf if sinks is None else sinks[head]
+            top = max(scores.max(), sink)
+            weights = np.exp(scores - top)
+            out[t, head] = (weights / (weights.sum() + np.exp(sink - top))) @ v[:, kv_head]
     return out
 
 
@@ -129,6 +133,37 @@ def test_attend_masks_by_position_window_and_soft_cap(window, softcap):
         *map(np.asarray, (q, k, v, q_positions, k_positions)), window, 0.3, softcap
     )
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_attend_with_sinks(window):
+    """Sinks take probability from the real keys: a large sink leaves a head almost no
+    output, a very negative one is ordinary attention."""
+    keys = jax.random.split(jax.random.key(12), 3)
+    q = jax.random.normal(keys[0], (5, 4, 8))
+    k = jax.random.normal(keys[1], (6, 2, 8))
+    v = jax.random.normal(keys[2], (6, 2, 8))
+    q_positions, k_positions = jnp.arange(5) + 1, jnp.array([0, 1, 2, 3, -1, 5])
+    sinks = jnp.array([0.5, -1.0, 2.0, 20.0])
+    arguments = (q, k, v, q_positions, k_positions)
+    got = attend(*arguments, window=window, scale=0.4, sinks=sinks)
+    expected = _reference_attention(*map(np.asarray, arguments), window, 0.4, None, sinks)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(got[:, 3]).max()) < 1e-6
+    no_sinks = attend(*arguments, window=window, scale=0.4)
+    ignored = attend(*arguments, window=window, scale=0.4, sinks=jnp.full((4,), -1e4))
+    np.testing.assert_allclose(ignored, no_sinks, rtol=1e-6, atol=1e-7)
+
+
+def test_attention_sinks_are_a_trained_parameter_per_head():
+    attention = _attention(2, sinks=True, init_std=0.5)
+    assert attention.sinks.shape == (4,) and float(jnp.abs(attention.sinks).sum()) > 0
+    assert logical_axes(attention).sinks == Axes(("heads",))
+    x = jax.random.normal(jax.random.key(13), (7, 32))
+    grads = jax.grad(lambda a: jnp.sum(a(x) ** 2))(attention)
+    assert float(jnp.abs(grads.sinks).sum()) > 0
+    without = eqx.tree_at(lambda a: a.sinks, attention, None, is_leaf=lambda x: x is None)
+    assert not np.allclose(attention(x), without(x))
 
 
 def test_ring_cache_slots_keep_the_last_positions():
@@ -195,14 +230,55 @@ def _moe(routing_mode="dropless", **kwargs):
     return MoE(16, 24, 6, 2, routing_mode=routing_mode, key=jax.random.key(9), **kwargs)
 
 
+# GPT-OSS's experts with a gain and a limit the tests' activations reach.
+GPT_OSS_EXPERTS = dict(bias=True, activation="clamped_swiglu", alpha=1.5, limit=0.25)
+
+
+def _gpt_oss_moe(routing_mode="dropless", **kwargs):
+    """A MoE as GPT-OSS has it: softmax over the top-k logits of a biased router, biased
+    experts, the clamped SwiGLU. Weights of std 0.5 make the clamps bite; biases are drawn
+    nonzero."""
+    moe = MoE(
+        16,
+        24,
+        6,
+        2,
+        normalize_topk=False,
+        router=dict(scoring="softmax_topk", bias=True),
+        experts=GPT_OSS_EXPERTS,
+        routing_mode=routing_mode,
+        init_std=0.1,
+        key=jax.random.key(9),
+        **kwargs,
+    )
+
+    def biases(m):
+        return m.router.bias, m.experts.gate_bias, m.experts.up_bias, m.experts.down_bias
+
+    keys = jax.random.split(jax.random.key(19), 4)
+    drawn = tuple(0.1 * jax.random.normal(k, b.shape) for k, b in zip(keys, biases(moe)))
+    return eqx.tree_at(biases, moe, drawn)
+
+
+MOE_KINDS = {"swiglu": _moe, "gpt_oss": _gpt_oss_moe}
+
+
 def _with_mode(moe, routing_mode, capacity_factor=1.25):
     """The same parameters under another routing mode (modes are static fields)."""
+    experts = moe.experts
     other = MoE(
         16,
         24,
         6,
         2,
         normalize_topk=moe.router.normalize_topk,
+        router=dict(scoring=moe.router.scoring, bias=moe.router.bias is not None),
+        experts=dict(
+            bias=experts.gate_bias is not None,
+            activation=experts.activation,
+            alpha=experts.alpha,
+            limit=experts.limit,
+        ),
         shared_mlp_dim=0 if moe.shared is None else moe.shared.up.weight.shape[1],
         shared_gate=moe.shared_gate is not None,
         routing_mode=routing_mode,
@@ -219,6 +295,23 @@ def test_moe_dropless_equals_dense_reference(normalize_topk, shared, n_tokens):
     """37 tokens: 74 assignments in blocks of 16, about one block per expert; 300 tokens:
     blocks of 64, several per expert."""
     moe = _moe(normalize_topk=normalize_topk, shared_mlp_dim=shared, shared_gate=bool(shared))
+    _check_dropless_equals_dense(moe, n_tokens)
+
+
+@pytest.mark.parametrize("n_tokens", [37, 300])
+def test_moe_dropless_equals_dense_with_expert_biases_and_clamped_swiglu(n_tokens):
+    """GPT-OSS's experts: the biases and the clamped SwiGLU in the slots, the overflow's
+    block loop and the dense reference alike, with both clamps active."""
+    moe = _gpt_oss_moe()
+    x = jax.random.normal(jax.random.key(10), (n_tokens, 16))
+    gate = jnp.einsum("td,edf->etf", x, moe.experts.gate) + moe.experts.gate_bias[:, None]
+    up = jnp.einsum("td,edf->etf", x, moe.experts.up) + moe.experts.up_bias[:, None]
+    limit = GPT_OSS_EXPERTS["limit"]
+    assert float(jnp.mean(gate > limit)) > 0.05 and float(jnp.mean(jnp.abs(up) > limit)) > 0.05
+    _check_dropless_equals_dense(moe, n_tokens)
+
+
+def _check_dropless_equals_dense(moe, n_tokens):
     x = jax.random.normal(jax.random.key(10), (n_tokens, 16))
     dropless, aux = moe(x)
     dense, dense_aux = _with_mode(moe, "dense")(x)
@@ -229,8 +322,9 @@ def test_moe_dropless_equals_dense_reference(normalize_topk, shared, n_tokens):
     jax.tree.map(np.testing.assert_array_equal, aux, dense_aux)
 
 
-def test_moe_capacity_path_equals_dense_when_capacity_is_large():
-    moe = _moe()
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_moe_capacity_path_equals_dense_when_capacity_is_large(kind):
+    moe = MOE_KINDS[kind]()
     x = jax.random.normal(jax.random.key(11), (40, 16))
     dense, _ = _with_mode(moe, "dense")(x)
     large, aux = _with_mode(moe, "capacity", capacity_factor=6.0)(x)
@@ -304,9 +398,10 @@ def test_balanced_routing_has_unit_load_balance_loss():
     np.testing.assert_allclose(losses["expert_fraction"], np.full(4, 0.25))
 
 
-def test_moe_gradients_flow_through_all_paths():
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_moe_gradients_flow_through_all_paths(kind):
     x = jax.random.normal(jax.random.key(16), (12, 16))
-    moe = _moe(shared_mlp_dim=8, shared_gate=True)
+    moe = MOE_KINDS[kind](shared_mlp_dim=8, shared_gate=True)
 
     def loss(moe, mode):
         out, aux = _with_mode(moe, mode, 8.0)(x)
@@ -320,13 +415,24 @@ def test_moe_gradients_flow_through_all_paths():
             grads["dense"],
         )
     assert float(jnp.abs(grads["dropless"].router.weight).sum()) > 0
+    if kind == "gpt_oss":
+        for bias in ("gate_bias", "up_bias", "down_bias"):
+            assert float(jnp.abs(getattr(grads["dropless"].experts, bias)).sum()) > 0
 
 
-def test_moe_dropless_gradients_equal_dense_with_several_blocks_per_expert():
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_moe_dropless_gradients_equal_dense_with_several_blocks_per_expert(kind):
     """300 tokens: 600 assignments over 6 experts in blocks of 64 (the block-sparse path's
-    block loop, partial last blocks and its weight-gradient accumulation across blocks)."""
+    block loop, partial last blocks and its weight-gradient accumulation across blocks).
+
+    GPT-OSS's gradients are sums of 300 order-one terms (its biases see every token), so
+    their rounding is relative to each array's largest entry."""
     x = jax.random.normal(jax.random.key(17), (300, 16))
-    moe = _moe(shared_mlp_dim=8)
+    moe = MOE_KINDS[kind](shared_mlp_dim=8)
+
+    def check(a, b):
+        atol = 1e-7 if kind == "swiglu" else 1e-6 * float(np.abs(b).max())
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=atol)
 
     @eqx.filter_jit
     def grads(moe, mode):
@@ -336,11 +442,25 @@ def test_moe_dropless_gradients_equal_dense_with_several_blocks_per_expert():
 
         return eqx.filter_grad(loss)(moe)
 
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
-        grads(moe, "dropless"),
-        grads(moe, "dense"),
-    )
+    jax.tree.map(check, grads(moe, "dropless"), grads(moe, "dense"))
+
+
+def test_clamped_swiglu_matches_formula():
+    gate = jnp.linspace(-3.0, 3.0, 13)
+    up = jnp.linspace(2.5, -2.5, 13)
+    clamped_gate, clamped_up = np.minimum(gate, 1.2), np.clip(up, -1.2, 1.2)
+    expected = (clamped_up + 1) * clamped_gate / (1 + np.exp(-1.7 * clamped_gate))
+    got = gated_activation(gate, up, "clamped_swiglu", 1.7, 1.2)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+    swiglu = gated_activation(gate, up, "swiglu", 1.7, 1.2)
+    np.testing.assert_allclose(swiglu, jax.nn.silu(gate) * up, rtol=1e-6)
+
+
+def test_experts_reject_bad_options():
+    with pytest.raises(ValueError, match=r"limit must be > 0, got 0\.0"):
+        Experts(4, 8, 2, activation="clamped_swiglu", limit=0.0, key=jax.random.key(0))
+    with pytest.raises((ValueError, TypeError), match="gelu"):  # the type checker may be first
+        Experts(4, 8, 2, activation="gelu", key=jax.random.key(0))
 
 
 class _Affine(eqx.Module):

@@ -107,10 +107,11 @@ GRID = [
 
 
 # Every other family once, GPipe on dp x pp x tp: what each adds to the builder (windows,
-# post-norms, QK-norm, clipped q/k/v, learned positions) goes through the pipeline too.
+# post-norms, QK-norm, clipped q/k/v, learned positions, attention sinks, biased experts)
+# goes through the pipeline too.
 GRID += [
     (family, MeshConfig(dp=2, pp=2, tp=2), 2, 3, 1)
-    for family in ("mistral", "qwen3", "gemma3", "olmo2", "olmoe", "gpt2")
+    for family in ("mistral", "qwen3", "gemma3", "olmo2", "olmoe", "gpt2", "gpt_oss")
 ]
 
 # DeepSeek-V3's shape: a dense prefix layer run before the pipeline (its microbatches split

@@ -149,6 +149,18 @@ VIEWS: dict[str, tuple[Callable, Callable]] = {
         lambda f: f.tensor("gate_up").window(1, COLUMNS, 2 * COLUMNS).transpose(0, 2, 1),
         lambda a: a["gate_up"][:, COLUMNS:].transpose(0, 2, 1),
     ),
+    "gate_interleaved": (
+        lambda f: f.tensor("gate_up").transpose(0, 2, 1).strided(2, 0, 2),
+        lambda a: a["gate_up"].transpose(0, 2, 1)[..., 0::2],
+    ),
+    "up_interleaved": (
+        lambda f: f.tensor("gate_up").strided(-2, 1, 2),
+        lambda a: a["gate_up"][:, 1::2],
+    ),
+    "strided_by_3": (
+        lambda f: f.tensor("matrix").strided(0, 1, 3),
+        lambda a: a["matrix"][1::3],
+    ),
     "cast": (
         lambda f: f.tensor("matrix").T.astype(ml_dtypes.bfloat16),
         lambda a: a["matrix"].T.astype(ml_dtypes.bfloat16),
@@ -231,6 +243,12 @@ def test_bytes_read_counts_exactly_the_slices_read(tmp_path):
     # A window reads only inside the window.
     window = tensor.window(1, 8, 16)
     assert read(window, (slice(0, 1),), matrix[0:1, 8:16]) == 8 * 4
+    # A strided view counts only the elements it takes: the odd columns 3, 5, 7 of row 2,
+    # and (under a transpose) every third row's columns 1:3.
+    odd = tensor.strided(1, 1, 2)
+    assert read(odd, (slice(2, 3), slice(1, 4)), matrix[2:3, 1::2][:, 1:4]) == 3 * 4
+    every_third = tensor.T.strided(1, 0, 3)
+    assert read(every_third, (slice(1, 3),), matrix.T[1:3, 0::3]) == 2 * 3 * 4
 
 
 def test_opening_reads_no_tensor_data(tmp_path):

@@ -292,10 +292,12 @@ def test_adafactor_is_selectable_and_matches_one_device(dense, run_steps):
 
 
 def test_decay_mask_excludes_norms_and_biases(dense):
-    model = models.DecoderLM(dataclasses.replace(dense, qkv_bias=True), key=jax.random.key(0))
+    config = dataclasses.replace(dense, qkv_bias=True, attention_sinks=True)
+    model = models.DecoderLM(config, key=jax.random.key(0))
     mask = decay_mask(eqx.filter(model, eqx.is_array))
     assert mask.blocks.layers.attention.wq and mask.embedding.weight
     assert not mask.blocks.layers.attention.bq and not mask.blocks.layers.attention_norm.weight
+    assert not mask.blocks.layers.attention.sinks
     assert not mask.final_norm.weight
 
 

@@ -70,11 +70,12 @@ def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
     )
 
 
-_NO_DECAY = re.compile(r"(norm|bias|\.b[qkv]\b)")
+_NO_DECAY = re.compile(r"(norm|bias|sinks|\.b[qkv]\b)")
 
 
 def decay_mask(params: PyTree) -> PyTree[bool]:
-    """True for parameters that get weight decay: everything but norms and biases."""
+    """True for parameters that get weight decay: everything but norms, biases and attention
+    sinks (a bias of each head's softmax)."""
     return jax.tree_util.tree_map_with_path(
         lambda path, _: _NO_DECAY.search(jax.tree_util.keystr(path)) is None, params
     )

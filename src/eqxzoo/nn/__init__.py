@@ -9,6 +9,7 @@ from eqxzoo.nn.mla import LatentAttention, deinterleave_rope_columns, interleave
 from eqxzoo.nn.mlp import MLP, Activation
 from eqxzoo.nn.moe import (
     BUFFER_FIELDS,
+    ExpertActivation,
     Experts,
     MoE,
     Router,
@@ -16,6 +17,7 @@ from eqxzoo.nn.moe import (
     RoutingMode,
     Scoring,
     balance_selection_bias,
+    gated_activation,
     router_losses,
 )
 from eqxzoo.nn.norm import LayerNorm, RMSNorm
@@ -31,6 +33,7 @@ __all__ = [
     "Axes",
     "CausalSelfAttention",
     "Embedding",
+    "ExpertActivation",
     "Experts",
     "LanguageModel",
     "LatentAttention",
@@ -52,6 +55,7 @@ __all__ = [
     "attend",
     "cache_slots",
     "deinterleave_rope_columns",
+    "gated_activation",
     "interleave_rope_columns",
     "grouped_matmul",
     "logical_axes",

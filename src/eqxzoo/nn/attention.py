@@ -35,6 +35,7 @@ def attend(
     window: Int[Array, ""] | int = 0,
     scale: float,
     softcap: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
 ) -> Float[Array, "*batch seq heads v_head_dim"]:
     """Softmax attention of each query over the keys its position may see.
 
@@ -42,7 +43,9 @@ def attend(
     set (Gemma 2), masked by position (module docstring; ``window`` may be a traced per-layer
     value), normalised in float32. Query head ``h`` reads key/value head
     ``h // (heads / kv_heads)`` (grouped-query attention). Values may have another head
-    dimension than queries and keys (latent attention).
+    dimension than queries and keys (latent attention). ``sinks`` (GPT-OSS) is one logit
+    per head that joins every softmax of the head as a key with no value: the probabilities
+    of the real keys then sum to less than one, so a head can attend to nothing.
     """
     *batch, seq, n_heads, head_dim = q.shape
     n_kv_heads = k.shape[-2]
@@ -55,7 +58,14 @@ def attend(
     visible = (k_positions[None, :] >= 0) & (offsets >= 0)
     visible = visible & ((window == 0) | (offsets < window))
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink_logits = sinks.astype(jnp.float32).reshape(n_kv_heads, -1, 1, 1)
+        sink_logits = jnp.broadcast_to(sink_logits, (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink_logits], axis=-1), axis=-1)
+        probs = probs[..., :-1]
+    probs = probs.astype(v.dtype)
     attended = jnp.einsum("...kgts,...skd->...tkgd", probs, v, preferred_element_type=jnp.float32)
     return attended.reshape(*batch, seq, n_heads, v.shape[-1]).astype(q.dtype)
 
@@ -76,7 +86,8 @@ class CausalSelfAttention(AbstractAxesOwner):
     - ``window``: the layer's sliding window as per-layer *data* (an integer array, 0 for
       full attention; stacked layers carry one value each, so windowed and global layers
       share one structure); None when no layer of the model has one;
-    - ``scale`` of the scores (default ``head_dim^-0.5``) and ``softcap`` (Gemma 2).
+    - ``scale`` of the scores (default ``head_dim^-0.5``) and ``softcap`` (Gemma 2);
+    - ``sinks``: a trained logit per head joining each softmax (`attend`; GPT-OSS).
     """
 
     wq: Float[Array, "embed heads head_dim"]
@@ -90,6 +101,7 @@ class CausalSelfAttention(AbstractAxesOwner):
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
     window: Int[Array, ""] | None
+    sinks: Float[Array, " heads"] | None
     n_heads: int = eqx.field(static=True)
     n_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
@@ -119,6 +131,7 @@ class CausalSelfAttention(AbstractAxesOwner):
         clip_qkv: float | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: bool = False,
         init_std: float = 0.02,
         key: PRNGKeyArray,
     ):
@@ -147,6 +160,9 @@ class CausalSelfAttention(AbstractAxesOwner):
         else:
             self.q_norm = self.k_norm = None
         self.window = None if window is None else jnp.asarray(window, jnp.int32)
+        self.sinks = (
+            normal_init(jax.random.fold_in(key, 4), (n_heads,), init_std) if sinks else None
+        )
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
@@ -168,6 +184,7 @@ class CausalSelfAttention(AbstractAxesOwner):
             "bv": ("kv_heads", "head_dim"),
             "bo": ("embed",),
             "window": (),
+            "sinks": ("heads",),
         }
 
     @property
@@ -232,6 +249,7 @@ class CausalSelfAttention(AbstractAxesOwner):
                 window=self.layer_window,
                 scale=self.scale,
                 softcap=self.softcap,
+                sinks=self.sinks,
             )
             return self.project_out(attended)
 
@@ -278,6 +296,7 @@ class CausalSelfAttention(AbstractAxesOwner):
             window=self.layer_window,
             scale=self.scale,
             softcap=self.softcap,
+            sinks=self.sinks,
         )
         slots = cache_slots(positions, size)
         keys = keys.at[slots].set(k.astype(keys.dtype), mode="drop")

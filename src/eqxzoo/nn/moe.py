@@ -1,4 +1,4 @@
-"""Mixture-of-Experts feed-forward: a softmax top-k router and SwiGLU experts.
+"""Mixture-of-Experts feed-forward: a top-k router and gated (SwiGLU) experts.
 
 Three ways to run the same experts on the same routing decisions:
 
@@ -14,7 +14,7 @@ Three ways to run the same experts on the same routing decisions:
 """
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import equinox as eqx
@@ -39,6 +39,7 @@ from eqxzoo.nn.varying import cotangent_for
 
 RoutingMode = Literal["dropless", "capacity", "dense"]
 Scoring = Literal["softmax", "sigmoid", "softmax_topk"]
+ExpertActivation = Literal["swiglu", "clamped_swiglu"]
 
 
 class Routing(eqx.Module):
@@ -200,11 +201,25 @@ def balance_selection_bias(
 
 
 class Experts(AbstractAxesOwner):
-    """``n_experts`` SwiGLU MLPs stored as stacked ``(experts, ...)`` weights."""
+    """``n_experts`` gated MLPs stored as stacked ``(experts, ...)`` weights.
+
+    Expert ``e`` computes ``(act(x @ gate[e] + gate_bias[e], x @ up[e] + up_bias[e])) @
+    down[e] + down_bias[e]``, the biases optional (``bias``: GPT-OSS). ``activation``
+    (`gated_activation`) is ``"swiglu"``, ``silu(gate) * up``, or ``"clamped_swiglu"``
+    (GPT-OSS), ``(up + 1) * gate * sigmoid(alpha * gate)`` after clamping the gate above at
+    ``limit`` and ``up`` to ``[-limit, limit]``. Every routing path (`dense`, `capacity`,
+    `dropless`) runs the experts through `_apply`, so they compute the same function.
+    """
 
     gate: Float[Array, "experts embed mlp"]
     up: Float[Array, "experts embed mlp"]
     down: Float[Array, "experts mlp embed"]
+    gate_bias: Float[Array, "experts mlp"] | None
+    up_bias: Float[Array, "experts mlp"] | None
+    down_bias: Float[Array, "experts embed"] | None
+    activation: ExpertActivation = eqx.field(static=True)
+    alpha: float = eqx.field(static=True)
+    limit: float = eqx.field(static=True)
 
     def __init__(
         self,
@@ -212,24 +227,57 @@ class Experts(AbstractAxesOwner):
         hidden_dim: int,
         n_experts: int,
         *,
+        bias: bool = False,
+        activation: ExpertActivation = "swiglu",
+        alpha: float = 1.702,
+        limit: float = 7.0,
         init_std: float = 0.02,
         key: PRNGKeyArray,
     ):
+        if activation not in ("swiglu", "clamped_swiglu"):
+            raise ValueError(f"activation must be 'swiglu' or 'clamped_swiglu', got {activation!r}")
+        if limit <= 0:
+            raise ValueError(f"limit must be > 0, got {limit}")
         kg, ku, kd = jax.random.split(key, 3)
         self.gate = normal_init(kg, (n_experts, d_model, hidden_dim), init_std)
         self.up = normal_init(ku, (n_experts, d_model, hidden_dim), init_std)
         self.down = normal_init(kd, (n_experts, hidden_dim, d_model), init_std)
+        self.gate_bias = jnp.zeros((n_experts, hidden_dim)) if bias else None
+        self.up_bias = jnp.zeros((n_experts, hidden_dim)) if bias else None
+        self.down_bias = jnp.zeros((n_experts, d_model)) if bias else None
+        self.activation = activation
+        self.alpha = alpha
+        self.limit = limit
 
     def param_axes(self) -> Mapping[str, tuple[LogicalName, ...]]:
         return {
             "gate": ("experts", "embed", "mlp"),
             "up": ("experts", "embed", "mlp"),
             "down": ("experts", "mlp", "embed"),
+            "gate_bias": ("experts", "mlp"),
+            "up_bias": ("experts", "mlp"),
+            "down_bias": ("experts", "embed"),
         }
 
     @property
     def n_experts(self) -> int:
         return self.gate.shape[0]
+
+    def _apply(
+        self,
+        rows: Array,
+        matmul: Callable[[Array, Array], Array],
+        row_bias: Callable[[Array], Array],
+    ) -> Array:
+        """The experts on ``rows`` in any path's layout: ``matmul(rows, weight)`` multiplies
+        each row by its expert's ``(experts, in, out)`` weight, ``row_bias(bias)`` gives each
+        row its expert's row of an ``(experts, out)`` bias, shaped to add to the product."""
+        gate, up = matmul(rows, self.gate), matmul(rows, self.up)
+        if self.gate_bias is not None:
+            gate, up = gate + row_bias(self.gate_bias), up + row_bias(self.up_bias)
+        hidden = gated_activation(gate, up, self.activation, self.alpha, self.limit)
+        out = matmul(hidden, self.down)
+        return out if self.down_bias is None else out + row_bias(self.down_bias)
 
     def dropless(
         self, x: Float[Array, "tokens embed"], routing: Routing
@@ -260,9 +308,9 @@ class Experts(AbstractAxesOwner):
         layout = slot_layout(experts, self.n_experts)
         slot_inputs = rows_from_tokens(x, layout.slots)
         slot_inputs = slot_inputs.reshape(self.n_experts, layout.capacity, -1)
-        gate, up = (batched_matmul(slot_inputs, w) for w in (self.gate, self.up))
-        slot_outputs = batched_matmul(jax.nn.silu(gate) * up, self.down)
+        slot_outputs = self._apply(slot_inputs, batched_matmul, lambda b: b[:, None, :])
         per_choice = rows_to_assignments(slot_outputs.reshape(-1, x.shape[-1]), layout.slots)
+        flat_experts = experts.reshape(-1)
 
         def overflow_outputs(overflow: RowMap) -> Float[Array, "tokens k embed"]:
             def matmul(rows, weights):
@@ -274,9 +322,12 @@ class Experts(AbstractAxesOwner):
                     block=OVERFLOW_BLOCK,
                 )
 
-            inputs = rows_from_tokens(x, overflow)
-            gate, up = (matmul(inputs, w) for w in (self.gate, self.up))
-            return rows_to_assignments(matmul(jax.nn.silu(gate) * up, self.down), overflow)
+            # Unused rows get some expert's bias; no assignment reads them back.
+            row_experts = jnp.take(flat_experts, overflow.row_assignment)
+            outputs = self._apply(
+                rows_from_tokens(x, overflow), matmul, lambda b: jnp.take(b, row_experts, axis=0)
+            )
+            return rows_to_assignments(outputs, overflow)
 
         few_rows = overflow_rows(n_assignments)
         if few_rows < n_assignments:
@@ -299,13 +350,15 @@ class Experts(AbstractAxesOwner):
         order = jnp.argsort(flat_experts, stable=True)
         inverse_order = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
         sorted_inputs = permute_rows(jnp.repeat(x, top_k, axis=0), order, inverse_order)
+        sorted_experts = jnp.take(flat_experts, order)
         group_sizes = jnp.bincount(flat_experts, length=self.n_experts).astype(jnp.int32)
 
         def matmul(rows, weights):
             return grouped_matmul(rows, weights, group_sizes, implementation="ragged_dot")
 
-        gate, up = (matmul(sorted_inputs, w) for w in (self.gate, self.up))
-        sorted_outputs = matmul(jax.nn.silu(gate) * up, self.down)
+        sorted_outputs = self._apply(
+            sorted_inputs, matmul, lambda b: jnp.take(b, sorted_experts, axis=0)
+        )
         outputs = permute_rows(sorted_outputs, inverse_order, order).reshape(n_tokens, top_k, -1)
         output = jnp.einsum("tkd,tk->td", outputs, routing.weights.astype(x.dtype))
         padding = padding_fraction(group_sizes, order.shape[0], implementation="ragged_dot")
@@ -329,9 +382,11 @@ class Experts(AbstractAxesOwner):
         token_index = jnp.tile(jnp.arange(n_tokens), top_k)
         dispatched = jnp.zeros((self.n_experts, expert_capacity, x.shape[-1]), x.dtype)
         dispatched = dispatched.at[choice_major_experts, slot].set(x[token_index], mode="drop")
-        gate = jnp.einsum("ecd,edf->ecf", dispatched, self.gate)
-        up = jnp.einsum("ecd,edf->ecf", dispatched, self.up)
-        expert_outputs = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, self.down)
+
+        def matmul(rows, weights):
+            return jnp.einsum("ecd,edf->ecf", rows, weights)
+
+        expert_outputs = self._apply(dispatched, matmul, lambda b: b[:, None, :])
         gathered = expert_outputs[choice_major_experts, jnp.minimum(slot, expert_capacity - 1)]
         gathered = jnp.where(kept[:, None], gathered, 0.0).reshape(top_k, n_tokens, -1)
         output = jnp.einsum("ktd,tk->td", gathered, routing.weights.astype(x.dtype))
@@ -346,17 +401,39 @@ class Experts(AbstractAxesOwner):
         combine = combine.at[jnp.arange(n_tokens)[:, None], routing.experts].add(
             routing.weights.astype(x.dtype)
         )
-        gate = jnp.einsum("td,edf->etf", x, self.gate)
-        up = jnp.einsum("td,edf->etf", x, self.up)
-        expert_outputs = jnp.einsum("etf,efd->etd", jax.nn.silu(gate) * up, self.down)
+
+        def matmul(rows, weights):
+            if rows.ndim == 2:  # the tokens, shared by every expert
+                return jnp.einsum("td,edf->etf", rows, weights)
+            return jnp.einsum("etf,efd->etd", rows, weights)
+
+        expert_outputs = self._apply(x, matmul, lambda b: b[:, None, :])
         return jnp.einsum("etd,te->td", expert_outputs, combine)
 
 
+def gated_activation(
+    gate: Float[Array, "*rows mlp"],
+    up: Float[Array, "*rows mlp"],
+    activation: ExpertActivation,
+    alpha: float,
+    limit: float,
+) -> Float[Array, "*rows mlp"]:
+    """``silu(gate) * up`` (``"swiglu"``) or GPT-OSS's ``"clamped_swiglu"``: ``gate`` clamped
+    above at ``limit``, ``up`` to ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha
+    * gate)`` (the clamps keep the activations of its low-precision experts bounded)."""
+    if activation == "swiglu":
+        return jax.nn.silu(gate) * up
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
+
+
 class MoE(eqx.Module):
-    """Routed SwiGLU experts plus optional always-on shared experts.
+    """Routed gated experts plus optional always-on shared experts.
 
     ``router`` holds the `Router`'s options beyond ``top_k`` and ``normalize_topk``
-    (``scoring``, ``n_groups``, ``topk_groups``, ``scaling``, ``bias``, ``selection_bias``).
+    (``scoring``, ``n_groups``, ``topk_groups``, ``scaling``, ``bias``, ``selection_bias``);
+    ``experts`` the `Experts`' options (``bias``, ``activation``, ``alpha``, ``limit``).
     Shared experts (Qwen-MoE / DeepSeek-MoE) are one SwiGLU MLP of width ``shared_mlp_dim``
     applied to every token, optionally scaled by ``sigmoid(x @ shared_gate)`` (Qwen2-MoE).
 
@@ -388,6 +465,7 @@ class MoE(eqx.Module):
         *,
         normalize_topk: bool = True,
         router: Mapping[str, Any] | None = None,
+        experts: Mapping[str, Any] | None = None,
         shared_mlp_dim: int = 0,
         shared_gate: bool = False,
         routing_mode: RoutingMode = "dropless",
@@ -411,7 +489,9 @@ class MoE(eqx.Module):
             key=kr,
             **(router or {}),
         )
-        self.experts = Experts(d_model, expert_mlp_dim, n_experts, init_std=init_std, key=ke)
+        self.experts = Experts(
+            d_model, expert_mlp_dim, n_experts, init_std=init_std, key=ke, **(experts or {})
+        )
         self.shared = (
             MLP(d_model, shared_mlp_dim, activation="swiglu", init_std=init_std, key=ks)
             if shared_mlp_dim > 0
