@@ -8,7 +8,6 @@ from pathlib import Path
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import pytest
 
 import models
@@ -23,6 +22,7 @@ from eqxzoo.config import (
     mesh_config,
     step_config,
 )
+from eqxzoo.optim import trainable_mask
 from eqxzoo.parallel import MeshConfig, Schedule
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.typed_config import read_toml
@@ -59,9 +59,10 @@ def test_every_config_file_loads(path, tmp_path):
 
 
 def parameter_counts(model_config: models.DecoderConfig) -> tuple[int, int]:
-    """(total, active per token): active leaves out the experts a token is not routed to."""
+    """(total, active per token): active leaves out the experts a token is not routed to;
+    buffers (DeepSeek-V3's balancing biases) are not parameters."""
     shape = eqx.filter_eval_shape(models.DecoderLM, model_config, key=jax.random.key(0))
-    shape, _ = eqx.partition(shape, lambda leaf: jnp.issubdtype(leaf.dtype, jnp.inexact))
+    shape, _ = eqx.partition(shape, trainable_mask(shape))
     total = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(shape))
     if model_config.moe is None:
         return total, total
@@ -259,6 +260,19 @@ def error_for(overrides, path=TINY) -> str:
         (
             ["mesh.pp=4", "pipeline.microbatches=4"],
             r"^mesh\.pp: n_layers=4 is not divisible by pp \* repeats = 4 \* 2; choose mesh\.pp and ",
+        ),
+        (
+            [
+                "model.family=deepseek_v3",
+                "model.n_layers=5",
+                "model.first_dense_layers=2",
+                "model.moe.scoring=sigmoid",
+                "model.moe.selection_bias=true",
+                "model.moe.shared_gate=false",
+            ],
+            r"^mesh\.pp: n_layers=3 is not divisible by pp \* repeats = 2 \* 2; choose mesh\.pp "
+            r"and pipeline\.repeats whose product divides the 3 pipelined layers "
+            r"\(model\.n_layers=5 less model\.first_dense_layers=2\)$",
         ),
         (
             ["mesh.tp=8", "data.batch_size=2", "mesh.dp=1"],

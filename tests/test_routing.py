@@ -3,6 +3,7 @@ auxiliary-loss-free balancing: its update rule, a skewed router balanced by it, 
 biases on every mesh."""
 
 import dataclasses
+import re
 
 import equinox as eqx
 import jax
@@ -18,8 +19,13 @@ from eqxzoo.optim import OptimizerConfig
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh
 from eqxzoo.train.layout import from_pipeline_layout
 from eqxzoo.train.settings import StepConfig
-from eqxzoo.train.state import init_train_state
-from eqxzoo.train.step import make_train_step
+from eqxzoo.train.state import abstract_train_state, init_train_state
+from eqxzoo.train.step import (
+    PlanWouldDeadlock,
+    compile_train_step,
+    compile_train_step_for,
+    make_train_step,
+)
 
 D_MODEL, N_EXPERTS, TOKENS = 16, 8, 40
 
@@ -219,3 +225,29 @@ def test_balancing_biases_are_equal_on_pp1_and_pp2(tiny_config, random_batch):
     bias_two = from_pipeline_layout(two.model).blocks.layers.mlp.router.selection_bias
     assert np.any(np.asarray(bias_one) != 0)
     np.testing.assert_array_equal(bias_two, bias_one)
+
+
+def test_stages_compute_through_bubbles_where_xla_cpu_cannot_skip_them(tiny_config):
+    """On dp2 x pp2 x ep2 the partitioner moves this DeepSeek-shaped model's weights between
+    mesh axes by collective-permutes inside the pipeline's stage branch, which XLA:CPU
+    cannot run while another stage idles: the step is refused (one line naming the way
+    out), and `compile_train_step_for` compiles the stages without the branch instead."""
+    config = tiny_config("deepseek_v3", n_layers=N_LAYERS)
+    mesh = make_mesh(MeshConfig(dp=2, pp=2, ep=2))
+    step_config = StepConfig(schedule=Schedule("gpipe", 2, SHAPE[1], 1))
+    target = abstract_train_state(
+        lambda key: models.DecoderLM(config, key=key), config=step_config, mesh=mesh
+    )
+    with pytest.raises(PlanWouldDeadlock) as refused:
+        compile_train_step(step_config, mesh, target, SHAPE)
+    assert re.fullmatch(
+        r"this plan would hang on XLA:CPU: the partitioner put \d+ collective-permute\(s\) "
+        r"inside the pipeline's stage branch \(first: jit\(step\)/\S+\), where devices of "
+        r"stages idling in a bubble never arrive; on CPU, choose a mesh with fewer of dp, tp "
+        r"and ep above 1, pp = 1, or the gpipe or circular schedule \(which then compute "
+        r"through their bubbles\)",
+        str(refused.value),
+    )
+    compiled, used = compile_train_step_for(step_config, mesh, target, SHAPE)
+    assert used == dataclasses.replace(step_config, skip_bubbles=False)
+    assert compiled is not None

@@ -68,6 +68,54 @@ def test_resume_on_another_mesh(reference: list[dict], tmp_path: Path, cache_dir
     np.testing.assert_allclose(losses(tmp_path), expected, rtol=1e-5)
 
 
+# configs/tiny.toml made DeepSeek-V3-shaped: one dense prefix layer before 4 MoE blocks,
+# latent attention, group-limited sigmoid routing whose balancing biases move every step.
+DEEPSEEK = (
+    "model.family=deepseek_v3",
+    "model.n_layers=5",
+    "model.first_dense_layers=1",
+    "model.mlp_dim=64",
+    "model.moe.shared_gate=false",
+    "model.moe.scoring=sigmoid",
+    "model.moe.selection_bias=true",
+    "model.moe.n_groups=2",
+    "model.moe.topk_groups=1",
+    "model.moe.normalize_topk=true",
+    "model.latent_attention.q_lora_rank=16",
+    "model.latent_attention.kv_lora_rank=16",
+    "model.latent_attention.qk_nope_head_dim=8",
+    "model.latent_attention.qk_rope_head_dim=8",
+    "model.latent_attention.v_head_dim=8",
+    "loss.bias_update_rate=0.01",
+    "run.eval_every=0",
+    "mesh.tp=1",
+    "mesh.ep=2",
+)
+
+
+def test_a_model_with_a_prefix_resumes_on_another_pp(tmp_path: Path, cache_dir: Path):
+    """Saved at step 2 on dp2 x pp2 x ep2 (circular, R=2), resumed on dp4 x pp1 x ep2: the
+    losses of the run that never stopped; the dry run lists the prefix's arrays."""
+    run(tmp_path / "whole", cache_dir, overrides=DEEPSEEK, extra=("--steps", "4"))
+    first = run(tmp_path / "split", cache_dir, overrides=DEEPSEEK, extra=("--steps", "2"))
+    assert "note: the stages compute through their bubbles" in first.stdout
+    result = run(
+        tmp_path / "split",
+        cache_dir,
+        overrides=(*DEEPSEEK, "mesh.dp=4", "mesh.pp=1"),
+        extra=("--steps", "4"),
+    )
+    assert "resumed from the checkpoint at step 2" in result.stdout
+    expected = losses(tmp_path / "whole")
+    assert len(expected) == 4
+    np.testing.assert_allclose(losses(tmp_path / "split"), expected, rtol=1e-5)
+    planned = run(tmp_path / "dry", cache_dir, overrides=DEEPSEEK, extra=("--dry-run",))
+    assert re.search(r"prefix\.layers\.attention\.wkv_b +1x16x4x16 ", planned.stdout), (
+        planned.stdout
+    )
+    assert "blocks.layers.mlp.router.selection_bias" in planned.stdout
+
+
 def test_pp_1_2_4_give_the_same_losses(reference: list[dict], tmp_path: Path, cache_dir: Path):
     """pp=2 is the reference run (circular, R=2); pp=1 and pp=4 run GPipe on the same batch."""
     expected = [r["loss"] for r in reference if "loss" in r][:4]

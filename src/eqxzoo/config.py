@@ -264,17 +264,18 @@ class RunConfig:
     def _check_model_fits_mesh(self) -> None:
         model, mesh = self.model, self.mesh
         n_experts = None if model.moe is None else model.moe.n_experts
-        blocks = (
-            "model.n_layers - model.first_dense_layers (the pipelined layers)"
-            if model.first_dense_layers
-            else "model.n_layers"
-        )
+        pipelined = "model.n_layers"
+        if model.first_dense_layers:
+            pipelined = (
+                f"the {model.n_blocks} pipelined layers (model.n_layers={model.n_layers} less "
+                f"model.first_dense_layers={model.first_dense_layers})"
+            )
         # One mesh axis at a time, so the message names the axis that does not fit.
         for key, axis_only, fix in (
             (
                 "mesh.pp",
                 MeshConfig(pp=mesh.pp),
-                f"choose mesh.pp and pipeline.repeats whose product divides {blocks}",
+                f"choose mesh.pp and pipeline.repeats whose product divides {pipelined}",
             ),
             ("mesh.tp", MeshConfig(tp=mesh.tp), "choose a mesh.tp that divides model.n_heads"),
             (

@@ -142,6 +142,49 @@ def collective_traffic(hlo_text: str) -> dict[str, Traffic]:
     return traffic_of(entry)
 
 
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def permutes_in_branches(hlo_text: str) -> list[str]:
+    """The collective-permutes of the program ``hlo_text`` (optimized HLO) that run inside a
+    ``conditional``'s branch, by their ``op_name`` (the JAX source path; the instruction's
+    name where it has none).
+
+    XLA:CPU runs a collective-permute as a rendezvous of every device of the program: one
+    that devices reach only in some branch (a pipeline stage busy while another idles in a
+    bubble) waits for devices that never come, and the program aborts.
+    """
+    computations, entry = _parse(hlo_text)
+    in_branch: set[str] = set()
+
+    def visit(name: str, inside: bool, seen: set[tuple[str, bool]]) -> None:
+        if (name, inside) in seen:
+            return
+        seen.add((name, inside))
+        if inside:
+            in_branch.add(name)
+        for line in computations.get(name, ()):
+            instruction = _INSTRUCTION.match(line)
+            if instruction is None:
+                continue
+            _, opcode, rest = instruction.groups()
+            for listed, single in _BRANCHES.findall(rest) if opcode == "conditional" else ():
+                for branch in listed.split(",") if listed else [single]:
+                    visit(branch.strip().lstrip("%"), True, seen)
+            for called in _CALLED.findall(rest):
+                visit(called, inside, seen)
+
+    visit(entry, False, set())
+    found = []
+    for name in sorted(in_branch):
+        for line in computations[name]:
+            instruction = _INSTRUCTION.match(line)
+            if instruction and _kind(instruction.group(2)) == "collective-permute":
+                op_name = _OP_NAME.search(line)
+                found.append(op_name.group(1) if op_name else line.split("=")[0].strip())
+    return found
+
+
 def traffic_table(traffic: Mapping[str, Traffic]) -> str:
     """``kind: count x, bytes`` lines, one per kind, and a total."""
     lines = [

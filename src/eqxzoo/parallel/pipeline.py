@@ -67,6 +67,7 @@ def run_pipeline(
     remat_stages: bool = True,
     rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
     bubble_fill: float = 0.0,
+    skip_bubbles: bool = True,
 ) -> tuple[Float[Array, "microbatches batch seq embed"], dict[str, Array]]:
     """Apply staged ``layers`` to every microbatch, stage by stage on the ``pp`` mesh axis.
 
@@ -82,6 +83,10 @@ def run_pipeline(
     crashed XLA's partitioner with dp, pp and ep together). ``remat_stages=False`` keeps every
     tick's activations instead of recomputing them (faster, more memory). ``bubble_fill`` is
     what a skipped tick emits (tests fill bubbles with NaN to show nothing leaks from them).
+    ``skip_bubbles=False`` computes the stage at every tick, on zeros in a bubble, and keeps
+    the result only where the tick is active: no ``cond``, so every device reaches every
+    collective of the stage (XLA:CPU needs it when the partitioner puts collective-permutes
+    in the stage; `eqxzoo.train.step.compile_train_step_for`).
     """
     assert mesh.shape["pp"] == schedule.stages, (mesh.shape, schedule)  # checked by the state
     schedule = schedule.forward_only
@@ -147,7 +152,14 @@ def run_pipeline(
             # of the picked weights for every tick.
             def stage_or_bubble(w, r, h):
                 w = jax.tree.map(lambda p: p[r], w)
-                return jax.lax.cond(active, run_stage, skip_stage, w, h)
+                if skip_bubbles:
+                    return jax.lax.cond(active, run_stage, skip_stage, w, h)
+                computed = run_stage(w, jnp.where(active, h, jnp.zeros_like(h)))
+                return jax.tree.map(
+                    lambda value, skipped: jnp.where(active, value, skipped),
+                    computed,
+                    skip_stage(w, h),
+                )
 
             if remat_stages:
                 stage_or_bubble = jax.checkpoint(stage_or_bubble, prevent_cse=False)

@@ -63,7 +63,7 @@ from eqxzoo.train.state import (
     init_train_state_from,
     train_state_axes,
 )
-from eqxzoo.train.step import batch_sharding, compile_train_step, make_eval_step
+from eqxzoo.train.step import batch_sharding, compile_train_step_for, make_eval_step
 from models import model_factory
 from models.hf import open_hf
 
@@ -212,9 +212,14 @@ class _Trainer:
         evaluation step compiles on its first call."""
         self.target = abstract_train_state(self.make_model, config=self.step_config, mesh=self.mesh)
         self.axes = train_state_axes(self.make_model, config=self.step_config)
-        self.train_step = compile_train_step(
+        self.train_step, self.step_config = compile_train_step_for(
             self.step_config, self.mesh, self.target, batch_shape(self.config).shape
         )
+        if not self.step_config.skip_bubbles:
+            self.say(
+                "note: the stages compute through their bubbles (XLA:CPU cannot skip them in "
+                "this program: collective-permutes in the stage)"
+            )
         self.eval_step = make_eval_step(self.step_config, self.mesh)
         step_memory = StepMemory.of(self.train_step)
         if step_memory is None:

@@ -52,6 +52,7 @@ def pipelined_loss(
             remat_stages=config.remat_stages,
             rules=config.rules,
             bubble_fill=config.bubble_fill,
+            skip_bubbles=config.skip_bubbles,
         )
     with jax.named_scope("head"):
         logits = jax.lax.with_sharding_constraint(

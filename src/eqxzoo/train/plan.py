@@ -15,7 +15,7 @@ from eqxzoo.train.loop import batch_shape
 from eqxzoo.train.memory import StepMemory, format_bytes, run_memory_checks
 from eqxzoo.train.report import flops_per_token, parameter_counts
 from eqxzoo.train.state import abstract_train_state
-from eqxzoo.train.step import compile_train_step
+from eqxzoo.train.step import compile_train_step_for
 from models import model_factory
 from models.hf import open_hf
 
@@ -48,7 +48,7 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
     counts = parameter_counts(config.model)
     shape = batch_shape(config)
     start = time.perf_counter()
-    compiled = compile_train_step(config_for_step, mesh, target, shape.shape)
+    compiled, config_for_step = compile_train_step_for(config_for_step, mesh, target, shape.shape)
     compile_seconds = time.perf_counter() - start
     memory = StepMemory.of(compiled)
 
@@ -87,6 +87,11 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
             else f"; activation memory {format_bytes(memory.temporaries)} per device"
         )
     )
+    if not config_for_step.skip_bubbles:
+        say(
+            "the stages compute through their bubbles: XLA:CPU cannot skip them in this "
+            "program (collective-permutes in the stage)"
+        )
     rows = [("parameter", "shape", "dtype", "sharding", "per device")] + sharding_table(target)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -97,6 +102,7 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
         "parameters": counts.total,
         "active_parameters": counts.active,
         "compile_seconds": compile_seconds,
+        "skip_bubbles": config_for_step.skip_bubbles,
     }
     if memory is not None:
         figures |= {

@@ -45,6 +45,7 @@ class StepConfig:
     bias_update_rate: float = 0.001
     remat_stages: bool = True
     bubble_fill: float = 0.0
+    skip_bubbles: bool = True
     sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)
 
     @property

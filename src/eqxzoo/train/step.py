@@ -7,6 +7,7 @@ loss (`eqxzoo.train.loss`) live in their own modules; this one depends on the mo
 through the model contract.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 
@@ -17,9 +18,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Float, Int, PyTree
 
+from eqxzoo.errors import UserError
 from eqxzoo.nn import LanguageModel, balance_selection_bias
 from eqxzoo.optim import build_optimizer, is_buffer, learning_rate_schedule, trainable_mask
 from eqxzoo.parallel import DEFAULT_RULES, MeshAxes, activation_sharding
+from eqxzoo.parallel.collectives import permutes_in_branches
 from eqxzoo.train.loss import pipelined_loss, pipelined_loss_and_grad
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import TrainState, split_trainable
@@ -148,7 +151,50 @@ def compile_train_step(
         name: jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=sharding)
         for name in ("tokens", "targets")
     }
-    return make_train_step(config, mesh).lower(state, batch).compile()
+    compiled = make_train_step(config, mesh).lower(state, batch).compile()
+    check_no_permutes_in_branches(compiled, mesh)
+    return compiled
+
+
+def compile_train_step_for(
+    config: StepConfig, mesh: Mesh, state: TrainState, batch_shape: tuple[int, int, int, int]
+) -> tuple[jax.stages.Compiled, StepConfig]:
+    """`compile_train_step`, and the `StepConfig` it compiled with: where XLA:CPU could not
+    run the step (`PlanWouldDeadlock`) and the schedule allows it (GPipe, circular), the
+    stages compute through their bubbles instead of skipping them (``skip_bubbles=False``:
+    the bubbles' share of the stage work more, the same results). Build every other step
+    of the run (evaluation) from the returned config."""
+    try:
+        return compile_train_step(config, mesh, state, batch_shape), config
+    except PlanWouldDeadlock:
+        if config.schedule.fuses_backward or not config.skip_bubbles:
+            raise
+    config = dataclasses.replace(config, skip_bubbles=False)
+    return compile_train_step(config, mesh, state, batch_shape), config
+
+
+class PlanWouldDeadlock(UserError, RuntimeError):
+    """The compiled step would hang on this platform (and abort after XLA's timeout)."""
+
+
+def check_no_permutes_in_branches(compiled: jax.stages.Compiled, mesh: Mesh) -> None:
+    """Refuse, on XLA:CPU with pipeline stages, a step whose partitioner placed
+    collective-permutes inside the pipeline's bubble-skipping branch
+    (`eqxzoo.parallel.collectives.permutes_in_branches`): there every device must arrive,
+    and the stages idling in a bubble never do. Which sharding choices make the partitioner
+    move a weight between mesh axes by permutes depends on the model (latent attention
+    with both ``dp`` and ``tp`` above 1 does)."""
+    if mesh.devices.flat[0].platform != "cpu" or mesh.shape["pp"] == 1:
+        return
+    permutes = permutes_in_branches(compiled.as_text())
+    if permutes:
+        raise PlanWouldDeadlock(
+            f"this plan would hang on XLA:CPU: the partitioner put {len(permutes)} "
+            f"collective-permute(s) inside the pipeline's stage branch (first: "
+            f"{permutes[0]}), where devices of stages idling in a bubble never arrive; on "
+            "CPU, choose a mesh with fewer of dp, tp and ep above 1, pp = 1, or the gpipe or "
+            "circular schedule (which then compute through their bubbles)"
+        )
 
 
 def make_train_step(
