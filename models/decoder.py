@@ -229,13 +229,13 @@ class DecoderLM(eqx.Module):
     ``head`` (the model contract, `eqxzoo.nn.LanguageModel`).
 
     The parts can be driven separately (the pipeline runs ``blocks`` stage by stage between
-    ``embed`` and ``head``); ``__call__`` composes them for one sequence. ``prefix`` is the
-    contract's slot for first layers whose shapes differ from the block (None for every
-    family so far; the KV-cache path does not run one yet). Batch with
-    `jax.vmap`. The parts also take leading batch axes directly, with the same results as
+    ``embed`` and ``head``); ``__call__`` composes them for one sequence. ``prefix`` holds
+    the ``first_dense_layers`` layers whose MLP is dense where the blocks' is a MoE
+    (DeepSeek; None without them), run after ``embed`` and, in the KV cache, before the
+    blocks. Batch with `jax.vmap`. The parts also take leading batch axes directly, with the same results as
     `jax.vmap` (the trainer uses this: token-flattened matmuls are faster than vmapped ones).
     Per-layer settings (sliding windows) are integer arrays inside the blocks, stacked like
-    the weights (`layer_data`). ``config`` is kept (static) so the model can be saved and
+    the weights (`_with_windows`). ``config`` is kept (static) so the model can be saved and
     rebuilt.
     """
 

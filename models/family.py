@@ -292,7 +292,8 @@ def check_expressible(
     if config.moe is not None:
         defaults = {field.name: field.default for field in dataclasses.fields(MoEConfig)}
         checked += [
-            (f"moe.{name}", defaults[name], getattr(config.moe, name)) for name in MOE_ARCHITECTURE_FIELDS
+            (f"moe.{name}", defaults[name], getattr(config.moe, name))
+            for name in MOE_ARCHITECTURE_FIELDS
         ]
     for name, default, value in checked:
         if name in free:

@@ -1,12 +1,18 @@
 """`collective_traffic` against programs whose collectives are known: counts and bytes,
-loops multiplied by their trip counts, the costlier branch of a conditional."""
+loops multiplied by their trip counts, the costlier branch of a conditional; and
+`permutes_in_branches`."""
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from eqxzoo.parallel.collectives import Traffic, collective_traffic, traffic_table
+from eqxzoo.parallel.collectives import (
+    Traffic,
+    collective_traffic,
+    permutes_in_branches,
+    traffic_table,
+)
 
 
 def _mesh():
@@ -49,3 +55,19 @@ def test_the_costlier_branch_of_a_conditional_counts():
 
     traffic = collective_traffic(_compiled_text(body, jnp.ones((2, 512), jnp.float32)))
     assert traffic == {"all-reduce": Traffic(count=1, bytes=512 * 4)}
+
+
+def test_permutes_inside_a_branch_are_found_by_their_source():
+    """The collective-permutes a device reaches only in one branch of a conditional (XLA:CPU
+    cannot run them while another device takes the other branch), not those outside."""
+
+    def shifted(v):
+        return jax.lax.ppermute(v, "x", [(0, 1), (1, 0)])
+
+    def body(v):
+        v = shifted(v)  # outside any branch
+        return jax.lax.cond(v[0, 0] > 0, shifted, lambda v: v * 2, v)
+
+    found = permutes_in_branches(_compiled_text(body, jnp.ones((2, 64), jnp.float32)))
+    assert len(found) == 1 and "cond" in found[0] and "ppermute" in found[0], found
+    assert permutes_in_branches(_compiled_text(shifted, jnp.ones((2, 64), jnp.float32))) == []

@@ -35,7 +35,9 @@ class Precision:
 class StepConfig:
     """Everything the train step needs besides the model: schedule, optimizer, precision,
     loss weights, the balancing biases' update rate, stage remat and the sharding rules
-    (`step_config` derives it from a run)."""
+    (`step_config` derives it from a run). ``bubble_fill`` and ``skip_bubbles`` are the
+    pipeline's (`eqxzoo.parallel.run_pipeline`); the run sets ``skip_bubbles`` from what the
+    compiled step needs (`eqxzoo.train.step.compile_train_step_for`)."""
 
     schedule: Schedule
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
