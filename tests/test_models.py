@@ -50,6 +50,22 @@ CONFIGS = {
         sliding_window=4,
         moe=dataclasses.replace(models.GptOssConfig().moe, n_experts=4, top_k=2, expert_mlp_dim=24),
     ),
+    "deepseek_v3": models.DeepseekV3Config(
+        **{**SMALL, "n_layers": 3},
+        moe=dataclasses.replace(
+            MOE, shared_mlp_dim=24, scoring="sigmoid", n_groups=2, selection_bias=True
+        ),
+        latent_attention=models.LatentAttentionConfig(
+            q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8
+        ),
+    ),
+    "deepseek_v2_lite": models.DeepseekV2Config(
+        **{**SMALL, "n_layers": 3},
+        moe=dataclasses.replace(MOE, normalize_topk=False, shared_mlp_dim=48),
+        latent_attention=models.LatentAttentionConfig(
+            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8
+        ),
+    ),
 }
 
 
@@ -77,8 +93,11 @@ def test_shapes_dtypes_and_aux(name):
             "dropped_fraction",
             "padding_fraction",
         }
-        assert aux["expert_fraction"].shape == (3, 4)
-        np.testing.assert_allclose(jnp.sum(aux["expert_fraction"], -1), np.ones(3), rtol=1e-6)
+        n_blocks = model.config.n_blocks  # the MoE layers (DeepSeek's dense prefix has none)
+        assert aux["expert_fraction"].shape == (n_blocks, 4)
+        np.testing.assert_allclose(
+            jnp.sum(aux["expert_fraction"], -1), np.ones(n_blocks), rtol=1e-6
+        )
         assert aux["load_balance_loss"].shape == ()
     assert (model.unembedding is None) == model.config.tie_embeddings
 
@@ -126,7 +145,7 @@ def test_grad_vmap_and_jit(name):
     grad_leaves = jax.tree.leaves(grads)
     assert len(grad_leaves) == len(jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
     assert all(np.isfinite(np.asarray(g)).all() for g in grad_leaves)
-    assert float(jnp.abs(grads.blocks.layers.attention.wq).sum()) > 0
+    assert float(jnp.abs(grads.blocks.layers.attention.wo).sum()) > 0
     np.testing.assert_allclose(eqx.filter_jit(_loss)(model, batch), loss, rtol=1e-6)
     # Plain jax.grad over the float arrays (integer per-layer data, such as sliding windows,
     # is not differentiable).
