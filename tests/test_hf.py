@@ -413,8 +413,8 @@ def test_unknown_architecture(tmp_path):
     with pytest.raises(
         ConfigError,
         match=r"architectures: \['PhiForCausalLM'\] is not supported; "
-        r"supported: GPT2LMHeadModel, Gemma2ForCausalLM, Gemma3ForCausalLM, GptOssForCausalLM, "
-        r"LlamaForCausalLM, ",
+        r"supported: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, GPT2LMHeadModel, "
+        r"Gemma2ForCausalLM, Gemma3ForCausalLM, GptOssForCausalLM, LlamaForCausalLM, ",
     ):
         load_hf(tmp_path)
 
