@@ -284,7 +284,7 @@ class CausalSelfAttention(AbstractAxesOwner):
         gives `__call__`'s result. Returns the output and the cache with these tokens written.
         """
         keys, values = cache
-        seq, size = x.shape[0], keys.shape[0]
+        seq = x.shape[0]
         positions = start + jnp.arange(seq)
         q, k, v = self.project_qkv(x, positions)
         attended = attend(
@@ -298,10 +298,20 @@ class CausalSelfAttention(AbstractAxesOwner):
             softcap=self.softcap,
             sinks=self.sinks,
         )
-        slots = cache_slots(positions, size)
-        keys = keys.at[slots].set(k.astype(keys.dtype), mode="drop")
-        values = values.at[slots].set(v.astype(values.dtype), mode="drop")
-        return self.project_out(attended), (keys, values)
+        return self.project_out(attended), write_cache(cache, (k, v), positions)
+
+
+def write_cache(
+    cache: tuple[Array, ...], entries: tuple[Array, ...], positions: Int[Array, " seq"]
+) -> tuple[Array, ...]:
+    """Each ``(slots, ...)`` array of ``cache`` with the matching ``(seq, ...)`` array of
+    ``entries``, the chunk at consecutive ``positions``, written to its slots (`cache_slots`),
+    in the cache's dtype."""
+    slots = cache_slots(positions, cache[0].shape[0])
+    return tuple(
+        stored.at[slots].set(new.astype(stored.dtype), mode="drop")
+        for stored, new in zip(cache, entries, strict=True)
+    )
 
 
 def cache_slots(positions: Int[Array, " seq"], size: int) -> Int[Array, " seq"]:

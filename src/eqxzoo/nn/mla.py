@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from eqxzoo.nn.attention import attend, cache_slots
+from eqxzoo.nn.attention import attend, write_cache
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
 from eqxzoo.nn.linear import dense, normal_init
 from eqxzoo.nn.norm import RMSNorm
@@ -261,7 +261,7 @@ class LatentAttention(AbstractAxesOwner):
         tokens written.
         """
         latents, rope_keys = cache
-        seq, size = x.shape[0], latents.shape[0]
+        seq = x.shape[0]
         positions = start + jnp.arange(seq)
         latent, k_rope = self.compress(x, positions)
         keys, values = self.expand(
@@ -276,7 +276,4 @@ class LatentAttention(AbstractAxesOwner):
             jnp.concatenate([cache_positions, positions]),
             scale=self.scale,
         )
-        slots = cache_slots(positions, size)
-        latents = latents.at[slots].set(latent.astype(latents.dtype), mode="drop")
-        rope_keys = rope_keys.at[slots].set(k_rope.astype(rope_keys.dtype), mode="drop")
-        return self.project_out(attended), (latents, rope_keys)
+        return self.project_out(attended), write_cache(cache, (latent, k_rope), positions)
