@@ -10,6 +10,8 @@ checked against their annotations first (`eqxzoo.typed_config.check_fields`), so
 import dataclasses
 from typing import Any, ClassVar, Literal
 
+import jax.numpy as jnp
+
 from eqxzoo.nn import (
     Activation,
     ExpertActivation,
@@ -18,6 +20,7 @@ from eqxzoo.nn import (
     RoutingMode,
     Scoring,
 )
+from eqxzoo.nn.attention import DEFAULT_BLOCK_SIZE, AttentionKernel, cudnn_supports
 from eqxzoo.nn.moe import check_groups
 from eqxzoo.typed_config import ConfigError, check_fields, refuse, require_at_least
 
@@ -42,7 +45,14 @@ QKNormOver = Literal["head", "all_heads"]
 PositionKind = Literal["rope", "learned"]
 
 # Keys that choose how the zoo runs the same parameters, never what they compute.
-RUNTIME_KEYS = ("scan_layers", "remat", "moe.routing", "moe.capacity_factor")
+RUNTIME_KEYS = (
+    "scan_layers",
+    "remat",
+    "attention_kernel",
+    "attention_block_size",
+    "moe.routing",
+    "moe.capacity_factor",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +204,10 @@ class DecoderConfig:
     ``n_layers`` counts both. ``latent_attention`` replaces every layer's attention by
     multi-head latent attention (`LatentAttentionConfig`).
 
-    ``scan_layers`` and ``remat`` change how the layers run, never the parameters.
+    ``scan_layers``, ``remat``, ``attention_kernel`` and ``attention_block_size`` change how
+    the layers run, never the parameters or what they compute: ``attention_kernel`` is
+    `eqxzoo.nn.attend`'s (``"auto"``: cuDNN on a GPU where it supports the layers' options,
+    the blockwise kernel with key blocks of ``attention_block_size`` elsewhere).
     """
 
     family: ClassVar[str] = "decoder"
@@ -238,10 +251,21 @@ class DecoderConfig:
     latent_attention: LatentAttentionConfig | None = None
     scan_layers: bool = True
     remat: RematPolicy = "none"
+    attention_kernel: AttentionKernel = "auto"
+    attention_block_size: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self):
         check_fields(self)
-        require_at_least(self, 1, "vocab_size", "d_model", "n_layers", "n_heads", "mlp_dim")
+        require_at_least(
+            self,
+            1,
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "mlp_dim",
+            "attention_block_size",
+        )
         if self.kv_heads < 1:
             refuse("n_kv_heads", f"must be >= 1, got {self.kv_heads}")
         if self.n_heads % self.kv_heads != 0:
@@ -285,7 +309,25 @@ class DecoderConfig:
             refuse("latent_attention", "latent attention needs rotary positions")
         if self.latent_attention is not None and self.attention_sinks:
             refuse("attention_sinks", "latent attention has no attention sinks; set it to false")
+        if self.attention_kernel == "cudnn":
+            self._check_cudnn_expresses_attention()
         self._canonicalize()
+
+    def _check_cudnn_expresses_attention(self) -> None:
+        supported = cudnn_supports(
+            dtype=jnp.bfloat16,
+            windowed=self.layer_windows is not None,
+            softcap=self.attention_softcap,
+            sinks=self.attention_sinks,
+            same_head_dims=self.latent_attention is None,
+            positions_are_indices=True,
+        )
+        if supported is not True:
+            refuse(
+                "attention_kernel",
+                f"'cudnn' cannot compute this model's attention ({supported}): "
+                "use 'auto' or 'blockwise'",
+            )
 
     def _canonicalize(self) -> None:
         """Unset the fields given at the value their absence means (``head_dim = d_model /

@@ -30,6 +30,7 @@ from eqxzoo.nn import (
     make_layers_for_keys,
     summarize_layer_aux,
 )
+from eqxzoo.nn.linear import dense
 from models.config import DecoderConfig
 from models.family import Family
 
@@ -198,6 +199,8 @@ def make_attention(
             rope_scaling=config.rope_scaling,
             attention_bias=latent.bias,
             norm_eps=latent.norm_eps,
+            kernel=config.attention_kernel,
+            block_size=config.attention_block_size,
             init_std=config.init_std,
             key=key,
         )
@@ -219,6 +222,8 @@ def make_attention(
         scale=None if config.attention_scale_dim is None else config.attention_scale_dim**-0.5,
         softcap=config.attention_softcap,
         sinks=config.attention_sinks,
+        kernel=config.attention_kernel,
+        block_size=config.attention_block_size,
         init_std=config.init_std,
         key=key,
     )
@@ -334,10 +339,21 @@ class DecoderLM(eqx.Module):
     def head(self, h: Float[Array, "*batch seq embed"]) -> Float[Array, "*batch seq vocab"]:
         """Final norm, the output projection (or the tied embedding) and, with
         ``final_softcap``, ``cap * tanh(logits / cap)``."""
-        h = self.final_norm(h)
-        logits = self.embedding.attend(h) if self.unembedding is None else self.unembedding(h)
-        cap = self.config.final_softcap
+        features, unembedding, cap = self.head_inputs(h)
+        logits = dense(features, unembedding)
         return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+    def head_inputs(
+        self, h: Float[Array, "*batch seq embed"]
+    ) -> tuple[Float[Array, "*batch seq embed"], Float[Array, "embed vocab"], float | None]:
+        """What `head` makes the logits of: the final-normed states, the output projection
+        (the tied embedding, transposed) and the final soft-cap. The trainer's fused loss
+        takes these instead of the logits (`eqxzoo.nn.fused_cross_entropy`)."""
+        unembedding = self.embedding.weight.T if self.unembedding is None else self.unembedding
+        if isinstance(unembedding, Linear):
+            assert unembedding.bias is None, "the output projection has no bias"
+            unembedding = unembedding.weight
+        return self.final_norm(h), unembedding, self.config.final_softcap
 
     def __call__(
         self, tokens: Int[Array, " seq"], *, key: PRNGKeyArray | None = None

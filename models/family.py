@@ -248,6 +248,8 @@ FREE_FIELDS = frozenset(
         "moe",
         "scan_layers",
         "remat",
+        "attention_kernel",
+        "attention_block_size",
     }
 )
 

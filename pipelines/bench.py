@@ -25,6 +25,22 @@
    padding (``moe_padding_fraction``).
 9. Expert dispatch: the collectives of a compiled pipelined 64-expert MoE step on
    dp2 x pp2 x ep2, by kind, and the bytes they move per step (``moe_dispatch_collectives``).
+10. The loss at big vocabularies: compiled temporary bytes per device of the train step at
+   T = 4096, d_model 512, 4 layers, vocabularies of 32k and 152k, with the plain loss (whole
+   logits) and the fused chunked one (``loss_temp_bytes``: {"plain" | "chunked": {vocab:
+   bytes}}).
+11. Attention alone, forward and backward, q/k/v of (1, T, 8 heads, 64) in fp32, causal and
+   with a 1024 window: the blockwise kernel, the dense one and PyTorch's
+   ``F.scaled_dot_product_attention`` on CPU, timed in turn (``attention_fwd_bwd_s``:
+   {kernel: {"causal" | "window": {T: seconds}}}), and our kernels' compiled temporary bytes
+   (``attention_temp_bytes``).
+12. The reference model's train step at T in {256, 1024, 2048} with B x T = 2048 against
+   PyTorch eager (SDPA) side by side (``step_vs_pytorch_by_seq``: {T: ours / PyTorch's
+   tokens/s}).
+
+The pipeline efficiency (2.) times the dp8 and the pipelined steps in turn and reports the
+median ratio and its spread over the rounds (``pp_efficiency_spread``: {schedule: [min,
+max]}).
 
 Absolute times on a shared machine are noise; the ratios, measured in one run, are the result.
 """
@@ -35,6 +51,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -48,12 +65,13 @@ import jax.numpy as jnp  # noqa: E402
 
 import models  # noqa: E402
 from eqxzoo.nn import RoutingMode  # noqa: E402
+from eqxzoo.nn.attention import DEFAULT_BLOCK_SIZE  # noqa: E402
 from eqxzoo.optim import OptimizerConfig  # noqa: E402
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh  # noqa: E402
 from eqxzoo.parallel.collectives import collective_traffic  # noqa: E402
 from eqxzoo.train.report import flops_per_token, measured_matmul_flops, median_seconds  # noqa: E402
 from eqxzoo.train.settings import StepConfig  # noqa: E402
-from eqxzoo.train.state import init_train_state  # noqa: E402
+from eqxzoo.train.state import abstract_train_state, init_train_state  # noqa: E402
 from eqxzoo.train.step import batch_sharding, make_train_step  # noqa: E402
 
 REFERENCE = dict(vocab_size=1024, d_model=256, n_layers=4, n_heads=4, mlp_dim=1024)
@@ -87,6 +105,8 @@ class StepRunner:
         batch_shape,
         *,
         remat_stages=True,
+        loss_chunk_size: int = StepConfig.loss_chunk_size,
+        compile_only: bool = False,
     ):
         devices = jax.devices()[: mesh_config.size]
         self.mesh = make_mesh(mesh_config, devices)
@@ -94,16 +114,20 @@ class StepRunner:
             schedule=schedule,
             optimizer=OptimizerConfig(warmup_steps=10, decay_steps=1000),
             remat_stages=remat_stages,
+            loss_chunk_size=loss_chunk_size,
         )
-        self.state = init_train_state(
-            models.model_factory(model_config),
-            jax.random.key(0),
-            config=self.config,
-            mesh=self.mesh,
-        )
-        self.batch = jax.device_put(
-            make_batch(batch_shape, model_config.vocab_size), batch_sharding(self.mesh)
-        )
+        make_model = models.model_factory(model_config)
+        if compile_only:
+            self.state = abstract_train_state(make_model, config=self.config, mesh=self.mesh)
+            ids = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding(self.mesh))
+            self.batch = {"tokens": ids, "targets": ids}
+        else:
+            self.state = init_train_state(
+                make_model, jax.random.key(0), config=self.config, mesh=self.mesh
+            )
+            self.batch = jax.device_put(
+                make_batch(batch_shape, model_config.vocab_size), batch_sharding(self.mesh)
+            )
         self.step_fn = make_train_step(self.config, self.mesh)
         start = time.perf_counter()
         self.compiled = self.step_fn.lower(self.state, self.batch).compile()
@@ -150,21 +174,34 @@ def single_device(repeats: int, quick: bool) -> dict:
 def pipeline_efficiency(repeats: int, quick: bool) -> dict:
     """dp=2 x pp=4 (M=8 microbatches of B) against dp=8 on the same 8B sequences.
 
-    Both sides run the same step configuration (stage rematerialisation on), 8 layers.
+    Both sides run the same step configuration (stage rematerialisation on), 8 layers. The
+    three steps run in turn, round after round, so that a slow spell of the shared machine
+    slows them alike; each round gives a ratio, and the median and the spread of the ratios
+    are reported (at least 5 rounds).
     """
     batch, seq = _sizes(quick)
     config = reference_config(n_layers=8, quick=quick)
-    data_parallel = StepRunner(
-        config, MeshConfig(dp=8), Schedule("gpipe", 1, 1, 1), (1, 1, 8 * batch, seq)
-    )
-    baseline = data_parallel.tokens_per_second(repeats)
-    result = {"dp8_tokens_per_s": baseline}
-    for name, schedule in (
-        ("gpipe", Schedule("gpipe", 4, 8, 1)),
-        ("circular", Schedule("circular", 4, 8, 2)),
-    ):
-        runner = StepRunner(config, MeshConfig(dp=2, pp=4), schedule, (1, 8, batch, seq))
-        result[f"pp_efficiency_{name}"] = runner.tokens_per_second(repeats) / baseline
+    runners = {
+        "dp8": StepRunner(
+            config, MeshConfig(dp=8), Schedule("gpipe", 1, 1, 1), (1, 1, 8 * batch, seq)
+        ),
+        "gpipe": StepRunner(
+            config, MeshConfig(dp=2, pp=4), Schedule("gpipe", 4, 8, 1), (1, 8, batch, seq)
+        ),
+        "circular": StepRunner(
+            config, MeshConfig(dp=2, pp=4), Schedule("circular", 4, 8, 2), (1, 8, batch, seq)
+        ),
+    }
+    times = interleaved_times({name: r.step for name, r in runners.items()}, max(repeats, 5))
+    tokens = runners["dp8"].tokens
+    result: dict = {
+        "dp8_tokens_per_s": tokens / statistics.median(times["dp8"]),
+        "pp_efficiency_spread": {},
+    }
+    for name in ("gpipe", "circular"):
+        ratios = [base / piped for base, piped in zip(times["dp8"], times[name], strict=True)]
+        result[f"pp_efficiency_{name}"] = statistics.median(ratios)
+        result["pp_efficiency_spread"][name] = [min(ratios), max(ratios)]
     return result
 
 
@@ -367,9 +404,11 @@ def dispatch_figures(quick: bool) -> dict:
     }
 
 
-def interleaved_seconds(steps: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median wall time of each step, the steps run in turn ``repeats`` times (after one
-    warm-up call each)."""
+def interleaved_times(
+    steps: dict[str, Callable[[], object]], repeats: int
+) -> dict[str, list[float]]:
+    """Wall times of each step, the steps run in turn ``repeats`` times (after one warm-up
+    call each): round ``i`` of every step ran side by side."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for round_ in range(repeats + 1):
         for name, step in steps.items():
@@ -377,6 +416,12 @@ def interleaved_seconds(steps: dict[str, Callable[[], object]], repeats: int) ->
             jax.block_until_ready(step())
             if round_:
                 times[name].append(time.perf_counter() - start)
+    return times
+
+
+def interleaved_seconds(steps: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median wall time of each step of `interleaved_times`."""
+    times = interleaved_times(steps, repeats)
     return {name: statistics.median(values) for name, values in times.items()}
 
 
@@ -412,6 +457,159 @@ def schedule_figures(repeats: int, quick: bool) -> dict:
     }
 
 
+LOSS_VOCABS = (32768, 152064)
+LOSS_SEQ = 4096
+QUICK_LOSS = dict(vocabs=(512, 2048), seq=64, d_model=32, n_heads=4, mlp_dim=64)
+
+
+def loss_memory(quick: bool) -> dict:
+    """Compiled temporary bytes per device of the one-device train step at ``LOSS_SEQ``
+    tokens, d_model 512, 4 layers, by vocabulary: the plain loss (``chunk_size = 0``: the
+    whole logits) and the fused chunked one (the default). Compiled only, not run."""
+    sizes = QUICK_LOSS if quick else dict(seq=LOSS_SEQ, d_model=512, n_heads=8, mlp_dim=1408)
+    figures: dict[str, dict[str, int]] = {"plain": {}, "chunked": {}}
+    for vocab in QUICK_LOSS["vocabs"] if quick else LOSS_VOCABS:
+        config = models.LlamaConfig(
+            vocab_size=vocab,
+            d_model=sizes["d_model"],
+            n_layers=4,
+            n_heads=sizes["n_heads"],
+            mlp_dim=sizes["mlp_dim"],
+        )
+        for name, chunk in (("plain", 0), ("chunked", StepConfig.loss_chunk_size)):
+            runner = StepRunner(
+                config,
+                MeshConfig(),
+                Schedule("gpipe", 1, 1, 1),
+                (1, 1, 1, sizes["seq"]),
+                remat_stages=False,
+                loss_chunk_size=chunk,
+                compile_only=True,
+            )
+            temp = runner.compiled.memory_analysis().temp_size_in_bytes
+            figures[name][str(vocab)] = int(temp)
+    return {"loss_temp_bytes": figures}
+
+
+ATTENTION_SEQS = (1024, 4096, 8192)
+BLOCKWISE_ONLY_SEQS = (16384,)
+ATTENTION_WINDOW = 1024
+ATTENTION_HEADS, ATTENTION_HEAD_DIM = 8, 64
+QUICK_ATTENTION = dict(seqs=(64, 128), blockwise_only=(256,), window=32, block_size=32)
+
+
+def attention_figures(repeats: int, quick: bool) -> dict:
+    """Attention alone, forward and backward (the gradient of ``sum(out * cotangent)`` with
+    respect to q, k and v), for each sequence length and mask: our blockwise and dense
+    kernels and PyTorch's ``F.scaled_dot_product_attention`` (causal: ``is_causal``; window:
+    a boolean mask, as torch has no window argument), timed in turn. Temporary bytes of our
+    compiled kernels alongside."""
+    from eqxzoo.nn import attend
+
+    seqs = QUICK_ATTENTION["seqs"] if quick else ATTENTION_SEQS
+    long_seqs = QUICK_ATTENTION["blockwise_only"] if quick else BLOCKWISE_ONLY_SEQS
+    window = QUICK_ATTENTION["window"] if quick else ATTENTION_WINDOW
+    block_size = QUICK_ATTENTION["block_size"] if quick else DEFAULT_BLOCK_SIZE
+    seconds: dict[str, dict[str, dict[str, float]]] = {
+        kernel: {"causal": {}, "window": {}} for kernel in ("blockwise", "dense", "pytorch")
+    }
+    temp_bytes: dict[str, dict[str, dict[str, int]]] = {
+        kernel: {"causal": {}, "window": {}} for kernel in ("blockwise", "dense")
+    }
+    for seq in (*seqs, *long_seqs):
+        shape = (1, seq, ATTENTION_HEADS, ATTENTION_HEAD_DIM)
+        q, k, v, cotangent = (
+            jax.random.normal(jax.random.key(i), shape, jnp.float32) for i in range(4)
+        )
+        positions = jnp.arange(seq)
+        for mask, mask_window in (("causal", 0), ("window", window)):
+            steps = {}
+            kernels = ("blockwise",) if seq in long_seqs else ("blockwise", "dense")
+            for kernel in kernels:
+
+                def loss(
+                    q, k, v, kernel=kernel, window=mask_window, positions=positions, dy=cotangent
+                ):
+                    out = attend(
+                        q,
+                        k,
+                        v,
+                        positions,
+                        positions,
+                        window=window,
+                        scale=ATTENTION_HEAD_DIM**-0.5,
+                        kernel=kernel,
+                        block_size=block_size,
+                    )
+                    return jnp.sum(out * dy)
+
+                compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
+                temp_bytes[kernel][mask][str(seq)] = int(
+                    compiled.memory_analysis().temp_size_in_bytes
+                )
+                steps[kernel] = functools.partial(compiled, q, k, v)
+            if seq not in long_seqs:
+                steps["pytorch"] = torch_attention_step(seq, 0 if mask == "causal" else window)
+            for kernel, value in interleaved_seconds(steps, repeats).items():
+                seconds[kernel][mask][str(seq)] = value
+    return {"attention_fwd_bwd_s": seconds, "attention_temp_bytes": temp_bytes}
+
+
+def torch_attention_step(seq: int, window: int) -> Callable[[], None]:
+    """PyTorch's forward and backward of ``scaled_dot_product_attention`` on ``(1, 8, seq,
+    64)`` fp32 tensors (causal, or causal within ``window`` by a boolean mask)."""
+    import torch
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(0)
+    shape = (1, ATTENTION_HEADS, seq, ATTENTION_HEAD_DIM)
+    q, k, v = (torch.randn(shape, generator=generator, requires_grad=True) for _ in range(3))
+    cotangent = torch.randn(shape, generator=generator)
+    mask = None
+    if window:
+        offsets = torch.arange(seq)[:, None] - torch.arange(seq)[None, :]
+        mask = (offsets >= 0) & (offsets < window)
+
+    def step() -> None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        out.backward(cotangent)
+        q.grad = k.grad = v.grad = None
+
+    return step
+
+
+STEP_SEQS = (256, 1024, 2048)
+STEP_TOKENS = 2048
+QUICK_STEP_SEQS, QUICK_STEP_TOKENS = (16, 32), 64
+
+
+def step_by_seq(repeats: int, quick: bool) -> dict:
+    """The reference model's one-device train step at each sequence length with ``B x T`` =
+    ``STEP_TOKENS``, ours and PyTorch eager's, measured one after the other per length:
+    ours / PyTorch's tokens/s by T."""
+    try:
+        from pipelines.torch_reference import torch_train_throughput
+    except ImportError:
+        return {"step_vs_pytorch_by_seq": None}
+    sizes = QUICK if quick else REFERENCE
+    tokens = QUICK_STEP_TOKENS if quick else STEP_TOKENS
+    ratios = {}
+    for seq in QUICK_STEP_SEQS if quick else STEP_SEQS:
+        batch = tokens // seq
+        runner = StepRunner(
+            reference_config(quick=quick),
+            MeshConfig(),
+            Schedule("gpipe", 1, 1, 1),
+            (1, 1, batch, seq),
+            remat_stages=False,
+        )
+        ours = runner.tokens_per_second(repeats)
+        theirs = torch_train_throughput(**sizes, batch=batch, seq_len=seq, steps=repeats)
+        ratios[str(seq)] = ours / theirs["tokens_per_s"]
+        del runner
+    return {"step_vs_pytorch_by_seq": ratios}
+
+
 PARTS = (
     "single",
     "pipeline",
@@ -422,6 +620,9 @@ PARTS = (
     "schedules",
     "moe",
     "dispatch",
+    "loss",
+    "attention",
+    "seq",
 )
 
 
@@ -466,8 +667,14 @@ def main(argv: list[str] | None = None) -> dict:
             )
     if "pipeline" in parts:
         figures.update(pipeline_efficiency(args.repeats, args.quick))
+        spread = figures["pp_efficiency_spread"]
         print(
-            f"pipeline efficiency (dp2 x pp4 / dp8): gpipe {figures['pp_efficiency_gpipe']:.2f}, circular {figures['pp_efficiency_circular']:.2f}"
+            "pipeline efficiency (dp2 x pp4 / dp8), median [min, max] over rounds: "
+            + ", ".join(
+                f"{name} {figures[f'pp_efficiency_{name}']:.2f} "
+                f"[{spread[name][0]:.2f}, {spread[name][1]:.2f}]"
+                for name in ("gpipe", "circular")
+            )
         )
     if "compile" in parts:
         figures["compile_s_by_layers"] = compile_times(args.quick)
@@ -522,6 +729,46 @@ def main(argv: list[str] | None = None) -> dict:
                 if kind != "total_bytes"
             )
             + f"; total {by_kind['total_bytes'] / 2**20:.1f} MiB per step"
+        )
+    if "loss" in parts:
+        figures.update(loss_memory(args.quick))
+        by_loss = figures["loss_temp_bytes"]
+        for name, by_vocab in by_loss.items():
+            print(
+                f"loss {name}: train-step temp MB by vocab "
+                + ", ".join(f"{vocab}: {size / 1e6:.0f}" for vocab, size in by_vocab.items())
+            )
+        largest = max(by_loss["plain"], key=int)
+        smallest = min(by_loss["plain"], key=int)
+        print(
+            f"loss: plain / chunked temp at vocab {largest} = "
+            f"{by_loss['plain'][largest] / by_loss['chunked'][largest]:.1f}x; chunked temp at "
+            f"{largest} / at {smallest} = "
+            f"{by_loss['chunked'][largest] / by_loss['chunked'][smallest]:.2f}"
+        )
+    if "attention" in parts:
+        figures.update(attention_figures(args.repeats, args.quick))
+        for mask in ("causal", "window"):
+            for kernel, by_mask in figures["attention_fwd_bwd_s"].items():
+                print(
+                    f"attention fwd+bwd {mask} {kernel}: seconds by T "
+                    + ", ".join(f"{seq}: {value:.3f}" for seq, value in by_mask[mask].items())
+                )
+            for kernel, by_mask in figures["attention_temp_bytes"].items():
+                print(
+                    f"attention fwd+bwd {mask} {kernel}: temp MB by T "
+                    + ", ".join(f"{seq}: {value / 1e6:.0f}" for seq, value in by_mask[mask].items())
+                )
+    if "seq" in parts:
+        figures.update(step_by_seq(args.repeats, args.quick))
+        by_seq = figures["step_vs_pytorch_by_seq"]
+        print(
+            "train step ours / pytorch eager tokens/s by T (B x T fixed): "
+            + (
+                "not measured"
+                if by_seq is None
+                else ", ".join(f"{seq}: {r:.2f}" for seq, r in by_seq.items())
+            )
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -26,6 +26,11 @@ KEYS = {
     "moe_capacity_vs_dense_active": dict,
     "moe_padding_fraction": dict,
     "moe_dispatch_collectives": dict,
+    "pp_efficiency_spread": dict,
+    "loss_temp_bytes": dict,
+    "attention_fwd_bwd_s": dict,
+    "attention_temp_bytes": dict,
+    "step_vs_pytorch_by_seq": dict,
 }
 SCHEDULES = {"gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1"}
 
@@ -69,3 +74,14 @@ def test_bench_json_has_every_key(tmp_path):
     assert dispatch["total_bytes"] > 0
     bubble = figures["schedule_bubble_fraction"]
     assert bubble["zb_h1"] <= bubble["1f1b"] / 2
+    spread = figures["pp_efficiency_spread"]
+    for name in ("gpipe", "circular"):
+        low, high = spread[name]
+        assert low <= figures[f"pp_efficiency_{name}"] <= high, name
+    assert set(figures["loss_temp_bytes"]) == {"plain", "chunked"}
+    assert all(set(by_vocab) == {"512", "2048"} for by_vocab in figures["loss_temp_bytes"].values())
+    attention = figures["attention_fwd_bwd_s"]
+    assert set(attention) == {"blockwise", "dense", "pytorch"}
+    assert set(attention["blockwise"]["causal"]) == {"64", "128", "256"}
+    assert set(attention["dense"]["window"]) == set(attention["pytorch"]["window"]) == {"64", "128"}
+    assert set(figures["step_vs_pytorch_by_seq"]) == {"16", "32"}

@@ -146,6 +146,21 @@ def test_cached_logits_equal_full_recompute(name):
         assert [a.shape[:2] for a in cache.prefix_layers] == [(1, slots)] * 2
 
 
+@pytest.mark.parametrize("name", ["mistral_window", "gpt_oss", "deepseek_v3_yarn"])
+def test_blockwise_kernel_decodes_like_the_dense_one(name):
+    """The KV cache through the blockwise kernel in blocks of 2: a ring of 3 slots (empty
+    slots at negative positions, keys out of order), sinks, latent attention."""
+    dense = build(dataclasses.replace(CONFIGS[name], attention_kernel="dense"))
+    blockwise = build(
+        dataclasses.replace(CONFIGS[name], attention_kernel="blockwise", attention_block_size=2)
+    )
+    dense_tokens, dense_full, dense_cached, _ = cached_and_full_logits(dense)
+    new_tokens, full, cached, _ = cached_and_full_logits(blockwise)
+    np.testing.assert_allclose(cached, full, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cached, dense_cached, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(new_tokens, dense_tokens)
+
+
 def test_capacity_routing_decodes_dropless():
     """A token-dropping capacity config decodes like its dropless twin: nothing is dropped."""
     capacity = dataclasses.replace(

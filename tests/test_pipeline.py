@@ -1,5 +1,6 @@
 """Pipelined training equals single-device training (fp32, rtol 1e-5), on many meshes."""
 
+import dataclasses
 import functools
 
 import equinox as eqx
@@ -41,6 +42,9 @@ def loss_and_grads(tiny_config, random_batch):
         name=None,
         remat_stages=True,
         skip_bubbles=True,
+        loss_chunk_size=StepConfig.loss_chunk_size,
+        z_loss_weight=0.0,
+        model_overrides=None,
     ):
         name = name or ("circular" if repeats > 1 else "gpipe")
         schedule = Schedule(name, stages, microbatches, repeats)
@@ -51,9 +55,13 @@ def loss_and_grads(tiny_config, random_batch):
             router_z_weight=0.01,
             remat_stages=remat_stages,
             skip_bubbles=skip_bubbles,
+            loss_chunk_size=loss_chunk_size,
+            z_loss_weight=z_loss_weight,
         )
         mesh = make_mesh(mesh_config, jax.devices()[: mesh_config.size])
-        model = models.DecoderLM(tiny_config(family, n_layers=N_LAYERS), key=jax.random.key(0))
+        model_config = tiny_config(family, n_layers=N_LAYERS)
+        model_config = dataclasses.replace(model_config, **(model_overrides or {}))
+        model = models.DecoderLM(model_config, key=jax.random.key(0))
         data = random_batch((microbatches, batch, 8))
 
         def sequential(model):
@@ -251,3 +259,69 @@ def test_idle_ticks_sending_nan_change_nothing_in_the_1f1b_family(loss_and_grads
             jax.tree.leaves((nan_aux, nan_grads)), jax.tree.leaves((aux, grads)), strict=True
         ):
             np.testing.assert_array_equal(a, b)
+
+
+# The fused loss over several vocabulary chunks (64 = 4 x 16), with the z-loss, against the
+# plain loss of the sequential reference: Gemma 2's tied embeddings and final soft-cap, and
+# a 1F1B-family schedule, whose last stage computes the loss inside the pipeline.
+CHUNKED_LOSS_GRID = [
+    ("gpipe", "gemma2", MeshConfig(dp=2, pp=2, tp=2), 2, 3, 1),
+    ("zb_h1", "llama", MeshConfig(dp=2, pp=2, tp=2), 2, 4, 1),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "family", "mesh_config", "stages", "microbatches", "repeats"),
+    CHUNKED_LOSS_GRID,
+    ids=[f"{n}-{f}" for n, f, *_ in CHUNKED_LOSS_GRID],
+)
+def test_chunked_loss_with_z_loss_equals_the_plain_loss(
+    name, family, mesh_config, stages, microbatches, repeats, loss_and_grads, assert_trees_close
+):
+    ((loss, aux), grads), ((pp_loss, pp_aux), pp_grads) = loss_and_grads(
+        family,
+        mesh_config,
+        stages,
+        microbatches,
+        repeats,
+        name=name,
+        loss_chunk_size=16,
+        z_loss_weight=0.01,
+        model_overrides={"vocab_size": 64},
+    )
+    assert aux["z_loss"] > 1.0  # the log-sum-exp of 64 logits near zero is ~log(64)
+    np.testing.assert_allclose(pp_loss, loss, rtol=1e-5)
+    np.testing.assert_allclose(loss, aux["cross_entropy"] + 0.01 * aux["z_loss"], rtol=1e-6)
+    assert_trees_close(pp_aux, aux)
+    assert_trees_close(pp_grads, grads)
+
+
+# The blockwise attention kernel inside the stages (a custom VJP whose loops run in the
+# region manual over pp), in blocks of 3 over 8 tokens: windows, sinks, latent attention.
+BLOCKWISE_GRID = [
+    ("gpipe", "gemma2", MeshConfig(dp=2, pp=2, tp=2), 2, 3, 1),
+    ("zb_h1", "gpt_oss", MeshConfig(pp=2, tp=2, ep=2), 2, 4, 1),
+    ("circular", "deepseek_v3", MeshConfig(pp=2, tp=2, ep=2), 2, 3, 2),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "family", "mesh_config", "stages", "microbatches", "repeats"),
+    BLOCKWISE_GRID,
+    ids=[f"{n}-{f}" for n, f, *_ in BLOCKWISE_GRID],
+)
+def test_blockwise_attention_in_the_stages_equals_sequential(
+    name, family, mesh_config, stages, microbatches, repeats, loss_and_grads, assert_trees_close
+):
+    ((loss, aux), grads), ((pp_loss, pp_aux), pp_grads) = loss_and_grads(
+        family,
+        mesh_config,
+        stages,
+        microbatches,
+        repeats,
+        name=name,
+        model_overrides={"attention_kernel": "blockwise", "attention_block_size": 3},
+    )
+    np.testing.assert_allclose(pp_loss, loss, rtol=1e-5)
+    assert_trees_close(pp_aux, aux)
+    assert_trees_close(pp_grads, grads)

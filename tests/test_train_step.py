@@ -420,6 +420,9 @@ class ResidualMLPLM(eqx.Module):
     def head(self, h):
         return self.unembedding(h)
 
+    def head_inputs(self, h):
+        return h, self.unembedding.weight, None
+
     def block_keys(self, key):
         return jax.random.split(jax.random.split(key, 3)[1], self.n_layers)
 

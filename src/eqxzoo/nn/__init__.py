@@ -1,8 +1,17 @@
 """Pure Equinox building blocks: norms, rotary embeddings, attention, MLPs, MoE, layer stacks."""
 
-from eqxzoo.nn.attention import CausalSelfAttention, QKNorm, attend, cache_slots
+from eqxzoo.nn.attention import (
+    AttentionKernel,
+    CausalSelfAttention,
+    QKNorm,
+    attend,
+    cache_slots,
+    dense_attend,
+)
 from eqxzoo.nn.axes import AbstractAxesOwner, Axes, LogicalName, logical_axes
+from eqxzoo.nn.blockwise import blockwise_attend
 from eqxzoo.nn.contract import LanguageModel, make_layers_for_keys, summarize_layer_aux
+from eqxzoo.nn.cross_entropy import fused_cross_entropy
 from eqxzoo.nn.grouped import grouped_matmul
 from eqxzoo.nn.linear import Embedding, Linear, normal_init
 from eqxzoo.nn.mla import LatentAttention, deinterleave_rope_columns, interleave_rope_columns
@@ -30,6 +39,7 @@ __all__ = [
     "balance_selection_bias",
     "AbstractAxesOwner",
     "Activation",
+    "AttentionKernel",
     "Axes",
     "CausalSelfAttention",
     "Embedding",
@@ -53,8 +63,11 @@ __all__ = [
     "apply_layers",
     "apply_rope",
     "attend",
+    "blockwise_attend",
     "cache_slots",
     "deinterleave_rope_columns",
+    "dense_attend",
+    "fused_cross_entropy",
     "gated_activation",
     "interleave_rope_columns",
     "grouped_matmul",

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
+from eqxzoo.nn.blockwise import blockwise_attend
 from eqxzoo.nn.linear import dense, normal_init
 from eqxzoo.nn.norm import RMSNorm
 from eqxzoo.nn.rope import RopeScaling, apply_rope, rope_amplitude, rope_frequencies
@@ -25,7 +26,133 @@ from eqxzoo.nn.rope import RopeScaling, apply_rope, rope_amplitude, rope_frequen
 QKNorm = Literal["none", "head", "all_heads"]
 
 
+AttentionKernel = Literal["auto", "blockwise", "dense", "cudnn"]
+DEFAULT_BLOCK_SIZE = 512
+
+
 def attend(
+    q: Float[Array, "*batch seq heads head_dim"],
+    k: Float[Array, "*batch kv_seq kv_heads head_dim"],
+    v: Float[Array, "*batch kv_seq kv_heads v_head_dim"],
+    q_positions: Int[Array, " seq"],
+    k_positions: Int[Array, " kv_seq"],
+    *,
+    window: Int[Array, ""] | int = 0,
+    scale: float,
+    softcap: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
+    kernel: AttentionKernel = "dense",
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    positions_are_indices: bool = False,
+) -> Float[Array, "*batch seq heads v_head_dim"]:
+    """Softmax attention of each query over the keys its position may see (`dense_attend`
+    defines it), computed by ``kernel`` (`choose_kernel` resolves ``"auto"``):
+
+    - ``"dense"``: the whole ``(heads, seq, kv_seq)`` score matrix, masked (the reference);
+    - ``"blockwise"``: `eqxzoo.nn.blockwise.blockwise_attend`, an online softmax over key
+      blocks of ``block_size`` that skips the blocks no query of a block may see, with a
+      custom VJP that recomputes them: memory linear in the sequence;
+    - ``"cudnn"``: `jax.nn.dot_product_attention`'s cuDNN kernel (GPU), for causal
+      self-attention without soft-cap, sinks or windows; ``positions_are_indices`` says that
+      both position vectors are ``0, 1, ...`` (the only masking it expresses).
+    """
+    kernel = choose_kernel(
+        kernel,
+        dtype=q.dtype,
+        kv_seq=k.shape[-3],
+        block_size=block_size,
+        windowed=not (isinstance(window, int) and window == 0),
+        softcap=softcap,
+        sinks=sinks is not None,
+        same_head_dims=q.shape[-1] == v.shape[-1],
+        positions_are_indices=positions_are_indices,
+    )
+    options = dict(window=window, scale=scale, softcap=softcap, sinks=sinks)
+    if kernel == "dense":
+        return dense_attend(q, k, v, q_positions, k_positions, **options)
+    if kernel == "blockwise":
+        return blockwise_attend(q, k, v, q_positions, k_positions, block_size=block_size, **options)
+    return cudnn_attend(q, k, v, scale=scale)
+
+
+def choose_kernel(
+    requested: AttentionKernel,
+    *,
+    dtype,
+    kv_seq: int,
+    block_size: int,
+    windowed: bool,
+    softcap: float | None,
+    sinks: bool,
+    same_head_dims: bool,
+    positions_are_indices: bool,
+    platform: str | None = None,
+) -> Literal["blockwise", "dense", "cudnn"]:
+    """The kernel ``"auto"`` means here: on a GPU, cuDNN where it computes this attention
+    (`cudnn_supports`), else blockwise; elsewhere blockwise, or dense when every key fits
+    one block (the two then do the same work). An explicit request is kept; ``"cudnn"``
+    where cuDNN cannot compute the attention raises."""
+    platform = platform or jax.default_backend()
+    supported = cudnn_supports(
+        dtype=dtype,
+        windowed=windowed,
+        softcap=softcap,
+        sinks=sinks,
+        same_head_dims=same_head_dims,
+        positions_are_indices=positions_are_indices,
+    )
+    if requested == "cudnn" and supported is not True:
+        raise ValueError(f"attention kernel 'cudnn' cannot compute this attention: {supported}")
+    if requested != "auto":
+        return requested
+    if platform == "gpu" and supported is True:
+        return "cudnn"
+    return "dense" if kv_seq <= block_size else "blockwise"
+
+
+def cudnn_supports(
+    *,
+    dtype,
+    windowed: bool,
+    softcap: float | None,
+    sinks: bool,
+    same_head_dims: bool,
+    positions_are_indices: bool,
+) -> Literal[True] | str:
+    """True where `cudnn_attend` computes the same attention, else the reason it cannot."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"it takes bfloat16 or float16, not {jnp.dtype(dtype).name}"
+    reasons = {
+        "a sliding window that is per-layer data": windowed,
+        "a logit soft-cap": softcap is not None,
+        "attention sinks": sinks,
+        "value heads of another size than query heads": not same_head_dims,
+        "positions other than 0, 1, ... (a KV cache)": not positions_are_indices,
+    }
+    unsupported = [reason for reason, present in reasons.items() if present]
+    return f"it has no {', '.join(unsupported)}" if unsupported else True
+
+
+def cudnn_attend(
+    q: Float[Array, "*batch seq heads head_dim"],
+    k: Float[Array, "*batch seq kv_heads head_dim"],
+    v: Float[Array, "*batch seq kv_heads head_dim"],
+    *,
+    scale: float,
+    implementation: Literal["cudnn", "xla"] | None = "cudnn",
+) -> Float[Array, "*batch seq heads head_dim"]:
+    """Causal self-attention by `jax.nn.dot_product_attention` (cuDNN's fused kernel on a
+    GPU; ``implementation="xla"`` computes the same anywhere, which the tests use), for
+    any leading batch axes."""
+    *batch, seq, n_heads, head_dim = q.shape
+    flat = [a.reshape(-1, *a.shape[-3:]) for a in (q, k, v)]
+    attended = jax.nn.dot_product_attention(
+        *flat, scale=scale, is_causal=True, implementation=implementation
+    )
+    return attended.reshape(*batch, seq, n_heads, head_dim)
+
+
+def dense_attend(
     q: Float[Array, "*batch seq heads head_dim"],
     k: Float[Array, "*batch kv_seq kv_heads head_dim"],
     v: Float[Array, "*batch kv_seq kv_heads v_head_dim"],
@@ -87,7 +214,8 @@ class CausalSelfAttention(AbstractAxesOwner):
       full attention; stacked layers carry one value each, so windowed and global layers
       share one structure); None when no layer of the model has one;
     - ``scale`` of the scores (default ``head_dim^-0.5``) and ``softcap`` (Gemma 2);
-    - ``sinks``: a trained logit per head joining each softmax (`attend`; GPT-OSS).
+    - ``sinks``: a trained logit per head joining each softmax (`attend`; GPT-OSS);
+    - ``kernel`` and ``block_size``: how `attend` computes it (the same attention either way).
     """
 
     wq: Float[Array, "embed heads head_dim"]
@@ -111,6 +239,8 @@ class CausalSelfAttention(AbstractAxesOwner):
     scale: float = eqx.field(static=True)
     softcap: float | None = eqx.field(static=True)
     clip_qkv: float | None = eqx.field(static=True)
+    kernel: AttentionKernel = eqx.field(static=True)
+    block_size: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -132,6 +262,8 @@ class CausalSelfAttention(AbstractAxesOwner):
         scale: float | None = None,
         softcap: float | None = None,
         sinks: bool = False,
+        kernel: AttentionKernel = "auto",
+        block_size: int = DEFAULT_BLOCK_SIZE,
         init_std: float = 0.02,
         key: PRNGKeyArray,
     ):
@@ -172,6 +304,8 @@ class CausalSelfAttention(AbstractAxesOwner):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.softcap = softcap
         self.clip_qkv = clip_qkv
+        self.kernel = kernel
+        self.block_size = block_size
 
     def param_axes(self) -> Mapping[str, tuple[LogicalName, ...]]:
         return {
@@ -237,6 +371,7 @@ class CausalSelfAttention(AbstractAxesOwner):
     ) -> Float[Array, "*batch seq embed"]:
         """Attention over each sequence; any leading axes are independent sequences."""
         with jax.named_scope("attention"):
+            positions_are_indices = positions is None
             if positions is None:
                 positions = jnp.arange(x.shape[-2])
             q, k, v = self.project_qkv(x, positions)
@@ -250,6 +385,9 @@ class CausalSelfAttention(AbstractAxesOwner):
                 scale=self.scale,
                 softcap=self.softcap,
                 sinks=self.sinks,
+                kernel=self.kernel,
+                block_size=self.block_size,
+                positions_are_indices=positions_are_indices,
             )
             return self.project_out(attended)
 
@@ -297,6 +435,8 @@ class CausalSelfAttention(AbstractAxesOwner):
             scale=self.scale,
             softcap=self.softcap,
             sinks=self.sinks,
+            kernel=self.kernel,
+            block_size=self.block_size,
         )
         return self.project_out(attended), write_cache(cache, (k, v), positions)
 

@@ -11,7 +11,11 @@ over ``pp`` inside it):
 - ``blocks``: one `Stack` of identical layers, every array with a leading ``layers`` axis;
   each layer is called as ``layer(h, key=None) -> (h, aux)`` on ``(*batch, seq, embed)``.
   ``blocks.remat_policy`` is how each layer is rematerialised.
-- ``head(h) -> logits``: hidden states to ``(*batch, seq, vocab)`` logits.
+- ``head(h) -> logits``: hidden states to ``(*batch, seq, vocab)`` logits, and
+  ``head_inputs(h) -> (features, unembedding, softcap)``: what ``head`` makes them of, the
+  final-normed states ``(*batch, seq, embed)``, the ``(embed, vocab)`` output projection and
+  the soft-cap of the logits (None: none), so that the trainer's loss can compute them chunk
+  by chunk (`eqxzoo.nn.fused_cross_entropy`) instead of all at once.
 - ``block_keys(key)``: the per-layer keys that ``Model(..., key=key)`` builds its blocks from,
   shape ``(layers,)``, and ``make_layers(layer_keys)``: the layers for those keys reshaped to
   any leading axes (layer order kept), stacked on those axes. With both, the trainer creates
@@ -45,6 +49,10 @@ class LanguageModel(Protocol):
     def embed(self, tokens: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq embed"]: ...
 
     def head(self, h: Float[Array, "*batch seq embed"]) -> Float[Array, "*batch seq vocab"]: ...
+
+    def head_inputs(
+        self, h: Float[Array, "*batch seq embed"]
+    ) -> tuple[Float[Array, "*batch seq embed"], Float[Array, "embed vocab"], float | None]: ...
 
     def block_keys(self, key: PRNGKeyArray) -> Key[Array, " layers"]: ...
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from eqxzoo.nn.attention import attend, write_cache
+from eqxzoo.nn.attention import DEFAULT_BLOCK_SIZE, AttentionKernel, attend, write_cache
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
 from eqxzoo.nn.linear import dense, normal_init
 from eqxzoo.nn.norm import RMSNorm
@@ -76,6 +76,7 @@ class LatentAttention(AbstractAxesOwner):
     - Scores are scaled by ``qk_head_dim^-0.5``, times ``yarn_mscale(factor,
       mscale_all_dim)^2`` when ``rope_scaling`` sets ``mscale_all_dim`` (the YaRN temperature
       that DeepSeek puts in the softmax rather than in cos and sin).
+    - ``kernel`` and ``block_size``: how `eqxzoo.nn.attend` computes the attention.
 
     The latent and bottleneck axes have no logical name: they are small and replicated.
     ``norm_eps`` is that of the two latent norms (DeepSeek's: 1e-6, whatever ``rms_norm_eps``).
@@ -101,6 +102,8 @@ class LatentAttention(AbstractAxesOwner):
     rope_theta: float = eqx.field(static=True)
     rope_scaling: RopeScaling | None = eqx.field(static=True)
     scale: float = eqx.field(static=True)
+    kernel: AttentionKernel = eqx.field(static=True)
+    block_size: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -116,6 +119,8 @@ class LatentAttention(AbstractAxesOwner):
         rope_scaling: RopeScaling | None = None,
         attention_bias: bool = False,
         norm_eps: float = 1e-6,
+        kernel: AttentionKernel = "auto",
+        block_size: int = DEFAULT_BLOCK_SIZE,
         init_std: float = 0.02,
         key: PRNGKeyArray,
     ):
@@ -152,6 +157,8 @@ class LatentAttention(AbstractAxesOwner):
         if rope_scaling is not None and rope_scaling.mscale_all_dim:
             scale *= yarn_mscale(rope_scaling.factor, rope_scaling.mscale_all_dim) ** 2
         self.scale = scale
+        self.kernel = kernel
+        self.block_size = block_size
 
     def param_axes(self) -> Mapping[str, tuple[LogicalName, ...]]:
         return {
@@ -228,7 +235,14 @@ class LatentAttention(AbstractAxesOwner):
                 positions = jnp.arange(x.shape[-2])
             keys, values = self.expand(*self.compress(x, positions))
             attended = attend(
-                self.queries(x, positions), keys, values, positions, positions, scale=self.scale
+                self.queries(x, positions),
+                keys,
+                values,
+                positions,
+                positions,
+                scale=self.scale,
+                kernel=self.kernel,
+                block_size=self.block_size,
             )
             return self.project_out(attended)
 
@@ -275,5 +289,7 @@ class LatentAttention(AbstractAxesOwner):
             positions,
             jnp.concatenate([cache_positions, positions]),
             scale=self.scale,
+            kernel=self.kernel,
+            block_size=self.block_size,
         )
         return self.project_out(attended), write_cache(cache, (latent, k_rope), positions)

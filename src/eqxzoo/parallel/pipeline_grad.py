@@ -47,7 +47,7 @@ from eqxzoo.parallel.schedule import BW, IDLE, B, F, Schedule, W
 
 FirstFn = Callable[[PyTree, Int[Array, "batch seq"]], Float[Array, "batch seq embed"]]
 LastFn = Callable[
-    [PyTree, Float[Array, "batch seq embed"], Int[Array, "batch seq"]], Float[Array, ""]
+    [PyTree, Float[Array, "batch seq embed"], Int[Array, "batch seq"]], Float[Array, "*parts"]
 ]
 
 
@@ -66,14 +66,15 @@ def pipeline_value_and_grad(
     remat_stages: bool = True,
     rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
     bubble_fill: float = 0.0,
-) -> tuple[Float[Array, ""], dict[str, Array], PyTree, PyTree]:
-    """The summed loss, every layer's aux values summed over microbatches ``(L, ...)``, and
+) -> tuple[Float[Array, "*parts"], dict[str, Array], PyTree, PyTree]:
+    """The summed loss (its parts), every layer's aux values summed over microbatches ``(L, ...)``, and
     the gradients of the loss with respect to ``layers`` and ``outer``.
 
     ``layers`` are staged (`stage_layers`), ``outer`` is what the pipeline does not stage
     (embedding, head). ``first(outer, tokens)`` gives a microbatch's input to the blocks,
     ``last(outer, h, targets)`` its share of the loss (the caller divides by the tokens of the
-    whole batch, so the shares sum to the loss). ``aux_scales[name]`` is the loss's derivative
+    whole batch, so the shares sum to the loss), a scalar or a vector of the loss's parts
+    (cross-entropy, z-loss), which are differentiated as their sum and summed separately. ``aux_scales[name]`` is the loss's derivative
     with respect to one layer's aux value ``name`` for one microbatch (absent names: 0).
     Gradients are those of the summed loss plus the aux terms; layer gradients are staged.
     ``bubble_fill`` is what an idle tick sends to its neighbours (tests send NaN to show that
@@ -114,6 +115,7 @@ def pipeline_value_and_grad(
 
     one_repeat, one_repeat_data = jax.tree.map(lambda p: p[0, 0], (layer_params, layer_data))
     h_shape = jax.eval_shape(first_fn, outer_params, tokens[0])
+    loss_shape = jax.eval_shape(last_fn, outer_params, h_shape, targets[0]).shape
     _, aux_shapes = jax.eval_shape(stage_fn, one_repeat, one_repeat_data, h_shape)
     aux_cotangent = {
         name: jnp.full(shape.shape, aux_scales.get(name, 0.0), shape.dtype)
@@ -238,7 +240,7 @@ def pipeline_value_and_grad(
                 def no_head():
                     return varying(
                         (
-                            jnp.zeros((), jnp.float32),
+                            jnp.zeros(loss_shape, jnp.float32),
                             zeros_like(outer_params),
                             jnp.zeros_like(h_out),
                         )
@@ -290,7 +292,7 @@ def pipeline_value_and_grad(
                     "residuals": varying(zeros_like(residual_shapes)),
                     "d_layers": zeros_like(one_repeat_shapes),
                     "d_outer": zeros_like(outer_params),
-                    "loss": jnp.zeros((), jnp.float32),
+                    "loss": jnp.zeros(loss_shape, jnp.float32),
                     "aux": zeros_like(aux_shapes),
                 }
 
@@ -345,7 +347,7 @@ def pipeline_value_and_grad(
                 ),
                 "layer_grads": to_float32(jax.tree.map(jnp.zeros_like, layer_params)),
                 "outer_grads": to_float32(jax.tree.map(jnp.zeros_like, outer_params)),
-                "loss": jnp.zeros((), jnp.float32),
+                "loss": jnp.zeros(loss_shape, jnp.float32),
                 "aux": jax.tree.map(
                     lambda s: jnp.zeros((n_repeats, *s.shape), s.dtype), aux_shapes
                 ),
@@ -399,7 +401,7 @@ def pipeline_value_and_grad(
     layer_aux = jax.tree.map(
         lambda v: jnp.reshape(jnp.moveaxis(v, 0, 1), (-1, *v.shape[3:])), aux_sums
     )
-    return loss_sums.sum(), layer_aux, layer_grads, outer_grads
+    return loss_sums.sum(axis=0), layer_aux, layer_grads, outer_grads
 
 
 def _varies(value) -> bool:

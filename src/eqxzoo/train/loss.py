@@ -1,7 +1,16 @@
-"""The training loss: token-mean cross-entropy plus the weighted MoE auxiliary losses, computed
-through the pipeline (`pipelined_loss`, differentiated by autodiff), with its gradients by
-the 1F1B-family executor (`pipelined_loss_and_grad`), or the plain way as a reference
-(`sequential_loss`)."""
+"""The training loss: token-mean cross-entropy, an optional z-loss on the logits and the
+weighted MoE auxiliary losses, computed through the pipeline (`pipelined_loss`,
+differentiated by autodiff), with its gradients by the 1F1B-family executor
+(`pipelined_loss_and_grad`), or the plain way as a reference (`sequential_loss`).
+
+The trainer's cross-entropy is the fused, chunked one (`eqxzoo.nn.fused_cross_entropy`,
+``[loss] chunk_size`` > 0): the head's matmul, log-softmax and loss run over vocabulary
+chunks, so the ``(tokens, vocab)`` logits never exist. ``chunk_size = 0`` computes the
+plain logits instead (the reference `sequential_loss` always does).
+"""
+
+import math
+from collections.abc import Mapping
 
 import equinox as eqx
 import jax
@@ -10,8 +19,9 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PyTree
 
-from eqxzoo.nn import LanguageModel, summarize_layer_aux
+from eqxzoo.nn import LanguageModel, fused_cross_entropy, summarize_layer_aux
 from eqxzoo.parallel import activation_sharding, pipeline_value_and_grad, run_pipeline
+from eqxzoo.parallel.rules import MeshAxes, rule_axes
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import cast_floats
 
@@ -55,12 +65,12 @@ def pipelined_loss(
             skip_bubbles=config.skip_bubbles,
         )
     with jax.named_scope("head"):
-        logits = jax.lax.with_sharding_constraint(
-            model.head(h), activation_sharding(mesh, "microbatches", "batch", rules=config.rules)
+        h = jax.lax.with_sharding_constraint(
+            h, activation_sharding(mesh, "microbatches", "batch", rules=config.rules)
         )
-    logits = logits.astype(config.precision.output)
+        token_losses, log_normalizers = token_cross_entropy(model, h, targets, config, mesh)
     aux = summarize_layer_aux(jax.tree.map(lambda v: v / n_micro, layer_aux_sums))
-    return total_loss(logits, targets, aux, config)
+    return total_loss(token_losses, log_normalizers, aux, config)
 
 
 def sequential_loss(
@@ -74,34 +84,96 @@ def sequential_loss(
     model = cast_floats(model, config.precision.compute)
     logits, aux = jax.vmap(jax.vmap(model))(tokens)
     aux = jax.tree.map(lambda v: jnp.mean(v, axis=(0, 1)), aux)
-    return total_loss(logits.astype(config.precision.output), targets, aux, config)
+    token_losses, log_normalizers = plain_cross_entropy(
+        logits.astype(config.precision.output), targets
+    )
+    return total_loss(token_losses, log_normalizers, aux, config)
+
+
+def token_cross_entropy(
+    model: LanguageModel,
+    h: Float[Array, "*batch seq embed"],
+    targets: Int[Array, "*batch seq"],
+    config: StepConfig,
+    mesh: Mesh | None = None,
+    *,
+    manual_pp: bool = False,
+) -> tuple[Float[Array, "*batch seq"], Float[Array, "*batch seq"]]:
+    """Each token's cross-entropy and its logits' log-sum-exp (for the z-loss), from the
+    blocks' output ``h``: fused over vocabulary chunks of ``config.loss_chunk_size`` from
+    the model's `head_inputs`, or from the plain logits when it is 0. ``mesh`` (with
+    ``manual_pp`` inside a region manual over ``pp``) tells how the vocabulary is sharded
+    (`vocab_shards`)."""
+    if not config.loss_chunk_size:
+        return plain_cross_entropy(model.head(h).astype(config.precision.output), targets)
+    features, unembedding, softcap = model.head_inputs(h)
+    n_vocab = unembedding.shape[-1]
+    n_shards = 1 if mesh is None else vocab_shards(n_vocab, mesh, config.rules, manual_pp)
+    token_losses, log_normalizers = fused_cross_entropy(
+        features.reshape(-1, features.shape[-1]),
+        unembedding,
+        targets.reshape(-1),
+        softcap=softcap,
+        chunk_size=config.loss_chunk_size,
+        vocab_shards=n_shards,
+    )
+    return token_losses.reshape(targets.shape), log_normalizers.reshape(targets.shape)
+
+
+def vocab_shards(
+    vocab: int, mesh: Mesh, rules: Mapping[str, MeshAxes], manual_pp: bool = False
+) -> int:
+    """How many ways the rules split a vocabulary of ``vocab`` ids over ``mesh`` (without
+    ``pp`` where it is manual; 1 where they do not divide it, as `partition_spec` leaves it
+    whole): the fused loss keeps a partial sum per shard, so that a chunk's columns never
+    cross devices."""
+    axes = [axis for axis in rule_axes("vocab", rules) if not (manual_pp and axis == "pp")]
+    n_shards = math.prod(mesh.shape[axis] for axis in axes)
+    return n_shards if vocab % n_shards == 0 else 1
+
+
+def plain_cross_entropy(
+    logits: Float[Array, "*batch seq vocab"], targets: Int[Array, "*batch seq"]
+) -> tuple[Float[Array, "*batch seq"], Float[Array, "*batch seq"]]:
+    """Each token's cross-entropy and log-sum-exp from materialised logits (the reference)."""
+    with jax.named_scope("loss"):
+        token_losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        return token_losses, jax.nn.logsumexp(logits, axis=-1)
 
 
 def total_loss(
-    logits: Float[Array, "*batch seq vocab"],
-    targets: Int[Array, "*batch seq"],
+    token_losses: Float[Array, "*batch seq"],
+    log_normalizers: Float[Array, "*batch seq"],
     aux: dict[str, Array],
     config: StepConfig,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
-    """Mean cross-entropy plus the weighted load-balance and router z-losses (MoE models);
-    returns ``(loss, {"cross_entropy": ..., **aux})``."""
-    with jax.named_scope("loss"):
-        cross_entropy = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
-    return with_aux_losses(cross_entropy, aux, config)
+    """Mean cross-entropy, the z-loss (mean squared log-sum-exp of the logits, PaLM's) times
+    ``z_loss_weight`` when it is set, plus the weighted load-balance and router z-losses
+    (MoE models); returns ``(loss, {"cross_entropy": ..., ["z_loss": ...,] **aux})``."""
+    z_loss = jnp.mean(jnp.square(log_normalizers)) if config.z_loss_weight else None
+    return with_aux_losses(jnp.mean(token_losses), z_loss, aux, config)
 
 
 AUX_LOSS_WEIGHTS = {"load_balance_loss": "load_balance_weight", "router_z_loss": "router_z_weight"}
 
 
 def with_aux_losses(
-    cross_entropy: Float[Array, ""], aux: dict[str, Array], config: StepConfig
+    cross_entropy: Float[Array, ""],
+    z_loss: Float[Array, ""] | None,
+    aux: dict[str, Array],
+    config: StepConfig,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
-    """``(loss, metrics)``: the cross-entropy plus each MoE aux loss times its weight."""
+    """``(loss, metrics)``: the cross-entropy plus the z-loss (None: not configured) and
+    each MoE aux loss, each times its weight."""
     loss = cross_entropy
+    metrics = {"cross_entropy": cross_entropy}
+    if z_loss is not None:
+        loss = loss + config.z_loss_weight * z_loss
+        metrics["z_loss"] = z_loss
     for name, weight in AUX_LOSS_WEIGHTS.items():
         if name in aux:
             loss = loss + getattr(config, weight) * aux[name]
-    return loss.astype(jnp.float32), {"cross_entropy": cross_entropy, **aux}
+    return loss.astype(jnp.float32), {**metrics, **aux}
 
 
 def pipelined_loss_and_grad(
@@ -131,16 +203,20 @@ def pipelined_loss_and_grad(
         return h
 
     def last(outer, h, targets):
-        logits = outer.head(h).astype(config.precision.output)
-        token_losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-        return jnp.sum(token_losses) / n_tokens
+        token_losses, log_normalizers = token_cross_entropy(
+            outer, h, targets, config, mesh, manual_pp=True
+        )
+        parts = [jnp.sum(token_losses) / n_tokens]
+        if config.z_loss_weight:
+            parts.append(config.z_loss_weight * jnp.sum(jnp.square(log_normalizers)) / n_tokens)
+        return jnp.stack(parts)
 
     aux_scales = {
         name: getattr(config, weight) / (n_micro * n_layers)
         for name, weight in AUX_LOSS_WEIGHTS.items()
     }
     with jax.named_scope("pipeline"):
-        cross_entropy, layer_aux, layer_grads, outer_grads = pipeline_value_and_grad(
+        loss_parts, layer_aux, layer_grads, outer_grads = pipeline_value_and_grad(
             model.blocks.layers,
             outer,
             tokens,
@@ -159,4 +235,5 @@ def pipelined_loss_and_grad(
     grads = eqx.tree_at(
         lambda m: m.blocks.layers, outer_grads, layer_grads, is_leaf=lambda x: x is None
     )
-    return with_aux_losses(cross_entropy, aux, config), grads
+    z_loss = loss_parts[1] / config.z_loss_weight if config.z_loss_weight else None
+    return with_aux_losses(loss_parts[0], z_loss, aux, config), grads

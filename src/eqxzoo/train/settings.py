@@ -34,7 +34,7 @@ class Precision:
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     """Everything the train step needs besides the model: schedule, optimizer, precision,
-    loss weights, the balancing biases' update rate, stage remat and the sharding rules
+    loss weights and the loss's vocabulary chunk, the balancing biases' update rate, stage remat and the sharding rules
     (`step_config` derives it from a run). ``bubble_fill`` and ``skip_bubbles`` are the
     pipeline's (`eqxzoo.parallel.run_pipeline`); the run sets ``skip_bubbles`` from what the
     compiled step needs (`eqxzoo.train.step.compile_train_step_for`)."""
@@ -44,6 +44,8 @@ class StepConfig:
     precision: Precision = dataclasses.field(default_factory=Precision)
     load_balance_weight: float = 0.01
     router_z_weight: float = 0.001
+    z_loss_weight: float = 0.0
+    loss_chunk_size: int = 8192
     bias_update_rate: float = 0.001
     remat_stages: bool = True
     bubble_fill: float = 0.0
