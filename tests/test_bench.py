@@ -42,7 +42,7 @@ def test_bench_json_has_every_key(tmp_path):
         [sys.executable, "-m", "pipelines.bench", "--quick", "--repeats", "1", "--json", str(out)],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1800,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(out.read_text())

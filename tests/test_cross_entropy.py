@@ -97,15 +97,22 @@ def test_outputs_are_per_token_cross_entropy_and_log_sum_exp():
 
 
 def test_tied_embedding_layout(assert_trees_close):
-    """A tied ``(vocab, embed)`` table passed transposed: gradients reach the table."""
+    """A tied ``(vocab, embed)`` table, read as it is (``vocab_major``) or passed transposed:
+    the same loss, and gradients that reach the table."""
     h, unembedding, targets = _inputs(48)
     embedding = unembedding.T
 
-    def tied(loss, **options):
-        gradient = jax.value_and_grad(lambda h, e: loss(h, e.T, targets, **options), (0, 1))
-        return jax.jit(gradient)(h, embedding)
+    def tied(loss, transpose, **options):
+        def tied_loss(h, embedding):
+            return loss(h, embedding.T if transpose else embedding, targets, **options)
 
-    assert_trees_close(tied(_fused_loss, chunk_size=8), tied(_plain_loss), rtol=1e-5)
+        return jax.jit(jax.value_and_grad(tied_loss, (0, 1)))(h, embedding)
+
+    expected = tied(_plain_loss, transpose=True)
+    assert_trees_close(
+        tied(_fused_loss, transpose=False, vocab_major=True, chunk_size=20), expected, rtol=1e-5
+    )
+    assert_trees_close(tied(_fused_loss, transpose=True, chunk_size=20), expected, rtol=1e-5)
 
 
 def test_bfloat16_close_to_float32():

@@ -10,8 +10,8 @@ about ``w / seq`` of it. Pairs that are visible throughout skip the mask as well
 
 Layout: a query block's rows are its tokens times the query heads that share one key/value
 head (``rows = q_block * groups``), so each key block is read once for a whole group. The
-outer loop runs over (batch, key/value head) pairs, one per step when blocks are full (a
-head's scores then stay in cache) and several together when they are not (decoding). The
+outer loop runs over (batch, key/value head) pairs, two per step when blocks are full (their
+scores then stay in cache) and more together when they are not (decoding). The
 backward pass works on transposed scores ``(keys, rows)``, which keeps each of its five
 matmuls in a layout XLA:CPU runs fast (a transposed left operand ran at half speed).
 """
@@ -87,22 +87,22 @@ class _Blocks(NamedTuple):
 
     @classmethod
     def choose(cls, block_size, seq, kv_seq, n_pairs, groups, scale, softcap) -> "_Blocks":
-        """Query blocks of ``block_size`` rows and key blocks of ``block_size`` keys, one
-        (batch, key/value head) pair per step, or as many pairs as fill ``block_size`` rows
-        when a block holds fewer (a short chunk, a decoding step: per-pair steps of tiny
-        blocks would cost more in loop iterations than they compute).
+        """Query blocks of ``block_size`` rows and key blocks of ``block_size`` keys, and as
+        many (batch, key/value head) pairs per step as fill ``2 * block_size`` rows: two
+        full blocks, or many pairs of a short chunk or a decoding step (per-pair steps of
+        tiny blocks would cost more in loop iterations than they compute).
 
         Measured on 2 cores, forward and backward, 8 heads of 64, with this process given
         the CPU: XLA:CPU spreads an operation over both cores only once it is large, so 512 x
-        512 tiles ran within 1.05-1.15x of PyTorch's flash attention at T = 1024-8192 where
-        128 x 256 tiles, though cheaper in CPU time, ran on one core (1.9x); one pair per step
-        keeps a head's scores in cache (eight heads per step: 10-20% slower).
+        512 tiles ran within 1.1-1.4x of PyTorch's flash attention at T = 1024-8192 where
+        128 x 256 tiles, though cheaper in CPU time, ran on one core (1.9x). Few pairs per
+        step keep their scores in cache (eight heads at once: 10-20% slower).
         """
         q_block = min(seq, max(1, block_size // groups))
         fits = [
             d
             for d in range(1, n_pairs + 1)
-            if n_pairs % d == 0 and d * q_block * groups <= block_size
+            if n_pairs % d == 0 and d * q_block * groups <= 2 * block_size
         ]
         return cls(scale, softcap, q_block, min(block_size, kv_seq), max(fits, default=1))
 

@@ -1,20 +1,18 @@
 """Cross-entropy over a large vocabulary without the ``(tokens, vocab)`` logits.
 
-`fused_cross_entropy` takes the final hidden states and the unembedding instead of logits,
-and walks the vocabulary in chunks: an online log-sum-exp (running max and sum in fp32) in
-the forward; in the backward, each chunk's logits are recomputed from the saved inputs and
-per-token log-sum-exp, and give that chunk's columns of the weight gradient and its share of
-the hidden-state gradient. Temporary memory is a few ``(tokens, chunk)`` blocks, whatever the
-vocabulary size.
+`fused_cross_entropy` takes the final hidden states and the unembedding instead of logits
+and computes the logits block by block (a chunk of tokens by a chunk of the vocabulary):
+an online log-sum-exp (running max and sum in fp32) in the forward; in the backward, each
+block's logits are recomputed from the saved inputs and per-token log-sum-exp and give that
+block's share of both gradients. Temporary memory is a few blocks, whatever the vocabulary.
 
 A weight sharded on its vocab axis (``tp``, and ``pp`` outside the pipeline) is split into
 ``shards`` contiguous blocks of ``vocab / shards`` ids, one a device. Chunk ``i`` takes the
-``i``-th run of ``width / shards`` columns *from every block*, so under GSPMD each device
-reads its own columns and only per-token maxima and sums cross devices, once, after the last
-chunk. Plain contiguous chunks of a sharded weight would each live on one device and make
-the compiler gather the weight; fully strided chunks (id ``j * n_chunks + i``) keep the
-sharding too but read every cache line of the weight at every chunk (at 152k ids that made
-the loss 15% slower than the plain one instead of faster).
+``i``-th run of columns *from every block*, so under GSPMD each device reads its own
+columns and only per-token maxima and sums cross devices, once, after the last chunk.
+Contiguous chunks of the whole vocabulary would each live on one device and make the
+compiler gather the weight; fully strided chunks (ids ``j * n_chunks + i``) keep the
+sharding too, but every chunk's read touches every cache line of the weight.
 """
 
 import dataclasses
@@ -26,6 +24,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from eqxzoo.nn.varying import varying_like
+
+Unembedding = Float[Array, "embed vocab"] | Float[Array, "vocab embed"]
+"""The head's ``(embed, vocab)`` weight, or a tied ``(vocab, embed)`` embedding table."""
 
 DEFAULT_TOKEN_CHUNK_SIZE = 512
 """Tokens per block (see `DEFAULT_CHUNK_SIZE`)."""
@@ -123,14 +124,25 @@ class VocabChunks:
 
 
 def _bits(x: Array) -> Array:
-    """``x``'s bits as ``uint16`` when it is a 16-bit float, else ``x``.
+    """``x``'s bits as ``uint16`` when it is a 16-bit float on XLA:CPU, else ``x``.
 
     XLA:CPU slices no 16-bit floats: its float normalization converts the whole operand of a
     dynamic slice or update to fp32. From a bf16 weight that made a weight-sized fp32 copy
-    (two, with the layout change), and the bf16 weight gradient was converted to fp32 and
-    back in full at every chunk. Integers are sliced in place; elsewhere the bitcast is free.
+    (two, with a layout change), and the bf16 weight gradient was converted to fp32 and back
+    in full at every chunk. Integers are sliced in place (the bitcast itself is one copy, of
+    half the size). Other backends slice bf16 as it is.
     """
-    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
+    if x.dtype.itemsize == 2 and jax.default_backend() == "cpu":
+        return jax.lax.bitcast_convert_type(x, jnp.uint16)
+    return x
+
+
+def _matmul_dtype(h: Array, unembedding: Array) -> jnp.dtype:
+    """The operands' dtype for the matmuls: the inputs' own, but fp32 on XLA:CPU, which ran
+    bf16 x bf16 -> fp32 matmuls 40% slower than fp32 ones on converted operands (with equal
+    results: products of bf16 numbers are exact in fp32, and both accumulate in fp32)."""
+    dtype = jnp.result_type(h, unembedding)
+    return jnp.promote_types(dtype, jnp.float32) if jax.default_backend() == "cpu" else dtype
 
 
 def _from_bits(x: Array, dtype: jnp.dtype) -> Array:
@@ -170,7 +182,7 @@ def token_chunks(batch_shape: tuple[int, ...], token_chunk_size: int) -> int:
 
 def fused_cross_entropy(
     h: Float[Array, "*batch seq embed"],
-    unembedding: Float[Array, "embed vocab"] | Float[Array, "vocab embed"],
+    unembedding: Unembedding,
     targets: Int[Array, "*batch seq"],
     *,
     vocab_major: bool = False,
@@ -183,11 +195,12 @@ def fused_cross_entropy(
     ``softcap * tanh(logits / softcap)`` if ``softcap`` is set: Gemma 2's final soft-cap),
     never materialising the logits: not in the forward, the residuals or the backward.
 
-    ``h`` are the final-normed hidden states: ``(tokens, embed)``, or with any leading axes,
-    kept as they are so that their sharding is; ``unembedding`` the head's ``(embed, vocab)`` weight (a tied embedding's
-    ``(vocab, embed)`` table transposed). The caller reduces: mean cross-entropy, and a
-    z-loss ``weight * mean(log_sum_exp**2)`` if it wants one; the custom VJP takes
-    cotangents for both outputs.
+    ``h`` are the final-normed hidden states, ``(tokens, embed)`` or with more leading axes
+    (kept as they are, and so is their sharding); ``unembedding`` is the head's ``(embed,
+    vocab)`` weight, or with ``vocab_major`` a tied ``(vocab, embed)`` embedding table, read
+    as it is (``embedding.T`` works too, but XLA may copy the transposed weight). The caller
+    reduces: mean cross-entropy, and a z-loss ``weight * mean(log_sum_exp**2)`` if it wants
+    one; the custom VJP takes cotangents for both outputs.
 
     The logits are computed in blocks of about ``token_chunk_size`` tokens (`token_chunks`)
     by ``chunk_size`` vocabulary columns (`vocab_chunks`), so temporary memory is a few
@@ -198,10 +211,11 @@ def fused_cross_entropy(
     block and nothing vocab-sized crosses devices. Results do not depend on it;
     communication does.
 
-    Matmuls take the inputs' dtype with fp32 results (the fast bf16 path on CPU);
-    log-sum-exp and softmax are fp32; gradients come back in the inputs' dtypes. The
-    backward does one matmul more than autodiff of plain logits (it recomputes them) and
-    never reads or writes a ``(tokens, vocab)`` array.
+    Matmuls accumulate in fp32 (`_matmul_dtype`); log-sum-exp and softmax are fp32; the
+    logits' gradient is rounded to the inputs' dtype, as autodiff of bf16 logits would, and
+    the gradients come back in the inputs' dtypes. The backward does one matmul more than
+    autodiff of plain logits (it recomputes them) and never reads or writes a ``(tokens,
+    vocab)`` array.
     """
     vocab = unembedding.shape[0 if vocab_major else 1]
     chunks = vocab_chunks(vocab, chunk_size, vocab_shards, vocab_major)
@@ -210,11 +224,10 @@ def fused_cross_entropy(
         return _cross_entropy(softcap, chunks, n_token_chunks, h, unembedding, targets)
 
 
-def _split_tokens(x: Array, n_batch: int, n_token_chunks: int, lead: int = 0) -> Array:
-    """``x`` with the last of its batch axes (after ``lead`` other axes) viewed as
-    ``(positions / n_token_chunks, n_token_chunks)``: token chunk ``k`` is index ``k`` of the
-    new axis ``lead + n_batch``."""
-    axis = lead + n_batch - 1
+def _split_tokens(x: Array, n_batch: int, n_token_chunks: int) -> Array:
+    """``x`` with the last of its ``n_batch`` leading axes viewed as ``(positions /
+    n_token_chunks, n_token_chunks)``: token chunk ``k`` is index ``k`` of axis ``n_batch``."""
+    axis = n_batch - 1
     return x.reshape(*x.shape[:axis], -1, n_token_chunks, *x.shape[axis + 1 :])
 
 
@@ -246,7 +259,7 @@ def _chunk_logits(
 
 def _forward(
     h: Float[Array, "*batch embed"],
-    unembedding: Float[Array, "embed vocab"] | Float[Array, "vocab embed"],
+    unembedding: Unembedding,
     targets: Int[Array, "*batch"],
     softcap: float | None,
     chunks: VocabChunks,
@@ -261,12 +274,13 @@ def _forward(
     the loop, only one reduction of per-token scalars at the end.
     """
     n_batch = targets.ndim
-    h_split = _split_tokens(h, n_batch, n_token_chunks)
+    matmul_dtype = _matmul_dtype(h, unembedding)
+    h_split = _split_tokens(h, n_batch, n_token_chunks).astype(matmul_dtype)
     targets_split = _split_tokens(targets, n_batch, n_token_chunks)
     weight_bits = _bits(unembedding)
 
     def vocab_step(state, chunk):
-        columns = chunks.read(weight_bits, chunk, unembedding.dtype)
+        columns = chunks.read(weight_bits, chunk, unembedding.dtype).astype(matmul_dtype)
         vocab_ids = chunks.vocab_ids(chunk)
 
         def token_step(state, token_chunk):
@@ -308,7 +322,7 @@ def _forward(
 
 def _backward(
     h: Float[Array, "*batch embed"],
-    unembedding: Float[Array, "embed vocab"] | Float[Array, "vocab embed"],
+    unembedding: Unembedding,
     targets: Int[Array, "*batch"],
     log_sum_exp: Float[Array, "*batch"],
     d_cross_entropy: Float[Array, "*batch"],
@@ -316,7 +330,7 @@ def _backward(
     softcap: float | None,
     chunks: VocabChunks,
     n_token_chunks: int,
-) -> tuple[Float[Array, "*batch embed"], Float[Array, "embed vocab"] | Float[Array, "vocab embed"]]:
+) -> tuple[Float[Array, "*batch embed"], Unembedding]:
     """``(d_h, d_unembedding)`` block by block: ``d_logits = softmax * (d_ce + d_lse) -
     onehot(target) * d_ce`` (times the soft-cap's derivative 1 - (capped / softcap)^2).
 
@@ -328,11 +342,12 @@ def _backward(
     XLA:CPU ran ``h^T @ d_logits`` at half speed contracting ``h``'s leading axis.
     """
     compute_dtype = jnp.result_type(h, unembedding)
+    matmul_dtype = _matmul_dtype(h, unembedding)
     n_batch = targets.ndim
     token_axes = tuple(range(n_batch))
     weight_bits = _bits(unembedding)
-    h_split = _split_tokens(h, n_batch, n_token_chunks)
-    h_embed_major = jax.lax.optimization_barrier(jnp.moveaxis(h_split, -1, 0))
+    h_split = _split_tokens(h, n_batch, n_token_chunks).astype(matmul_dtype)
+    h_embed_major = jnp.moveaxis(h_split, -1, 0)
     targets_split, log_sum_exp, d_cross_entropy, d_softmax = (
         _split_tokens(x, n_batch, n_token_chunks)
         for x in (targets, log_sum_exp, d_cross_entropy, d_cross_entropy + d_log_sum_exp)
@@ -340,7 +355,7 @@ def _backward(
 
     def vocab_step(carry, chunk):
         d_h_by_block, d_unembedding = carry
-        columns = chunks.read(weight_bits, chunk, unembedding.dtype)
+        columns = chunks.read(weight_bits, chunk, unembedding.dtype).astype(matmul_dtype)
         vocab_ids = chunks.vocab_ids(chunk)
 
         def token_step(carry, token_chunk):
@@ -359,7 +374,7 @@ def _backward(
                 d_logits = d_logits * (1.0 - jnp.square(logits / softcap))
             if not chunks.exact:
                 d_logits = jnp.where(chunks.is_new(chunk), d_logits, 0.0)
-            d_logits = d_logits.astype(compute_dtype)
+            d_logits = d_logits.astype(compute_dtype).astype(matmul_dtype)
             d_h_chunk = _take(d_h_by_block, token_chunk, n_batch + 1) + jax.lax.dot_general(
                 d_logits,
                 columns,
@@ -395,7 +410,7 @@ def _cross_entropy(
     chunks: VocabChunks,
     n_token_chunks: int,
     h: Float[Array, "*batch embed"],
-    unembedding: Float[Array, "embed vocab"] | Float[Array, "vocab embed"],
+    unembedding: Unembedding,
     targets: Int[Array, "*batch"],
 ) -> tuple[Float[Array, "*batch"], Float[Array, "*batch"]]:
     return _forward(h, unembedding, targets, softcap, chunks, n_token_chunks)

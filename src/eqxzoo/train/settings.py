@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Literal
 
+from eqxzoo.nn.cross_entropy import DEFAULT_CHUNK_SIZE
 from eqxzoo.optim import OptimizerConfig
 from eqxzoo.parallel.rules import MeshAxes, ShardingConfig
 from eqxzoo.parallel.schedule import Schedule
@@ -45,7 +46,7 @@ class StepConfig:
     load_balance_weight: float = 0.01
     router_z_weight: float = 0.001
     z_loss_weight: float = 0.0
-    loss_chunk_size: int = 8192
+    loss_chunk_size: int = DEFAULT_CHUNK_SIZE
     bias_update_rate: float = 0.001
     remat_stages: bool = True
     bubble_fill: float = 0.0
