@@ -198,7 +198,7 @@ def test_no_tokens_by_vocab_array_in_the_gradient(softcap):
         gradient = jax.grad(lambda h, w: loss(h, w, inputs[2], softcap=softcap, **options), (0, 1))
         return _largest_array(jax.make_jaxpr(gradient)(*inputs[:2]))
 
-    assert largest(_fused_loss, chunk_size=32) == embed * vocab
+    assert largest(_fused_loss, chunk_size=32, token_chunk_size=16) == embed * vocab
     assert largest(_plain_loss) >= tokens * vocab
 
 
