@@ -94,8 +94,8 @@ class Linear(AbstractAxesOwner):
 
 class Embedding(AbstractAxesOwner):
     """An embedding table ``(rows, embed)``: token embeddings (rows on the logical ``vocab``
-    axis) or learned positions (``row_axis=None``); `attend` reuses a token table as a tied
-    output layer."""
+    axis) or learned positions (``row_axis=None``). A tied output layer reads the token
+    table transposed (`models.DecoderLM.head_inputs`)."""
 
     weight: Float[Array, "rows embed"]
     row_axis: LogicalName = eqx.field(static=True)
@@ -117,7 +117,3 @@ class Embedding(AbstractAxesOwner):
 
     def __call__(self, tokens: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq embed"]:
         return jnp.take(self.weight, tokens, axis=0)
-
-    def attend(self, h: Float[Array, "*batch seq embed"]) -> Float[Array, "*batch seq vocab"]:
-        """Logits against the embedding table (tied input/output embeddings)."""
-        return dense(h, self.weight.T)
