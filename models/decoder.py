@@ -20,6 +20,7 @@ from eqxzoo.nn import (
     MLP,
     CausalSelfAttention,
     Embedding,
+    HeadInputs,
     LatentAttention,
     LayerNorm,
     Linear,
@@ -339,21 +340,19 @@ class DecoderLM(eqx.Module):
     def head(self, h: Float[Array, "*batch seq embed"]) -> Float[Array, "*batch seq vocab"]:
         """Final norm, the output projection (or the tied embedding) and, with
         ``final_softcap``, ``cap * tanh(logits / cap)``."""
-        features, unembedding, cap = self.head_inputs(h)
-        logits = dense(features, unembedding)
+        features, projection, vocab_major, cap = self.head_inputs(h)
+        logits = dense(features, projection.T if vocab_major else projection)
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 
-    def head_inputs(
-        self, h: Float[Array, "*batch seq embed"]
-    ) -> tuple[Float[Array, "*batch seq embed"], Float[Array, "embed vocab"], float | None]:
+    def head_inputs(self, h: Float[Array, "*batch seq embed"]) -> HeadInputs:
         """What `head` makes the logits of: the final-normed states, the output projection
-        (the tied embedding, transposed) and the final soft-cap. The trainer's fused loss
-        takes these instead of the logits (`eqxzoo.nn.fused_cross_entropy`)."""
-        unembedding = self.embedding.weight.T if self.unembedding is None else self.unembedding
-        if isinstance(unembedding, Linear):
-            assert unembedding.bias is None, "the output projection has no bias"
-            unembedding = unembedding.weight
-        return self.final_norm(h), unembedding, self.config.final_softcap
+        (the tied embedding table, vocabulary-major) and the final soft-cap. The trainer's
+        fused loss takes these instead of the logits (`eqxzoo.nn.fused_cross_entropy`)."""
+        features, cap = self.final_norm(h), self.config.final_softcap
+        if self.unembedding is None:
+            return HeadInputs(features, self.embedding.weight, True, cap)
+        assert self.unembedding.bias is None, "the output projection has no bias"
+        return HeadInputs(features, self.unembedding.weight, False, cap)
 
     def __call__(
         self, tokens: Int[Array, " seq"], *, key: PRNGKeyArray | None = None

@@ -1,10 +1,15 @@
 """Building blocks: shapes, causality, GQA, the MoE paths and their auxiliary losses."""
 
+import contextlib
+import functools
+import io
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 
 from eqxzoo.nn import (
     MLP,
@@ -21,6 +26,7 @@ from eqxzoo.nn import (
     apply_rope,
     attend,
     cache_slots,
+    embedding_lookup,
     gated_activation,
     logical_axes,
     rope_frequencies,
@@ -223,6 +229,49 @@ def test_mlp_matches_formula(activation):
     np.testing.assert_allclose(mlp(x), hidden @ mlp.down.weight, rtol=1e-6)
     with pytest.raises((ValueError, TypeError), match="relu"):
         MLP(16, 24, activation="relu", key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu"])
+def test_mlp_gradients_match_formula_and_save_only_the_pre_activations(activation):
+    """The backward pass recomputes the activation and the hidden product: of the
+    ``(tokens, hidden)`` arrays only the projections' outputs are saved (two gated, one GELU),
+    and the gradients are autodiff's of the plain formula."""
+    mlp = MLP(16, 24, activation=activation, key=jax.random.key(7))
+    x = jax.random.normal(jax.random.key(8), (5, 16))
+
+    def formula(mlp, x):
+        act = jax.nn.silu if activation == "swiglu" else functools.partial(jax.nn.gelu)
+        if mlp.gate is None:
+            return act(x @ mlp.up.weight) @ mlp.down.weight
+        return (act(x @ mlp.gate.weight) * (x @ mlp.up.weight)) @ mlp.down.weight
+
+    def loss(fn):
+        return lambda mlp, x: jnp.sum(jnp.sin(fn(mlp, x)))
+
+    ours = jax.grad(loss(lambda mlp, x: mlp(x)), argnums=(0, 1))(mlp, x)
+    reference = jax.grad(loss(formula), argnums=(0, 1))(mlp, x)
+    for got, want in zip(jax.tree.leaves(ours), jax.tree.leaves(reference), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print_saved_residuals(lambda x: mlp(x), x)
+    hidden_sized = [line for line in printed.getvalue().splitlines() if "[5,24]" in line]
+    assert len(hidden_sized) == (1 if activation == "gelu" else 2), printed.getvalue()
+
+
+def test_embedding_lookup_gradient_scatter_adds_repeated_tokens():
+    table = jax.random.normal(jax.random.key(0), (11, 4))
+    tokens = jnp.array([[3, 3, 0, 10], [3, 7, 7, 0]])
+    weights = jax.random.normal(jax.random.key(1), (2, 4, 4))
+
+    def loss(lookup):
+        return lambda table: jnp.sum(jnp.sin(lookup(table, tokens)) * weights)
+
+    got = jax.jit(jax.grad(loss(embedding_lookup)))(table)
+    want = jax.grad(loss(lambda table, tokens: jnp.take(table, tokens, axis=0)))(table)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got)[[1, 2, 4, 5, 6, 8, 9]], 0.0)
+    np.testing.assert_array_equal(embedding_lookup(table, tokens), table[tokens])
 
 
 def _moe(routing_mode="dropless", **kwargs):

@@ -12,7 +12,16 @@ import pytest
 
 import models
 from eqxzoo.errors import ConfigError
-from eqxzoo.nn import MLP, Embedding, LanguageModel, Linear, RMSNorm, Stack, make_layers_for_keys
+from eqxzoo.nn import (
+    MLP,
+    Embedding,
+    HeadInputs,
+    LanguageModel,
+    Linear,
+    RMSNorm,
+    Stack,
+    make_layers_for_keys,
+)
 from eqxzoo.optim import OptimizerConfig, build_optimizer, decay_mask
 from eqxzoo.parallel import (
     MeshConfig,
@@ -25,8 +34,8 @@ from eqxzoo.parallel import (
 from eqxzoo.train.layout import from_pipeline_layout
 from eqxzoo.train.loss import sequential_loss
 from eqxzoo.train.settings import Precision, StepConfig
-from eqxzoo.train.state import init_train_state
-from eqxzoo.train.step import make_train_step, train_step
+from eqxzoo.train.state import abstract_train_state, init_train_state
+from eqxzoo.train.step import compile_train_step, make_train_step, train_step
 
 N_LAYERS = 4
 SHAPE = (2, 4, 4, 8)  # (G, M, B, T)
@@ -421,7 +430,7 @@ class ResidualMLPLM(eqx.Module):
         return self.unembedding(h)
 
     def head_inputs(self, h):
-        return h, self.unembedding.weight, None
+        return HeadInputs(h, self.unembedding.weight, False, None)
 
     def block_keys(self, key):
         return jax.random.split(jax.random.split(key, 3)[1], self.n_layers)
@@ -452,3 +461,26 @@ def test_a_model_that_is_not_a_decoder_lm_trains_through_the_pipeline(
     )
     trained = from_pipeline_layout(one_state.model).blocks.layers.mlp.up.weight
     assert not np.allclose(trained, model.blocks.layers.mlp.up.weight, rtol=1e-3)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_step_temporaries_grow_with_the_vocabulary_by_at_most_its_two_gradients(tied):
+    """The compiled one-device step's temporary bytes, vocabulary 4096 against 20480: no
+    ``(tokens, vocab)`` logits (the fused loss), no copy of the optimizer's moments (the
+    skip is a `jax.lax.cond`), no transposed tied table, and the embedding's gradient table
+    allocated only at the end of the backward pass (`eqxzoo.nn.embedding_lookup`). What is
+    left to grow is at most the embedding's and the head's gradient (one array when tied)."""
+    mesh = make_mesh(MeshConfig(), jax.devices()[:1])
+    config = StepConfig(schedule=Schedule("gpipe", 1, 1, 1), remat_stages=False)
+    temp = {}
+    for vocab in (4096, 20480):
+        model = models.LlamaConfig(
+            vocab_size=vocab, d_model=64, n_layers=2, n_heads=4, mlp_dim=128, tie_embeddings=tied
+        )
+        state = abstract_train_state(
+            functools.partial(models.DecoderLM, model), config=config, mesh=mesh
+        )
+        compiled = compile_train_step(config, mesh, state, (1, 1, 1, 512))
+        temp[vocab] = compiled.memory_analysis().temp_size_in_bytes
+    vocab_arrays = (temp[20480] - temp[4096]) / ((20480 - 4096) * 64 * 4)
+    assert vocab_arrays <= 2.0, temp

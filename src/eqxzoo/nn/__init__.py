@@ -10,10 +10,15 @@ from eqxzoo.nn.attention import (
 )
 from eqxzoo.nn.axes import AbstractAxesOwner, Axes, LogicalName, logical_axes
 from eqxzoo.nn.blockwise import blockwise_attend
-from eqxzoo.nn.contract import LanguageModel, make_layers_for_keys, summarize_layer_aux
+from eqxzoo.nn.contract import (
+    HeadInputs,
+    LanguageModel,
+    make_layers_for_keys,
+    summarize_layer_aux,
+)
 from eqxzoo.nn.cross_entropy import fused_cross_entropy
 from eqxzoo.nn.grouped import grouped_matmul
-from eqxzoo.nn.linear import Embedding, Linear, normal_init
+from eqxzoo.nn.linear import Embedding, Linear, embedding_lookup, normal_init
 from eqxzoo.nn.mla import LatentAttention, deinterleave_rope_columns, interleave_rope_columns
 from eqxzoo.nn.mlp import MLP, Activation
 from eqxzoo.nn.moe import (
@@ -45,6 +50,7 @@ __all__ = [
     "Embedding",
     "ExpertActivation",
     "Experts",
+    "HeadInputs",
     "LanguageModel",
     "LatentAttention",
     "LayerNorm",
@@ -67,6 +73,7 @@ __all__ = [
     "cache_slots",
     "deinterleave_rope_columns",
     "dense_attend",
+    "embedding_lookup",
     "fused_cross_entropy",
     "gated_activation",
     "interleave_rope_columns",

@@ -12,10 +12,8 @@ over ``pp`` inside it):
   each layer is called as ``layer(h, key=None) -> (h, aux)`` on ``(*batch, seq, embed)``.
   ``blocks.remat_policy`` is how each layer is rematerialised.
 - ``head(h) -> logits``: hidden states to ``(*batch, seq, vocab)`` logits, and
-  ``head_inputs(h) -> (features, unembedding, softcap)``: what ``head`` makes them of, the
-  final-normed states ``(*batch, seq, embed)``, the ``(embed, vocab)`` output projection and
-  the soft-cap of the logits (None: none), so that the trainer's loss can compute them chunk
-  by chunk (`eqxzoo.nn.fused_cross_entropy`) instead of all at once.
+  ``head_inputs(h) -> HeadInputs``: what ``head`` makes them of, so that the trainer's loss
+  can compute them chunk by chunk (`eqxzoo.nn.fused_cross_entropy`) instead of all at once.
 - ``block_keys(key)``: the per-layer keys that ``Model(..., key=key)`` builds its blocks from,
   shape ``(layers,)``, and ``make_layers(layer_keys)``: the layers for those keys reshaped to
   any leading axes (layer order kept), stacked on those axes. With both, the trainer creates
@@ -30,13 +28,28 @@ over ``pp`` inside it):
 Every array is annotated with logical axes (`eqxzoo.nn.AbstractAxesOwner`).
 """
 
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Key, PRNGKeyArray, PyTree
 
 from eqxzoo.nn.stack import Stack
+
+
+class HeadInputs(NamedTuple):
+    """What a model's ``head`` makes its logits of: ``softcap * tanh(features @ projection /
+    softcap)`` (no cap where ``softcap`` is None).
+
+    ``projection`` is the ``(embed, vocab)`` output projection, or with ``vocab_major`` a tied
+    ``(vocab, embed)`` embedding table, read as it is stored: transposing it for the loss
+    would cost a copy of the table and of its gradient.
+    """
+
+    features: Float[Array, "*batch seq embed"]
+    projection: Float[Array, "embed vocab"] | Float[Array, "vocab embed"]
+    vocab_major: bool
+    softcap: float | None
 
 
 @runtime_checkable
@@ -50,9 +63,7 @@ class LanguageModel(Protocol):
 
     def head(self, h: Float[Array, "*batch seq embed"]) -> Float[Array, "*batch seq vocab"]: ...
 
-    def head_inputs(
-        self, h: Float[Array, "*batch seq embed"]
-    ) -> tuple[Float[Array, "*batch seq embed"], Float[Array, "embed vocab"], float | None]: ...
+    def head_inputs(self, h: Float[Array, "*batch seq embed"]) -> HeadInputs: ...
 
     def block_keys(self, key: PRNGKeyArray) -> Key[Array, " layers"]: ...
 

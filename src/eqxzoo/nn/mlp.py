@@ -1,5 +1,6 @@
 """Feed-forward blocks: SwiGLU (Llama), GeGLU (Gemma) and GELU (GPT-2)."""
 
+import functools
 from typing import Literal
 
 import equinox as eqx
@@ -52,10 +53,26 @@ class MLP(eqx.Module):
 
     def __call__(self, x: Float[Array, "*batch embed"]) -> Float[Array, "*batch embed"]:
         with jax.named_scope("mlp"):
-            if self.activation == "swiglu":
-                hidden = jax.nn.silu(self.gate(x)) * self.up(x)
-            elif self.activation == "geglu":
-                hidden = jax.nn.gelu(self.gate(x), approximate=True) * self.up(x)
-            else:
-                hidden = jax.nn.gelu(self.up(x), approximate=True)
-            return self.down(hidden)
+            pre = self.up(x) if self.gate is None else self.gate(x)
+            up = None if self.gate is None else self.up(x)
+            return _down_of_activation(self.down, self.activation, pre, up)
+
+
+@functools.partial(
+    jax.checkpoint, static_argnums=(1,), policy=jax.checkpoint_policies.nothing_saveable
+)
+def _down_of_activation(
+    down: Linear,
+    activation: Activation,
+    pre: Float[Array, "*batch mlp"],
+    up: Float[Array, "*batch mlp"] | None,
+) -> Float[Array, "*batch embed"]:
+    """``down(act(pre) * up)`` (``down(act(pre))`` without ``up``), saving only ``pre`` and
+    ``up`` for the backward pass: the activation and the hidden product are recomputed there.
+
+    Plain autodiff saves four more ``(tokens, mlp)`` arrays per layer (the activation's
+    internals and the hidden product), each as large as ``pre``; recomputing them costs a few
+    elementwise passes and no matmul (the down projection's output is not needed again).
+    """
+    hidden = jax.nn.silu(pre) if activation == "swiglu" else jax.nn.gelu(pre, approximate=True)
+    return down(hidden if up is None else hidden * up)

@@ -106,13 +106,14 @@ def token_cross_entropy(
     (`vocab_shards`)."""
     if not config.loss_chunk_size:
         return plain_cross_entropy(model.head(h).astype(config.precision.output), targets)
-    features, unembedding, softcap = model.head_inputs(h)
-    n_vocab = unembedding.shape[-1]
+    features, projection, vocab_major, softcap = model.head_inputs(h)
+    n_vocab = projection.shape[0 if vocab_major else 1]
     n_shards = 1 if mesh is None else vocab_shards(n_vocab, mesh, config.rules, manual_pp)
     token_losses, log_normalizers = fused_cross_entropy(
         features.reshape(-1, features.shape[-1]),
-        unembedding,
+        projection,
         targets.reshape(-1),
+        vocab_major=vocab_major,
         softcap=softcap,
         chunk_size=config.loss_chunk_size,
         vocab_shards=n_shards,

@@ -8,7 +8,6 @@ through the model contract.
 """
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping
 
 import equinox as eqx
@@ -50,6 +49,11 @@ def train_step(
     A step whose loss or gradient norm is not finite leaves the whole state as it was
     (``metrics["skipped"] == 1``): ``state.step`` counts applied updates, like the optimizer's
     own schedule counter, so the reported learning rate is the one the next update uses.
+
+    The skip is a `jax.lax.cond` around the update, not a select between the new and the old
+    state: a select keeps every old moment alive beside its new value, so XLA:CPU copied
+    the moments of each large parameter (the ``(embed, vocab)`` head's at the peak of a
+    big-vocabulary step), where the branch updates the donated state in place.
     """
     optimizer = build_optimizer(config.optimizer)
     trainable, frozen = split_trainable(state.model, config.optimizer)
@@ -91,11 +95,17 @@ def train_step(
     n_accum = batch["tokens"].shape[0]
     grads = jax.tree.map(lambda g, p: (g / n_accum).astype(p.dtype), grad_sum, trainable)
     metrics = jax.tree.map(lambda m: m / n_accum, metric_sum)
-    updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
-    updated = optax.apply_updates(trainable, updates)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-    keep_finite = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+
+    def update(grads, opt_state, params):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def keep(grads, opt_state, params):
+        return params, opt_state
+
+    updated, opt_state = jax.lax.cond(finite, update, keep, grads, state.opt_state, trainable)
     metrics.update(
         grad_norm=grad_norm,
         learning_rate=learning_rate_schedule(config.optimizer)(state.step),
@@ -103,13 +113,12 @@ def train_step(
         skipped=jnp.logical_not(finite).astype(jnp.int32),
     )
     if "expert_fraction" in metrics:
-        frozen = keep_finite(
-            balance_buffers(frozen, metrics["expert_fraction"], config.bias_update_rate), frozen
-        )
+        balanced = balance_buffers(frozen, metrics["expert_fraction"], config.bias_update_rate)
+        frozen = jax.tree.map(lambda new, old: jnp.where(finite, new, old), balanced, frozen)
     new_state = TrainState(
         step=state.step + finite.astype(state.step.dtype),
-        model=eqx.combine(keep_finite(updated, trainable), frozen),
-        opt_state=keep_finite(opt_state, state.opt_state),
+        model=eqx.combine(updated, frozen),
+        opt_state=opt_state,
     )
     return new_state, metrics
 
