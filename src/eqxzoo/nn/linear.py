@@ -130,7 +130,10 @@ def embedding_lookup(
     Plain autodiff makes the same scatter, but its zero table is a constant that XLA:CPU
     schedules at the start of the step: a ``(vocab, embed)`` buffer (311 MB at a 152k
     vocabulary in fp32) then stays live through the whole forward and backward pass, at the
-    activations' peak.
+    activations' peak. Here the zero is computed from the cotangent's first element (an exact
+    zero whatever its value), a data dependency the scheduler cannot hoist; an
+    `jax.lax.optimization_barrier` does not survive XLA:CPU's passes. Where the cotangent is
+    sharded, that element costs one scalar broadcast.
     """
     return jnp.take(table, tokens, axis=0)
 
@@ -141,7 +144,7 @@ def _lookup_forward(table, tokens):
 
 def _lookup_backward(residuals, cotangent):
     table, tokens = residuals
-    first = cotangent.reshape(-1)[0].astype(table.dtype)
+    first = cotangent[(0,) * cotangent.ndim].astype(table.dtype)
     zero = jnp.where(jnp.isfinite(first), jnp.abs(first) * 0, 0)
     grad = jnp.broadcast_to(zero, table.shape).at[tokens].add(cotangent.astype(table.dtype))
     return cotangent_for(grad, table), None
