@@ -40,7 +40,8 @@
 
 The pipeline efficiency (2.) times the dp8 and the pipelined steps in turn and reports the
 median ratio and its spread over the rounds (``pp_efficiency_spread``: {schedule: [min,
-max]}).
+max]}); the comparisons with PyTorch (5., 12.) also run both steps in turn and report the
+median of the rounds' ratios.
 
 Absolute times on a shared machine are noise; the ratios, measured in one run, are the result.
 """
@@ -156,19 +157,38 @@ def _sizes(quick: bool) -> tuple[int, int]:
     return (QUICK_BATCH, QUICK_SEQ) if quick else (BATCH, SEQ)
 
 
-def single_device(repeats: int, quick: bool) -> dict:
-    """The reference model on one device; one tick, so no stage rematerialisation."""
+def single_device(repeats: int, quick: bool, versus_pytorch: bool = False) -> dict:
+    """The reference model on one device; one tick, so no stage rematerialisation. With
+    ``versus_pytorch`` (and torch installed), PyTorch eager's step of the same model runs in
+    turn with ours, round after round (`interleaved_times`): ``vs_pytorch`` is the median of
+    the rounds' ratios."""
     batch, seq = _sizes(quick)
     config = reference_config(quick=quick)
     runner = StepRunner(
         config, MeshConfig(), Schedule("gpipe", 1, 1, 1), (1, 1, batch, seq), remat_stages=False
     )
-    tokens_per_s = runner.tokens_per_second(repeats)
+    torch_step = pytorch_step(quick, batch, seq) if versus_pytorch else None
+    if torch_step is None:
+        tokens_per_s = runner.tokens_per_second(repeats)
+        comparison = {"vs_pytorch": None} if versus_pytorch else {}
+    else:
+        times = interleaved_times({"ours": runner.step, "pytorch": torch_step}, repeats)
+        tokens_per_s = runner.tokens / statistics.median(times["ours"])
+        comparison = {
+            "pytorch_tokens_per_s": runner.tokens / statistics.median(times["pytorch"]),
+            "vs_pytorch": median_ratio(times["pytorch"], times["ours"]),
+        }
     return {
         "tokens_per_s": tokens_per_s,
         "model_flops_per_token": flops_per_token(config, seq),
         "model_flops_per_s": tokens_per_s * flops_per_token(config, seq),
+        **comparison,
     }
+
+
+def median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """The median over rounds of ``numerator / denominator`` (times of the same round)."""
+    return statistics.median(n / d for n, d in zip(numerators, denominators, strict=True))
 
 
 def pipeline_efficiency(repeats: int, quick: bool) -> dict:
@@ -200,7 +220,7 @@ def pipeline_efficiency(repeats: int, quick: bool) -> dict:
     }
     for name in ("gpipe", "circular"):
         ratios = [base / piped for base, piped in zip(times["dp8"], times[name], strict=True)]
-        result[f"pp_efficiency_{name}"] = statistics.median(ratios)
+        result[f"pp_efficiency_{name}"] = median_ratio(times["dp8"], times[name])
         result["pp_efficiency_spread"][name] = [min(ratios), max(ratios)]
     return result
 
@@ -229,13 +249,13 @@ def memory_by_pp(quick: bool) -> dict[str, int]:
     }
 
 
-def pytorch_reference(quick: bool) -> dict | None:
+def pytorch_step(quick: bool, batch: int, seq: int) -> Callable[[], None] | None:
+    """PyTorch eager's train step of the reference model (None without torch)."""
     try:
-        from pipelines.torch_reference import torch_train_throughput
+        from pipelines.torch_reference import torch_train_step
     except ImportError:
         return None
-    batch, seq = _sizes(quick)
-    return torch_train_throughput(**(QUICK if quick else REFERENCE), batch=batch, seq_len=seq)
+    return torch_train_step(**(QUICK if quick else REFERENCE), batch=batch, seq_len=seq)
 
 
 def loader_throughput(repeats: int, quick: bool) -> dict:
@@ -585,17 +605,15 @@ QUICK_STEP_SEQS, QUICK_STEP_TOKENS = (16, 32), 64
 
 def step_by_seq(repeats: int, quick: bool) -> dict:
     """The reference model's one-device train step at each sequence length with ``B x T`` =
-    ``STEP_TOKENS``, ours and PyTorch eager's, measured one after the other per length:
-    ours / PyTorch's tokens/s by T."""
-    try:
-        from pipelines.torch_reference import torch_train_throughput
-    except ImportError:
-        return {"step_vs_pytorch_by_seq": None}
-    sizes = QUICK if quick else REFERENCE
+    ``STEP_TOKENS``, ours and PyTorch eager's run in turn round after round per length
+    (`interleaved_times`): the median ratio of ours to PyTorch's tokens/s, by T."""
     tokens = QUICK_STEP_TOKENS if quick else STEP_TOKENS
     ratios = {}
     for seq in QUICK_STEP_SEQS if quick else STEP_SEQS:
         batch = tokens // seq
+        torch_step = pytorch_step(quick, batch, seq)
+        if torch_step is None:
+            return {"step_vs_pytorch_by_seq": None}
         runner = StepRunner(
             reference_config(quick=quick),
             MeshConfig(),
@@ -603,10 +621,9 @@ def step_by_seq(repeats: int, quick: bool) -> dict:
             (1, 1, batch, seq),
             remat_stages=False,
         )
-        ours = runner.tokens_per_second(repeats)
-        theirs = torch_train_throughput(**sizes, batch=batch, seq_len=seq, steps=repeats)
-        ratios[str(seq)] = ours / theirs["tokens_per_s"]
-        del runner
+        times = interleaved_times({"ours": runner.step, "pytorch": torch_step}, repeats)
+        ratios[str(seq)] = median_ratio(times["pytorch"], times["ours"])
+        del runner, torch_step
     return {"step_vs_pytorch_by_seq": ratios}
 
 
@@ -649,21 +666,18 @@ def main(argv: list[str] | None = None) -> dict:
     peak = measured_matmul_flops()
     figures["matmul_peak_flops"] = peak
     if "single" in parts or "torch" in parts:
-        figures.update(single_device(args.repeats, args.quick))
+        figures.update(single_device(args.repeats, args.quick, versus_pytorch="torch" in parts))
         figures["mfu_vs_matmul"] = figures["model_flops_per_s"] / peak
         print(
             f"single device: {figures['tokens_per_s']:.0f} tokens/s, {figures['mfu_vs_matmul']:.2f} of matmul peak ({peak / 1e9:.1f} GFLOP/s)"
         )
     if "torch" in parts:
-        torch_figures = pytorch_reference(args.quick)
-        if torch_figures is None:
-            figures["vs_pytorch"] = None
+        if figures["vs_pytorch"] is None:
             print("pytorch: not installed")
         else:
-            figures["pytorch_tokens_per_s"] = torch_figures["tokens_per_s"]
-            figures["vs_pytorch"] = figures["tokens_per_s"] / torch_figures["tokens_per_s"]
             print(
-                f"pytorch eager: {torch_figures['tokens_per_s']:.0f} tokens/s; ours / pytorch = {figures['vs_pytorch']:.2f}"
+                f"pytorch eager: {figures['pytorch_tokens_per_s']:.0f} tokens/s; ours / pytorch "
+                f"(median of interleaved rounds) = {figures['vs_pytorch']:.2f}"
             )
     if "pipeline" in parts:
         figures.update(pipeline_efficiency(args.repeats, args.quick))

@@ -7,6 +7,7 @@ would, with no `torch.compile` and torch's default thread count.
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +96,7 @@ class ReferenceModel(nn.Module):
         return self.head(self.final_norm(hidden))
 
 
-def torch_train_throughput(
+def torch_train_step(
     *,
     vocab_size: int,
     d_model: int,
@@ -104,16 +105,12 @@ def torch_train_throughput(
     mlp_dim: int,
     batch: int,
     seq_len: int,
-    steps: int = 5,
     warmup: int = 2,
     seed: int = 0,
-) -> dict[str, float]:
-    """Tokens/s of a training step of the reference model in PyTorch eager, fp32, AdamW.
-
-    One step is `zero_grad`, forward, cross-entropy over `(batch*seq, vocab)`, backward,
-    `optimizer.step()` on the same random batch each time. The median of `steps` timed steps
-    (after `warmup` untimed ones) keeps one slow step from skewing the figure.
-    """
+) -> Callable[[], None]:
+    """One training step of the reference model in PyTorch eager, fp32, AdamW, after
+    ``warmup`` untimed ones: `zero_grad`, forward, cross-entropy over ``(batch*seq, vocab)``,
+    backward, ``optimizer.step()``, on the same random batch each call."""
     torch.manual_seed(seed)
     model = ReferenceModel(
         vocab_size=vocab_size,
@@ -136,6 +133,15 @@ def torch_train_throughput(
 
     for _ in range(warmup):
         train_step()
+    return train_step
+
+
+def torch_train_throughput(
+    *, batch: int, seq_len: int, steps: int = 5, **sizes
+) -> dict[str, float]:
+    """Tokens/s of `torch_train_step` (``sizes``: the model's): the median of ``steps`` timed
+    steps, so that one slow step does not skew the figure."""
+    train_step = torch_train_step(batch=batch, seq_len=seq_len, **sizes)
     step_seconds = []
     for _ in range(steps):
         start = time.perf_counter()
