@@ -1,12 +1,10 @@
-"""The reference model in plain PyTorch eager fp32, timed as a training step.
+"""The reference model in plain PyTorch eager fp32, as a training step for the bench to time.
 
 This is the yardstick for our own training step: the same pre-norm transformer (rotary
 attention, tanh-GELU MLP, untied head, AdamW) written the way a competent PyTorch user
 would, with no `torch.compile` and torch's default thread count.
 """
 
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -134,30 +132,3 @@ def torch_train_step(
     for _ in range(warmup):
         train_step()
     return train_step
-
-
-def torch_train_throughput(
-    *, batch: int, seq_len: int, steps: int = 5, **sizes
-) -> dict[str, float]:
-    """Tokens/s of `torch_train_step` (``sizes``: the model's): the median of ``steps`` timed
-    steps, so that one slow step does not skew the figure."""
-    train_step = torch_train_step(batch=batch, seq_len=seq_len, **sizes)
-    step_seconds = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        train_step()
-        step_seconds.append(time.perf_counter() - start)
-    median_step_s = statistics.median(step_seconds)
-    return {
-        "tokens_per_s": batch * seq_len / median_step_s,
-        "step_s": median_step_s,
-        "threads": torch.get_num_threads(),
-    }
-
-
-if __name__ == "__main__":
-    print(
-        torch_train_throughput(
-            vocab_size=1024, d_model=256, n_layers=4, n_heads=4, mlp_dim=1024, batch=8, seq_len=256
-        )
-    )

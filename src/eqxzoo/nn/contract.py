@@ -34,6 +34,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Key, PRNGKeyArray, PyTree
 
+from eqxzoo.nn.cross_entropy import Unembedding
 from eqxzoo.nn.stack import Stack
 
 
@@ -47,7 +48,7 @@ class HeadInputs(NamedTuple):
     """
 
     features: Float[Array, "*batch seq embed"]
-    projection: Float[Array, "embed vocab"] | Float[Array, "vocab embed"]
+    projection: Unembedding
     vocab_major: bool
     softcap: float | None
 

@@ -53,9 +53,9 @@ class MLP(eqx.Module):
 
     def __call__(self, x: Float[Array, "*batch embed"]) -> Float[Array, "*batch embed"]:
         with jax.named_scope("mlp"):
-            pre = self.up(x) if self.gate is None else self.gate(x)
-            up = None if self.gate is None else self.up(x)
-            return _down_of_activation(self.down, self.activation, pre, up)
+            if self.gate is None:
+                return _down_of_activation(self.down, self.activation, self.up(x), None)
+            return _down_of_activation(self.down, self.activation, self.gate(x), self.up(x))
 
 
 @functools.partial(
