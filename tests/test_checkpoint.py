@@ -1,23 +1,33 @@
 """Checkpoints: bitwise round trips, resharding onto other meshes, keep-N, unusable
-checkpoints, non-finite refusal, data iterator state across process counts, SIGTERM."""
+checkpoints, non-finite refusal, data iterator state across process counts, SIGTERM, saves
+that cannot be written."""
 
 import errno
 import functools
+import gc
 import json
+import logging
 import os
 import resource
 import shutil
 import signal
 import types
 import warnings
+from collections.abc import Callable
+from pathlib import Path
 
 import equinox as eqx
+import failing_writes
 import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import SingleDeviceSharding
+from orbax.checkpoint._src.multihost import multihost
+from orbax.checkpoint._src.path import async_path
+from orbax.checkpoint._src.serialization import jax_array_handlers, serialization
 
 import models
 from eqxzoo.optim import OptimizerConfig
@@ -358,25 +368,131 @@ def test_meta_must_be_json(tmp_path):
         checkpointer.save(1, small_state(), data_iterator(), {"loss": np.zeros(2)})
 
 
-def test_a_save_that_cannot_be_written_is_one_error_and_the_older_ones_stay(tmp_path, monkeypatch):
-    with Checkpointer(tmp_path, every=1, keep=5, async_save=False) as checkpointer:
-        checkpointer.save(1, small_state(1), data_iterator(10), {"step": 1})
-        checkpointer.wait()
+def snapshot(directory) -> dict[str, bytes | None]:
+    """Every file (its bytes) and directory (None) under ``directory``."""
+    return {
+        str(path.relative_to(directory)): path.read_bytes() if path.is_file() else None
+        for path in sorted(Path(directory).rglob("*"))
+    }
 
-        def disk_full(self, directory, args):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
 
-        monkeypatch.setattr(checkpoint.DataStateHandler, "save", disk_full)
-        with pytest.raises(CheckpointError) as failed:
-            checkpointer.save(2, small_state(2), data_iterator(20), {"step": 2})
+def array_write_fails(monkeypatch, code: int, step: int) -> Callable[[], None]:
+    """The first array write of the state item fails; TensorStore ends the others later."""
+    writes = failing_writes.FailingArrayWrites(code, step)
+    monkeypatch.setattr(serialization, "async_serialize_from_host", writes)
+    return writes.wait
+
+
+def sharding_write_fails(monkeypatch, code: int, step: int) -> Callable[[], None]:
+    """The state item's ``_sharding`` file fails while its arrays are still being written."""
+    writes = failing_writes.SlowArrayWrites(step)
+    monkeypatch.setattr(serialization, "async_serialize_from_host", writes)
+    monkeypatch.setattr(
+        jax_array_handlers,
+        "_async_serialize_shardings",
+        failing_writes.failing_sharding_write(code, step),
+    )
+    return writes.wait
+
+
+def meta_write_fails(monkeypatch, code: int, step: int) -> Callable[[], None]:
+    """The meta item's file fails while the state item's arrays are still being written
+    (orbax waits for the items in name order: it raises the meta item's failure first)."""
+    writes = failing_writes.SlowArrayWrites(step)
+    monkeypatch.setattr(serialization, "async_serialize_from_host", writes)
+    real = ocp.JsonCheckpointHandler._save_fn
+
+    async def save(self, item, directory):
+        if not failing_writes.in_step(directory, step):
+            return await real(self, item, directory)
+        raise failing_writes.refused(code, directory / "metadata")
+
+    monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", save)
+    return writes.wait
+
+
+def data_write_fails(monkeypatch, code: int, step: int) -> Callable[[], None]:
+    real = checkpoint.DataStateHandler.save
+
+    def save(self, directory, args):
+        if not failing_writes.in_step(directory, step):
+            return real(self, directory, args)
+        raise failing_writes.refused(code, directory / "process_0-of-1.json")
+
+    monkeypatch.setattr(checkpoint.DataStateHandler, "save", save)
+    return lambda: None
+
+
+def item_directory_fails(monkeypatch, code: int, step: int) -> Callable[[], None]:
+    """Creating the items' directories fails. (orbax's writes used to wait for them until its
+    coordination timeout, 300 s: shortened here, so that a return of that fails quickly.)"""
+    real = async_path.mkdir
+
+    async def mkdir(path, *args, **kwargs):
+        if Path(path).parent.name.startswith(f"{step}{checkpoint.TMP_SUFFIX}"):
+            raise failing_writes.refused(code, path)
+        return await real(path, *args, **kwargs)
+
+    monkeypatch.setattr(async_path, "mkdir", mkdir)
+    monkeypatch.setattr(multihost, "coordination_timeout", lambda: 5)
+    return lambda: None
+
+
+def failure(where, code, async_save, seen_at):
+    return pytest.param(
+        where, code, async_save, seen_at, id=f"{where.__name__}-{errno.errorcode[code]}-{seen_at}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("fails", "code", "async_save", "seen_at"),
+    [
+        failure(array_write_fails, errno.ENOSPC, False, "save"),
+        failure(array_write_fails, errno.EDQUOT, True, "next save"),
+        failure(array_write_fails, errno.ENOSPC, True, "close"),
+        failure(sharding_write_fails, errno.ENOSPC, False, "save"),
+        failure(sharding_write_fails, errno.EDQUOT, True, "next save"),
+        failure(meta_write_fails, errno.EDQUOT, False, "save"),
+        failure(meta_write_fails, errno.EIO, True, "close"),
+        failure(data_write_fails, errno.EIO, False, "save"),
+        failure(data_write_fails, errno.ENOSPC, True, "save"),
+        failure(item_directory_fails, errno.EIO, False, "save"),
+        failure(item_directory_fails, errno.ENOSPC, True, "save"),
+    ],
+)
+def test_a_save_that_cannot_be_written_is_one_error_and_the_older_ones_stay(
+    tmp_path, monkeypatch, caplog, capfd, fails, code, async_save, seen_at
+):
+    """Whichever write of the save of step 2 fails first, and wherever that is seen (at the
+    save, or for an asynchronous save at the next save or at close): one `CheckpointError`,
+    the partial directory removed once TensorStore is done, step 1 untouched and restorable,
+    and nothing else reported, then or when the save's leftovers are collected."""
+    save_steps(tmp_path, [1])
+    before = snapshot(tmp_path)
+    tensorstore_done = fails(monkeypatch, code, step=2)
+    with (
+        pytest.raises(CheckpointError) as failed,
+        Checkpointer(tmp_path, every=1, keep=5, async_save=async_save) as checkpointer,
+    ):
+        checkpointer.save(2, small_state(2), data_iterator(20), {"step": 2})
+        if seen_at == "next save":
+            checkpointer.save(3, small_state(3), data_iterator(30), {"step": 3})
+    tensorstore_done()
+    monkeypatch.undo()
+    gc.collect()
     assert str(failed.value) == (
-        f"checkpoint of step 2 not written: no space left on device at {tmp_path}; "
+        f"checkpoint of step 2 not written: {os.strerror(code).lower()} at {tmp_path}; "
         "the newest good checkpoint is step 1"
     )
-    assert sorted(os.listdir(tmp_path)) == ["1"], "the partial directory is removed"
-    monkeypatch.undo()
+    assert snapshot(tmp_path) == before, "the partial directory is removed, step 1 untouched"
     restored = Checkpointer(tmp_path, every=1, keep=5).restore_latest(small_abstract(), None)
     assert restored.step == 1
+    assert_bitwise_equal(restored.state, small_state(1))
+    assert [
+        record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR
+    ] == []
+    errors = capfd.readouterr().err
+    assert "os_error_code" not in errors and "Traceback" not in errors, errors
 
 
 def test_a_save_warns_when_the_free_space_is_smaller_than_the_last_checkpoint(

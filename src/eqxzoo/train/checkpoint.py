@@ -15,13 +15,14 @@ orbax writes a step under a temporary name and renames it when complete, so a sa
 half-way is never listed as a checkpoint.
 
 A save that cannot be written (no space left, a quota, an I/O error) is one
-`CheckpointError` naming the step, the cause and the newest good checkpoint; its partial
-temporary directory is removed and the earlier checkpoints are untouched. Before each save,
-a free space smaller than the last checkpoint's size is warned about. orbax's own reports
-of a failed write (its threads' error logs, and the closed event loops its pending writes
-call back into) are silenced: the failure reaches the caller as that one error.
+`CheckpointError` naming the step, the cause and the newest good checkpoint, raised once the
+save's other writes have ended; its partial temporary directory is removed and the earlier
+checkpoints are untouched. Before each save, a free space smaller than the last checkpoint's
+size is warned about. orbax's own reports of a failed write (its threads' error logs) are
+silenced: the failure reaches the caller as that one error.
 """
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -33,10 +34,11 @@ import shutil
 import signal
 import sys
 import textwrap
+import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import jax
@@ -47,6 +49,7 @@ from etils import epath
 from grain import DatasetIterator
 from jax.experimental import multihost_utils
 from jaxtyping import Array, PyTree
+from orbax.checkpoint._src import asyncio_utils
 
 from eqxzoo.errors import UserError
 from eqxzoo.runtime import on_every_process
@@ -56,7 +59,7 @@ ASYNC_SAVE_GB = 96  # orbax's default
 SYNC_SAVE_GB = 1
 STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
-PARTIAL_REMOVAL_SECONDS = 10
+SETTLE_SECONDS = 60  # the longest a failed save waits for its other writes to end
 CHECKSUMS = "checksums"  # the key of the arrays' checksums in the meta item
 _DATA_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
@@ -189,15 +192,19 @@ class Checkpointer:
         warn: Callable[[str], None] | None = None,
     ):
         assert every >= 1 and keep >= 1, (every, keep)  # `CheckpointConfig` refuses others
+        _settle_failed_writes()
         _silence_orbax_write_failures()
         self.every = every
         self.directory = epath.Path(_absolute(directory))
         self._warn = warn or _warn_checkpoint
         self._writing_step: int | None = None  # an asynchronous save still being written
         self._failed = False
+        # orbax's writes wait for an asynchronous creation of the item directories to signal
+        # success: when it failed (a full disk), they waited 300 s and raised a TimeoutError.
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             enable_async_checkpointing=async_save,
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
             cleanup_tmp_directories=True,
             create=True,
         )
@@ -325,8 +332,8 @@ class Checkpointer:
     @contextlib.contextmanager
     def _writing(self, step: int) -> Iterator[None]:
         """Turn a failure of the filesystem to write step ``step`` (no space, a quota, an I/O
-        error) into one `CheckpointError`, having removed the step's partial directory.
-        Other failures (a bug) propagate as they are."""
+        error) into one `CheckpointError`, once the save's other writes have ended and the
+        step's partial directory is removed. Other failures (a bug) propagate as they are."""
         try:
             yield
         except Exception as error:
@@ -337,6 +344,7 @@ class Checkpointer:
             self._writing_step = None
             # orbax leaves the failed save's other write coroutines un-awaited.
             warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
+            _wait_for_orbax_writers()
             if jax.process_count() == 1:  # else the others may still write there
                 self._remove_partial(step)
             older = [good for good in finished_steps(self.directory) if good != step]
@@ -350,15 +358,9 @@ class Checkpointer:
             ) from error
 
     def _remove_partial(self, step: int) -> None:
-        """Remove the temporary directory of the failed save of ``step``. TensorStore may
-        still be finishing the save's other writes into it: try until it stays gone."""
-        deadline = time.monotonic() + PARTIAL_REMOVAL_SECONDS
-        while partials := list(self.directory.glob(f"{step}{TMP_SUFFIX}*")):
-            for partial in partials:
-                shutil.rmtree(partial, ignore_errors=True)
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.05)
+        """Remove the temporary directory of the failed save of ``step``."""
+        for partial in self.directory.glob(f"{step}{TMP_SUFFIX}*"):
+            shutil.rmtree(partial, ignore_errors=True)
 
     def _warn_if_space_is_short(self, step: int) -> None:
         """Warn when the free space is smaller than the newest checkpoint's size."""
@@ -610,16 +612,65 @@ def _warn_checkpoint(message: str) -> None:
 
 
 @functools.cache
+def _settle_failed_writes() -> None:
+    """Make orbax's event loops, when their coroutine fails, wait for the tasks it started
+    before they close (installed once per process).
+
+    orbax runs each part of a save (an item's array writes, its metadata) with
+    `asyncio_utils.run_sync` on a new event loop, closed as soon as the coroutine returns or
+    raises. When one of TensorStore's writes of a ``gather`` fails, the others are still in
+    flight: the loop was closed under them, and TensorStore ended them afterwards, writing
+    their files into the partial directory once it had been removed, and delivering their
+    failures into a loop that no longer ran them. Those failures were reported when they were
+    collected, at exit, after the run's error line ("Future exception was never retrieved" and
+    TensorStore's raw error, which carries no traceback to recognise it by). An orbax without
+    that function is left as it is.
+    """
+    run_on_new_loop = getattr(asyncio_utils, "_run_sync_via_new_loop", None)
+    if run_on_new_loop is not None:
+        asyncio_utils._run_sync_via_new_loop = lambda coroutine: run_on_new_loop(
+            _settled(coroutine)
+        )
+
+
+async def _settled(coroutine: Coroutine) -> Any:
+    """Await ``coroutine``; if it fails, first wait (at most `SETTLE_SECONDS`) for the other
+    tasks of the event loop, and retrieve their failures."""
+    try:
+        return await coroutine
+    except Exception:
+        deadline = time.monotonic() + SETTLE_SECONDS
+        this = asyncio.current_task()
+        while (others := asyncio.all_tasks() - {this}) and time.monotonic() < deadline:
+            ended, _ = await asyncio.wait(others, timeout=deadline - time.monotonic())
+            for task in ended:
+                if not task.cancelled():
+                    task.exception()
+        raise
+
+
+def _wait_for_orbax_writers() -> None:
+    """Wait (at most `SETTLE_SECONDS`) for the threads orbax started to write a save: orbax
+    raises the failure of one while the others may still be writing into the partial
+    directory. (`threading.Thread.join`: orbax's own ``join`` re-raises their failures.)"""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    for thread in threading.enumerate():
+        if (
+            type(thread).__module__.startswith("orbax.")
+            and thread is not threading.current_thread()
+        ):
+            threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
+
+
+@functools.cache
 def _silence_orbax_write_failures() -> None:
     """Silence orbax's own reports of a failed write (installed once per process).
 
-    When one write of a save fails, orbax closes the save's event loop while TensorStore
-    still completes the other writes: each completion calls back into the closed loop
-    ("RuntimeError: Event loop is closed", printed as an unraisable exception), the pending
-    write coroutines are collected ("Task exception was never retrieved"; at exit,
-    "sys.meta_path is None"), and orbax's threads log the failure with its traceback. The
-    failure itself reaches the caller of the save (or of the wait for it): these echoes are
-    dropped.
+    orbax's threads log the failure with its traceback; when a loop's tasks outlive a
+    `SETTLE_SECONDS` wait, their completions call back into the closed loop ("RuntimeError:
+    Event loop is closed", printed as an unraisable exception) and the pending write
+    coroutines are collected (at exit, "sys.meta_path is None"). The failure itself reaches
+    the caller of the save (or of the wait for it): these echoes are dropped.
     """
     previous_hook = sys.unraisablehook
 
