@@ -3,11 +3,13 @@
 a full disk loses nothing, a plan that cannot fit is refused, and no error exit shows a
 traceback."""
 
+import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -214,6 +216,41 @@ def test_a_full_disk_loses_nothing_and_the_rerun_resumes_exactly(
     assert "resumed from the checkpoint at step 4" in second
     assert losses(out / "second") == reference_losses(reference)
     assert_no_traceback(first, second)
+
+
+FAILING_SAVE = """
+import errno, sys
+import failing_writes
+failing_writes.install_failing_array_writes(errno.ENOSPC, step=4)
+from pipelines.run import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_save_that_fails_on_a_background_thread_ends_the_run_with_one_last_line(
+    tmp_path: Path, cache_dir: Path
+):
+    """The array writes of step 4 fail as a full disk fails them (tests/failing_writes.py:
+    one at once on orbax's writer thread, the others delivered as that thread's event loop
+    ends, the race CI lost): the run's last line is the error and nothing of TensorStore's
+    error shows, then or at exit."""
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    args = [sys.executable, "-c", FAILING_SAVE, *command(run_dir, cache_dir)[3:]]
+    env = environment() | {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    process = spawn(args, log, env)
+    try:
+        assert process.wait(timeout=600) == 2, log.read_text()[-3000:]
+    finally:
+        process.kill()
+    output = log.read_text()
+    assert output.splitlines()[-1] == (
+        f"error: checkpoint of step 4 not written: no space left on device at "
+        f"{run_dir / 'checkpoints'}; the newest good checkpoint is step 2"
+    ), output[-3000:]
+    assert "os_error_code" not in output, output[-3000:]
+    assert_no_traceback(output)
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["2"]
+    assert [r["step"] for r in records(run_dir) if "loss" in r] == [1, 2, 3, 4]
 
 
 MEM_TOTAL = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
