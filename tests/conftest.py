@@ -1,17 +1,23 @@
-"""Test setup: 8 simulated CPU devices and float32 matmuls, before any JAX computation; the
-tiny models, random batches and tolerance checks the test files share."""
+"""Test setup: 8 simulated CPU devices, float32 matmuls and the suite's compiler settings
+(`compiling`), before any JAX computation; the tiny models, random batches and tolerance
+checks the test files share."""
 
 import dataclasses
 import gc
 import os
 from pathlib import Path
 
+from compiling import CACHE_DIR, XLA_FLAGS
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_FLAGS}".strip()
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_compilation_cache_dir", str(CACHE_DIR))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -40,7 +46,10 @@ _TINY_EXTRAS = {
     ),
     "gemma2": dict(sliding_window=3, attention_softcap=2.0, final_softcap=3.0),
     "gemma3": dict(sliding_window=3, layer_types=("sliding_attention", "full_attention") * 4),
-    "olmoe": dict(moe=_TINY_MOE, clip_qkv=1.0),
+    # Queries and keys are RMS-normed before the clip: a bound of 1 would sit in the bulk of
+    # their values, where the clip's derivative (1 inside, 0 outside) turns rounding
+    # differences between two equal programs into different gradients (1F1B vs sequential).
+    "olmoe": dict(moe=_TINY_MOE, clip_qkv=3.0),
     "gpt2": dict(n_kv_heads=None, max_positions=16),
     # One dense prefix layer before the n_layers MoE blocks, latent attention, group-limited
     # sigmoid routing with the balancing bias.
@@ -59,6 +68,24 @@ _TINY_EXTRAS = {
         ),
         latent_attention=models.LatentAttentionConfig(
             q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8
+        ),
+    ),
+    # DeepSeek-V2: latent attention without the query's low rank, softmax group-limited
+    # routing with a routed scale and shared experts.
+    "deepseek_v2": dict(
+        first_dense_layers=1,
+        moe=models.MoEConfig(
+            n_experts=4,
+            top_k=2,
+            expert_mlp_dim=16,
+            shared_mlp_dim=16,
+            normalize_topk=False,
+            n_groups=2,
+            topk_groups=1,
+            routed_scaling=1.5,
+        ),
+        latent_attention=models.LatentAttentionConfig(
+            kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8
         ),
     ),
     "gpt_oss": dict(
@@ -144,8 +171,9 @@ def release_compiled_programs():
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("compilation-cache")
+def cache_dir() -> Path:
+    """The suite's persistent compilation cache (`compiling.CACHE_DIR`), for the runs."""
+    return CACHE_DIR
 
 
 @pytest.fixture(scope="session")

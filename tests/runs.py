@@ -6,11 +6,14 @@ uninterrupted run of 6 steps).
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import compiling
 
 from eqxzoo.train.report import read_metrics
 
@@ -43,8 +46,7 @@ def command(run_dir: Path, cache_dir: Path, overrides=(), extra=()) -> list[str]
 
 
 def environment() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return env | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    return compiling.environment(dict(os.environ))
 
 
 def run_command(args: list[str], expect: int = 0) -> subprocess.CompletedProcess:
@@ -102,6 +104,17 @@ def start_and_signal(run_dir: Path, cache_dir: Path, after_step: int, signum: in
     return process.returncode, log.read_text()
 
 
+def stopped_copy(run_dir: Path, destination: Path, *, last_step: int) -> Path:
+    """A copy of a finished run's directory with its checkpoints after ``last_step`` removed:
+    the run as if it had been stopped there (its resume rewrites the later metrics), so a
+    test resumes a shared run instead of training its own first steps."""
+    shutil.copytree(run_dir, destination, ignore=shutil.ignore_patterns("profile"))
+    for step in (destination / "checkpoints").iterdir():
+        if int(step.name) > last_step:
+            shutil.rmtree(step)
+    return destination
+
+
 def reference_losses(reference: list[dict]) -> list[float]:
     """The losses of the conftest ``reference`` run's records."""
     return [r["loss"] for r in reference if "loss" in r]
@@ -112,7 +125,7 @@ def launch(args: list[str], log: Path) -> subprocess.Popen:
     return spawn(
         [sys.executable, "-m", "pipelines.launch", *args],
         log,
-        env=environment() | {"XLA_FLAGS": ""},
+        env=environment(),
     )
 
 

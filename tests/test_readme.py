@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import compiling
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,8 +21,7 @@ def test_readme_has_examples():
 
 @pytest.mark.parametrize("code", EXAMPLES, ids=lambda code: code.splitlines()[-1][:40])
 def test_readme_example_runs(code):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env |= {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env = compiling.environment(dict(os.environ))
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
     )
