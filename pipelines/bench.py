@@ -44,6 +44,8 @@ max]}); the comparisons with PyTorch (5., 12.) also run both steps in turn and r
 median of the rounds' ratios.
 
 Absolute times on a shared machine are noise; the ratios, measured in one run, are the result.
+``--quick`` runs every part on a toy model with the fewest points of each sweep: it checks the
+command and its JSON (the test suite runs it), not speed.
 """
 
 import os
@@ -59,9 +61,6 @@ import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
 import jax  # noqa: E402
-
-jax.config.update("jax_num_cpu_devices", 8)
-
 import jax.numpy as jnp  # noqa: E402
 
 import models  # noqa: E402
@@ -77,9 +76,12 @@ from eqxzoo.train.step import batch_sharding, make_train_step  # noqa: E402
 
 REFERENCE = dict(vocab_size=1024, d_model=256, n_layers=4, n_heads=4, mlp_dim=1024)
 BATCH, SEQ = 8, 256
-# --quick: the same measurements on a toy model, to check the command and its JSON in tests.
+# --quick: the same measurements on a toy model and the fewest points of each sweep, to check
+# the command and its JSON in tests.
 QUICK = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, mlp_dim=128)
 QUICK_BATCH, QUICK_SEQ = 2, 16
+COMPILE_LAYERS, QUICK_COMPILE_LAYERS = (4, 16, 64), (2, 8)
+MEMORY_PP, QUICK_MEMORY_PP = (1, 2, 4), (1, 2)
 
 
 def reference_config(n_layers: int = 4, *, quick: bool = False) -> models.LlamaConfig:
@@ -234,7 +236,7 @@ def compile_times(quick: bool) -> dict[str, float]:
             Schedule("gpipe", 1, 1, 1),
             (1, 1, batch, seq),
         ).compile_seconds
-        for layers in (4, 16, 64)
+        for layers in (QUICK_COMPILE_LAYERS if quick else COMPILE_LAYERS)
     }
 
 
@@ -245,7 +247,7 @@ def memory_by_pp(quick: bool) -> dict[str, int]:
         str(pp): StepRunner(
             config, MeshConfig(pp=pp), Schedule("gpipe", pp, 8, 1), (1, 8, batch, seq)
         ).memory_bytes()
-        for pp in (1, 2, 4)
+        for pp in (QUICK_MEMORY_PP if quick else MEMORY_PP)
     }
 
 
@@ -342,7 +344,7 @@ def loader_throughput(repeats: int, quick: bool) -> dict:
 
 
 MOE_EXPERTS = {8: 512, 64: 128}  # n_experts: expert_mlp_dim at d_model 256; top-2
-QUICK_MOE_EXPERTS = {8: 16, 64: 16}  # one dense baseline for both
+QUICK_MOE_EXPERTS = {8: 16}
 
 
 def moe_configs(
@@ -446,6 +448,8 @@ def interleaved_seconds(steps: dict[str, Callable[[], object]], repeats: int) ->
 
 
 SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1))
+# --quick's M = 8: gpipe's and circular's steps are pipeline_efficiency's (compiled once).
+SCHEDULE_MICROBATCHES, QUICK_SCHEDULE_MICROBATCHES = (8, 16, 32), (8,)
 
 
 def schedule_figures(repeats: int, quick: bool) -> dict:
@@ -453,7 +457,7 @@ def schedule_figures(repeats: int, quick: bool) -> dict:
     M, tokens/s and the modelled bubble at M = 8 (stage remat on, as the runs default to)."""
     batch, seq = _sizes(quick)
     config = reference_config(n_layers=8, quick=quick)
-    stages, counts = 4, (8, 16, 32)
+    stages, counts = 4, QUICK_SCHEDULE_MICROBATCHES if quick else SCHEDULE_MICROBATCHES
     activation_bytes: dict[str, dict[str, int]] = {}
     tokens_per_s: dict[str, float] = {}
     bubble: dict[str, float] = {}
@@ -479,7 +483,7 @@ def schedule_figures(repeats: int, quick: bool) -> dict:
 
 LOSS_VOCABS = (32768, 152064)
 LOSS_SEQ = 4096
-QUICK_LOSS = dict(vocabs=(512, 2048), seq=64, d_model=32, n_heads=4, mlp_dim=64)
+QUICK_LOSS = dict(vocabs=(512,), seq=64, d_model=32, n_heads=4, mlp_dim=64)
 
 
 def loss_memory(quick: bool) -> dict:
@@ -515,7 +519,7 @@ ATTENTION_SEQS = (1024, 4096, 8192)
 BLOCKWISE_ONLY_SEQS = (16384,)
 ATTENTION_WINDOW = 1024
 ATTENTION_HEADS, ATTENTION_HEAD_DIM = 8, 64
-QUICK_ATTENTION = dict(seqs=(64, 128), blockwise_only=(256,), window=32, block_size=32)
+QUICK_ATTENTION = dict(seqs=(64,), blockwise_only=(128,), window=32, block_size=32)
 
 
 def attention_figures(repeats: int, quick: bool) -> dict:
@@ -600,7 +604,7 @@ def torch_attention_step(seq: int, window: int) -> Callable[[], None]:
 
 STEP_SEQS = (256, 1024, 2048)
 STEP_TOKENS = 2048
-QUICK_STEP_SEQS, QUICK_STEP_TOKENS = (16, 32), 64
+QUICK_STEP_SEQS, QUICK_STEP_TOKENS = (QUICK_SEQ,), QUICK_BATCH * QUICK_SEQ
 
 
 def step_by_seq(repeats: int, quick: bool) -> dict:
@@ -663,7 +667,7 @@ def main(argv: list[str] | None = None) -> dict:
     parts = set(args.only or PARTS)
 
     figures: dict = {}
-    peak = measured_matmul_flops()
+    peak = measured_matmul_flops(repeats=args.repeats, size=256 if args.quick else 2048)
     figures["matmul_peak_flops"] = peak
     if "single" in parts or "torch" in parts:
         figures.update(single_device(args.repeats, args.quick, versus_pytorch="torch" in parts))
@@ -710,11 +714,12 @@ def main(argv: list[str] | None = None) -> dict:
         figures.update(schedule_figures(args.repeats, args.quick))
         gpipe_rate = figures["schedule_tokens_per_s"]["gpipe"]
         for name, by_count in figures["schedule_activation_bytes"].items():
-            growth = by_count["32"] / by_count["8"]
+            first, last = min(by_count, key=int), max(by_count, key=int)
             print(
-                f"schedule {name}: activation MB at M=8/16/32 "
+                f"schedule {name}: activation MB at M={'/'.join(by_count)} "
                 + "/".join(f"{count / 1e6:.1f}" for count in by_count.values())
-                + f" (M=32 / M=8 = {growth:.2f}); tokens/s at M=8 / gpipe's = "
+                + f" (M={last} / M={first} = {by_count[last] / by_count[first]:.2f}); "
+                f"tokens/s at M={first} / gpipe's = "
                 f"{figures['schedule_tokens_per_s'][name] / gpipe_rate:.2f}; modelled bubble "
                 f"{figures['schedule_bubble_fraction'][name]:.3f}"
             )
@@ -791,4 +796,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    jax.config.update("jax_num_cpu_devices", 8)
     main()

@@ -1,87 +1,125 @@
-"""`python -m pipelines.bench --json FILE` writes every figure scripts depend on."""
+"""`python -m pipelines.bench --quick` runs every part and writes every figure scripts depend
+on: one test per part (``--only PART --json FILE``, in this process), on toy shapes with the
+fewest points of each sweep. Speed is the benchmark's business, not the suite's."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-KEYS = {
-    "tokens_per_s": float,
-    "model_flops_per_token": float,
-    "matmul_peak_flops": float,
-    "mfu_vs_matmul": float,
-    "pp_efficiency_gpipe": float,
-    "pp_efficiency_circular": float,
-    "compile_s_by_layers": dict,
-    "memory_bytes_by_pp": dict,
-    "loader_tokens_per_s": float,
-    "memmap_tokens_per_s": float,
-    "tiny_step_tokens_per_s": float,
-    "loader_vs_tiny_step": float,
-    "schedule_activation_bytes": dict,
-    "schedule_tokens_per_s": dict,
-    "schedule_bubble_fraction": dict,
-    "moe_vs_dense_active": dict,
-    "moe_capacity_vs_dense_active": dict,
-    "moe_padding_fraction": dict,
-    "moe_dispatch_collectives": dict,
-    "pp_efficiency_spread": dict,
-    "loss_temp_bytes": dict,
-    "attention_fwd_bwd_s": dict,
-    "attention_temp_bytes": dict,
-    "step_vs_pytorch_by_seq": dict,
-}
+from pipelines import bench
+
+
+def keys(numbers) -> set[str]:
+    return {str(number) for number in numbers}
+
+
 SCHEDULES = {"gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1"}
+MOE_KEYS = ("moe_vs_dense_active", "moe_capacity_vs_dense_active", "moe_padding_fraction")
 
 
-@pytest.mark.slow
-def test_bench_json_has_every_key(tmp_path):
-    out = tmp_path / "bench.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "pipelines.bench", "--quick", "--repeats", "1", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    figures = json.loads(out.read_text())
-    for key, kind in KEYS.items():
-        assert isinstance(figures[key], kind), key
-    assert "vs_pytorch" in figures
-    assert set(figures["compile_s_by_layers"]) == {"4", "16", "64"}
-    assert set(figures["memory_bytes_by_pp"]) == {"1", "2", "4"}
+def check_single(figures: dict) -> None:
+    for key in ("tokens_per_s", "model_flops_per_token", "mfu_vs_matmul"):
+        assert isinstance(figures[key], float), key
+
+
+def check_torch(figures: dict) -> None:
+    check_single(figures)
+    assert isinstance(figures["vs_pytorch"], float)
+    assert isinstance(figures["pytorch_tokens_per_s"], float)
+
+
+def check_pipeline(figures: dict) -> None:
+    spread = figures["pp_efficiency_spread"]
+    for name in ("gpipe", "circular"):
+        low, high = spread[name]
+        assert low <= figures[f"pp_efficiency_{name}"] <= high, name
+
+
+def check_compile(figures: dict) -> None:
+    assert set(figures["compile_s_by_layers"]) == keys(bench.QUICK_COMPILE_LAYERS)
+
+
+def check_memory(figures: dict) -> None:
     memory = figures["memory_bytes_by_pp"]
-    assert memory["4"] < memory["1"]
-    assert "pipeline efficiency" in result.stdout
-    assert "data loader (tiny.toml batches)" in result.stdout
+    assert set(memory) == keys(bench.QUICK_MEMORY_PP)
+    assert memory["2"] < memory["1"]
+
+
+def check_loader(figures: dict) -> None:
+    for key in ("loader_tokens_per_s", "memmap_tokens_per_s", "tiny_step_tokens_per_s"):
+        assert figures[key] > 0, key
+    assert isinstance(figures["loader_vs_tiny_step"], float)
+
+
+def check_schedules(figures: dict) -> None:
     assert set(figures["schedule_activation_bytes"]) == SCHEDULES
-    assert all(
-        set(by_m) == {"8", "16", "32"} for by_m in figures["schedule_activation_bytes"].values()
-    )
-    assert (
-        set(figures["schedule_tokens_per_s"])
-        == set(figures["schedule_bubble_fraction"])
-        == SCHEDULES
-    )
-    for key in ("moe_vs_dense_active", "moe_capacity_vs_dense_active", "moe_padding_fraction"):
-        assert set(figures[key]) == {"8", "64"}, key
+    for by_m in figures["schedule_activation_bytes"].values():
+        assert set(by_m) == keys(bench.QUICK_SCHEDULE_MICROBATCHES)
+    assert set(figures["schedule_tokens_per_s"]) == SCHEDULES
+    assert set(figures["schedule_bubble_fraction"]) == SCHEDULES
+
+
+def check_moe(figures: dict) -> None:
+    for key in MOE_KEYS:
+        assert set(figures[key]) == keys(bench.QUICK_MOE_EXPERTS), key
     assert all(0.0 < fraction < 1.0 for fraction in figures["moe_padding_fraction"].values())
+
+
+def check_dispatch(figures: dict) -> None:
     dispatch = figures["moe_dispatch_collectives"]
     assert dispatch["total_bytes"] == sum(
         by_kind["bytes"] for name, by_kind in dispatch.items() if name != "total_bytes"
     )
     assert dispatch["total_bytes"] > 0
-    bubble = figures["schedule_bubble_fraction"]
-    assert bubble["zb_h1"] <= bubble["1f1b"] / 2
-    spread = figures["pp_efficiency_spread"]
-    for name in ("gpipe", "circular"):
-        low, high = spread[name]
-        assert low <= figures[f"pp_efficiency_{name}"] <= high, name
-    assert set(figures["loss_temp_bytes"]) == {"plain", "chunked"}
-    assert all(set(by_vocab) == {"512", "2048"} for by_vocab in figures["loss_temp_bytes"].values())
-    attention = figures["attention_fwd_bwd_s"]
-    assert set(attention) == {"blockwise", "dense", "pytorch"}
-    assert set(attention["blockwise"]["causal"]) == {"64", "128", "256"}
-    assert set(attention["dense"]["window"]) == set(attention["pytorch"]["window"]) == {"64", "128"}
-    assert set(figures["step_vs_pytorch_by_seq"]) == {"16", "32"}
+
+
+def check_loss(figures: dict) -> None:
+    by_loss = figures["loss_temp_bytes"]
+    assert set(by_loss) == {"plain", "chunked"}
+    for by_vocab in by_loss.values():
+        assert set(by_vocab) == keys(bench.QUICK_LOSS["vocabs"])
+
+
+def check_attention(figures: dict) -> None:
+    seconds, temp = figures["attention_fwd_bwd_s"], figures["attention_temp_bytes"]
+    every_seq = keys((*bench.QUICK_ATTENTION["seqs"], *bench.QUICK_ATTENTION["blockwise_only"]))
+    assert set(seconds) == {"blockwise", "dense", "pytorch"}
+    assert set(temp) == {"blockwise", "dense"}
+    assert set(seconds["blockwise"]["causal"]) == set(temp["blockwise"]["window"]) == every_seq
+    dense_seqs = keys(bench.QUICK_ATTENTION["seqs"])
+    assert set(seconds["dense"]["window"]) == set(seconds["pytorch"]["causal"]) == dense_seqs
+
+
+def check_seq(figures: dict) -> None:
+    assert set(figures["step_vs_pytorch_by_seq"]) == keys(bench.QUICK_STEP_SEQS)
+
+
+CHECKS = {
+    "single": check_single,
+    "torch": check_torch,
+    "pipeline": check_pipeline,
+    "compile": check_compile,
+    "memory": check_memory,
+    "loader": check_loader,
+    "schedules": check_schedules,
+    "moe": check_moe,
+    "dispatch": check_dispatch,
+    "loss": check_loss,
+    "attention": check_attention,
+    "seq": check_seq,
+}
+
+
+def test_every_part_is_checked():
+    assert set(CHECKS) == set(bench.PARTS)
+
+
+@pytest.mark.parametrize("part", bench.PARTS)
+def test_bench_part_writes_its_json_keys(part, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    returned = bench.main(["--quick", "--repeats", "1", "--only", part, "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert figures == json.loads(json.dumps(returned))
+    assert isinstance(figures["matmul_peak_flops"], float)
+    CHECKS[part](figures)
+    assert capsys.readouterr().out.strip(), "every part prints its figures"
