@@ -1,0 +1,69 @@
+"""Test grids that cover every pair of factor levels a bug could live in, not their product.
+
+A grid is its factors (``{"family": [...], "schedule": [...], ...}``), a rule saying which
+combinations can run, and its *requirements*: functions from a case to the keys it covers
+(``("family", "schedule")`` covers ``("llama", "zb_h1")``). `covering` picks, greedily, the
+valid case that covers the most keys not yet covered, until every key that some valid case
+covers is covered: every (family, schedule) pair, say, appears together at least once, in
+a few dozen cases instead of thousands. The choice is deterministic (ties go to the earliest
+case of the product), so every xdist worker collects the same grid.
+
+``EQXZOO_FULL_GRIDS=1`` in the environment gives every valid case of the product instead:
+the switch for whoever changes what the grid tests.
+"""
+
+import heapq
+import itertools
+import os
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any
+
+FULL_GRIDS = os.environ.get("EQXZOO_FULL_GRIDS", "") not in ("", "0")
+
+Case = dict[str, Any]
+Requirement = Callable[[Case], Iterable[Hashable]]
+
+
+def pairs_of(*names: str) -> Requirement:
+    """The requirement that every combination of the levels of ``names`` appears."""
+    return lambda case: [(names, tuple(case[name] for name in names))]
+
+
+def covering(
+    factors: Mapping[str, Sequence],
+    requirements: Sequence[Requirement],
+    valid: Callable[[Case], bool] = lambda case: True,
+    *,
+    full: bool = FULL_GRIDS,
+) -> list[Case]:
+    """The valid cases of the product of ``factors`` (every one if ``full``, else a greedy
+    covering set of the keys ``requirements`` give), in product order."""
+    names = list(factors)
+    cases = [
+        case
+        for levels in itertools.product(*factors.values())
+        if valid(case := dict(zip(names, levels, strict=True)))
+    ]
+    if full:
+        return cases
+    keys = [{key for requirement in requirements for key in requirement(case)} for case in cases]
+    uncovered = set().union(*keys)
+    # Lazy greedy: a case's gain only shrinks as keys are covered, so a stale gain at the top
+    # of the heap is recomputed before it is trusted.
+    heap = [(-len(case_keys), index) for index, case_keys in enumerate(keys)]
+    heapq.heapify(heap)
+    chosen = []
+    while uncovered:
+        _, index = heapq.heappop(heap)
+        gain = len(keys[index] & uncovered)
+        if heap and gain < -heap[0][0]:
+            heapq.heappush(heap, (-gain, index))
+            continue
+        chosen.append(index)
+        uncovered -= keys[index]
+    return [cases[index] for index in sorted(chosen)]
+
+
+def case_id(case: Case) -> str:
+    """A test id naming every level of the case."""
+    return "-".join(str(level) for level in case.values())
