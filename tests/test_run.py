@@ -22,6 +22,7 @@ from runs import (
     run,
     run_command,
     start_and_signal,
+    stopped_copy,
 )
 
 from pipelines.run import main
@@ -59,13 +60,16 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes_exactly(
     assert losses(tmp_path / "run") == [r["loss"] for r in reference if "loss" in r]
 
 
-def test_resume_on_another_mesh(reference: list[dict], tmp_path: Path, cache_dir: Path):
-    """Saved on dp2 x pp2 x tp2 (circular, R=2), resumed on dp4 x pp1 x tp2."""
-    run(tmp_path, cache_dir, extra=("--steps", "4"))
-    result = run(tmp_path, cache_dir, overrides=("mesh.dp=4", "mesh.pp=1"))
+def test_resume_on_another_mesh(
+    reference: list[dict], reference_dir: Path, tmp_path: Path, cache_dir: Path
+):
+    """The reference, saved at step 4 on dp2 x pp2 x tp2 (circular, R=2), resumed on pp4
+    (GPipe, whole layers per stage): the losses of the run that never stopped."""
+    run_dir = stopped_copy(reference_dir, tmp_path / "run", last_step=4)
+    result = run(run_dir, cache_dir, overrides=(*GPIPE, "mesh.dp=1", "mesh.pp=4", "mesh.tp=1"))
     assert "resumed from the checkpoint at step 4" in result.stdout
     expected = [r["loss"] for r in reference if "loss" in r]
-    np.testing.assert_allclose(losses(tmp_path), expected, rtol=1e-5)
+    np.testing.assert_allclose(losses(run_dir), expected, rtol=1e-5)
 
 
 # configs/tiny.toml made DeepSeek-V3-shaped: one dense prefix layer before 4 MoE blocks,
@@ -96,19 +100,16 @@ DEEPSEEK = (
 def test_a_model_with_a_prefix_resumes_on_another_pp(tmp_path: Path, cache_dir: Path):
     """Saved at step 2 on dp2 x pp2 x ep2 (circular, R=2), resumed on dp4 x pp1 x ep2: the
     losses of the run that never stopped; the dry run lists the prefix's arrays."""
-    run(tmp_path / "whole", cache_dir, overrides=DEEPSEEK, extra=("--steps", "4"))
-    first = run(tmp_path / "split", cache_dir, overrides=DEEPSEEK, extra=("--steps", "2"))
-    assert "note: the stages compute through their bubbles" in first.stdout
+    whole = run(tmp_path / "whole", cache_dir, overrides=DEEPSEEK, extra=("--steps", "4"))
+    assert "note: the stages compute through their bubbles" in whole.stdout
+    split = stopped_copy(tmp_path / "whole", tmp_path / "split", last_step=2)
     result = run(
-        tmp_path / "split",
-        cache_dir,
-        overrides=(*DEEPSEEK, "mesh.dp=4", "mesh.pp=1"),
-        extra=("--steps", "4"),
+        split, cache_dir, overrides=(*DEEPSEEK, "mesh.dp=4", "mesh.pp=1"), extra=("--steps", "4")
     )
     assert "resumed from the checkpoint at step 2" in result.stdout
     expected = losses(tmp_path / "whole")
     assert len(expected) == 4
-    np.testing.assert_allclose(losses(tmp_path / "split"), expected, rtol=1e-5)
+    np.testing.assert_allclose(losses(split), expected, rtol=1e-5)
     planned = run(tmp_path / "dry", cache_dir, overrides=DEEPSEEK, extra=("--dry-run",))
     assert re.search(r"prefix\.layers\.attention\.wkv_b +1x16x4x16 ", planned.stdout), (
         planned.stdout

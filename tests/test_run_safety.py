@@ -25,6 +25,7 @@ from runs import (
     run,
     run_command,
     spawn,
+    stopped_copy,
     wait_for_step,
 )
 
@@ -79,23 +80,13 @@ REFUSED_RESUMES = {
 }
 
 
-def copy_of_reference(reference_dir: Path, destination: Path, *, last_step: int) -> Path:
-    """The reference run's directory with its checkpoints after ``last_step`` removed: as if
-    it had been stopped there."""
-    shutil.copytree(reference_dir, destination, ignore=shutil.ignore_patterns("profile"))
-    for step in (destination / "checkpoints").iterdir():
-        if int(step.name) > last_step:
-            shutil.rmtree(step)
-    return destination
-
-
 def test_a_resume_that_changes_what_the_run_is_is_refused(
     tmp_path: Path, cache_dir: Path, reference_dir: Path
 ):
     """Another architecture, another data order: refused naming every changed key; then
     checkpoints that cannot be read (an error once the checkpointer is open) exit with one
     line too."""
-    tmp_path = copy_of_reference(reference_dir, tmp_path / "run", last_step=4)
+    tmp_path = stopped_copy(reference_dir, tmp_path / "run", last_step=4)
     saved = (tmp_path / "config.toml").read_text()
     for overrides, changes in REFUSED_RESUMES.values():
         refused = run(tmp_path, cache_dir, overrides=overrides, expect=2)
@@ -121,7 +112,7 @@ def test_what_may_change_on_resume_resumes(
     """Mesh, sharding, cadences and reporting changed: the same losses as the uninterrupted
     run. Then steps, batch shape, schedule, learning rate and loss weights changed: it
     resumes."""
-    tmp_path = copy_of_reference(reference_dir, tmp_path / "run", last_step=4)
+    tmp_path = stopped_copy(reference_dir, tmp_path / "run", last_step=4)
     same_losses = (
         "mesh.dp=4",
         "mesh.pp=1",
