@@ -3,8 +3,10 @@
 checks the test files share."""
 
 import dataclasses
+import fcntl
 import gc
 import os
+import shutil
 from pathlib import Path
 
 from compiling import CACHE_DIR, XLA_FLAGS
@@ -178,10 +180,18 @@ def cache_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def reference_dir(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
-    """An uninterrupted run of 6 steps, traced at steps 2..3."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    result = run(run_dir, cache_dir, extra=("--profile", "2:3"))
-    assert "done: steps 1..6" in result.stdout
+    """An uninterrupted run of 6 steps, traced at steps 2..3; run once for all xdist workers
+    (in the directory their temporary directories share, under a lock) and only read: tests
+    that resume it resume a copy (`runs.stopped_copy`)."""
+    shared = tmp_path_factory.getbasetemp().parent
+    run_dir = shared / "reference"
+    with open(shared / "reference.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (shared / "reference.done").exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+            result = run(run_dir, cache_dir, extra=("--profile", "2:3"))
+            assert "done: steps 1..6" in result.stdout
+            (shared / "reference.done").touch()
     assert (run_dir / "config.toml").exists()
     assert list((run_dir / "profile").rglob("*.xplane.pb")), "the --profile trace"
     return run_dir
@@ -190,3 +200,10 @@ def reference_dir(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> 
 @pytest.fixture(scope="session")
 def reference(reference_dir: Path) -> list[dict]:
     return records(reference_dir)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The `slow` tests first: xdist hands tests out in order, so the suite's tail is short
+    tests that even out the workers, not a minute-long run on one worker while the other
+    idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -44,8 +44,12 @@ def covering(
         for levels in itertools.product(*factors.values())
         if valid(case := dict(zip(names, levels, strict=True)))
     ]
-    if full:
-        return cases
+    return cases if full else cover(cases, requirements)
+
+
+def cover(cases: Sequence[Case], requirements: Sequence[Requirement]) -> list[Case]:
+    """A subset of ``cases``, in their order, covering every key that ``requirements`` give
+    for any of them: greedily, the case covering the most keys not yet covered first."""
     keys = [{key for requirement in requirements for key in requirement(case)} for case in cases]
     uncovered = set().union(*keys)
     # Lazy greedy: a case's gain only shrinks as keys are covered, so a stale gain at the top
@@ -62,6 +66,11 @@ def covering(
         chosen.append(index)
         uncovered -= keys[index]
     return [cases[index] for index in sorted(chosen)]
+
+
+def levels_of(*names: str) -> list[Requirement]:
+    """The requirements that each level of each of ``names`` appears (alone, not in pairs)."""
+    return [pairs_of(name) for name in names]
 
 
 def case_id(case: Case) -> str:

@@ -240,7 +240,7 @@ def test_latent_attention_matches_transformers(version, fields, interleaved):
     )
 
 
-def test_cached_forward_matches_whole_sequence():
+def test_cached_forward_matches_whole_sequence(assert_trees_close):
     attention = eqx.filter_jit(LatentAttention)(
         D_MODEL,
         HEADS,
@@ -266,5 +266,7 @@ def test_cached_forward_matches_whole_sequence():
     assert [a.shape for a in cache] == [(slots, 16), (slots, 8)]
     np.testing.assert_allclose(jnp.concatenate(outputs), expected, rtol=1e-5, atol=1e-6)
     latent, rope_key = eqx.filter_jit(attention.compress)(x, jnp.arange(SEQ))
-    np.testing.assert_allclose(cache[0][:SEQ], latent, rtol=1e-6)
-    np.testing.assert_allclose(cache[1][:SEQ], rope_key, rtol=1e-6)
+    # The cache's rows come from 1- and 5-token matmuls, the reference from one 16-token one:
+    # equal up to fp32 rounding, which is relative to each array's scale, not each value's.
+    assert_trees_close(cache[0][:SEQ], latent, rtol=1e-6)
+    assert_trees_close(cache[1][:SEQ], rope_key, rtol=1e-6)

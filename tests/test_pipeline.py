@@ -1,13 +1,14 @@
 """Pipelined training equals single-device training (fp32, rtol 1e-5), on many meshes.
 
 One grid covers every schedule with every family, every schedule on every mesh, every family
-on each of the dp, tp and ep axes and with each microbatch count (M = P, M = 2P + 1 not a
-multiple of P, M = 4P), and each variant of the stage (no stage rematerialisation, the
-blockwise attention kernel, the chunked loss with the z-loss, stages computing through their
-bubbles) with every family, schedule and mesh: each of those pairs appears together at least
-once (`grids.covering`), in a few dozen cases instead of the product's thousands
-(``EQXZOO_FULL_GRIDS=1`` runs the product). Every case fills the pipeline's bubbles (its idle
-ticks' inputs, and what idle stages send) with NaN: they must leak into nothing.
+on each of the dp, tp and ep axes, cut into 1, 2, 4 and 8 stages, and with each microbatch
+count (M = P, M = 2P + 1 not a multiple of P, M = 4P), and each variant of the stage (no
+stage rematerialisation, the blockwise attention kernel, the chunked loss with the z-loss,
+stages computing through their bubbles) with every family, schedule and mesh: each of those
+pairs appears together at least once (`grids.covering`), in under a hundred cases instead of
+the product's 7,965 (``EQXZOO_FULL_GRIDS=1`` runs the product). Every case fills the
+pipeline's bubbles (its idle ticks' inputs, and what idle stages send) with NaN: they must
+leak into nothing.
 """
 
 import dataclasses
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from grids import case_id, covering, pairs_of
+from grids import case_id, cover, covering, levels_of, pairs_of
 
 import models
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh
@@ -77,26 +78,30 @@ def runs(case: dict) -> bool:
     )
 
 
-def parallel_axes(case: dict) -> list[tuple]:
-    """(family, axis) for each of dp, tp and ep that the case's mesh splits."""
+def how_the_mesh_splits_the_family(case: dict) -> list[tuple]:
+    """(family, axis) for each of dp, tp and ep that the case's mesh splits, and (family,
+    stages): where a family meets a mesh shape, its arrays split along those axes and its
+    layers cut into that many stages."""
     mesh = MESHES[case["mesh"]]
-    return [
+    axes = [
         ("axis", case["family"], axis) for axis in ("dp", "tp", "ep") if getattr(mesh, axis) > 1
     ]
+    return [*axes, ("stages", case["family"], mesh.pp)]
 
 
+FACTORS = {
+    "family": FAMILIES,
+    "schedule": list(REPEATS),
+    "mesh": list(MESHES),
+    "microbatches": list(MICROBATCHES),
+    "variant": list(VARIANTS),
+}
 GRID = covering(
-    {
-        "family": FAMILIES,
-        "schedule": list(REPEATS),
-        "mesh": list(MESHES),
-        "microbatches": list(MICROBATCHES),
-        "variant": list(VARIANTS),
-    },
+    FACTORS,
     [
         pairs_of("family", "schedule"),
         pairs_of("schedule", "mesh"),
-        parallel_axes,
+        how_the_mesh_splits_the_family,
         pairs_of("family", "microbatches"),
         pairs_of("schedule", "microbatches"),
         pairs_of("mesh", "microbatches"),
@@ -106,6 +111,13 @@ GRID = covering(
     ],
     runs,
 )
+# The fast part (``-m "not slow"``): each family, schedule, mesh, microbatch count and variant
+# at least once.
+QUICK = cover(GRID, levels_of(*FACTORS))
+CASES = [
+    pytest.param(case, id=case_id(case), marks=() if case in QUICK else pytest.mark.slow)
+    for case in GRID
+]
 
 
 def without_padding(aux: dict) -> dict:
@@ -163,7 +175,7 @@ def loss_and_grads(tiny_config, random_batch, case: dict):
     )
 
 
-@pytest.mark.parametrize("case", GRID, ids=case_id)
+@pytest.mark.parametrize("case", CASES)
 def test_pipelined_loss_and_gradients_equal_sequential(
     case, tiny_config, random_batch, assert_trees_close
 ):
@@ -221,7 +233,9 @@ def test_the_grid_covers_every_pair():
         assert {level for (level,) in seen(name)} == set(
             FAMILIES if name == "family" else REPEATS if name == "schedule" else MESHES
         )
-    axes = {key for case in GRID for key in parallel_axes(case)}
-    assert axes == {("axis", f, a) for f in FAMILIES for a in ("dp", "tp", "ep")}
+    splits = {key for case in GRID for key in how_the_mesh_splits_the_family(case)}
+    assert splits == {("axis", f, a) for f in FAMILIES for a in ("dp", "tp", "ep")} | {
+        ("stages", f, P) for f in FAMILIES for P in (1, 2, 4, 8)
+    }
     assert {v for (v,) in seen("variant")} == set(VARIANTS)
     assert len(GRID) < 100
