@@ -73,6 +73,20 @@ def levels_of(*names: str) -> list[Requirement]:
     return [pairs_of(name) for name in names]
 
 
+def slow_except(values: Iterable, fast: Callable[[Any], bool]) -> list:
+    """``values`` as pytest parameters, those ``fast`` rejects marked ``slow``: the fast part
+    of the suite (``-m "not slow"``) keeps a representative few of a grid, CI runs them all."""
+    import pytest
+
+    return [pytest.param(value, marks=() if fast(value) else pytest.mark.slow) for value in values]
+
+
+def dense_and_one_moe(configs: Mapping[str, Any], moe: str = "mixtral") -> list:
+    """The names of ``configs`` as parameters, the MoE ones but ``moe`` marked ``slow`` (a
+    dropless MoE compiles for ~20 s: the fast part keeps one)."""
+    return slow_except(configs, lambda name: configs[name].moe is None or name == moe)
+
+
 def case_id(case: Case) -> str:
     """A test id naming every level of the case."""
     return "-".join(str(level) for level in case.values())

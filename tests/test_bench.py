@@ -114,6 +114,7 @@ def test_every_part_is_checked():
     assert set(CHECKS) == set(bench.PARTS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("part", bench.PARTS)
 def test_bench_part_writes_its_json_keys(part, tmp_path, capsys):
     out = tmp_path / "bench.json"

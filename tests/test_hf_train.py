@@ -100,6 +100,7 @@ def test_every_family_has_a_round_trip_case():
     assert {HF_CASES[case][0] for case in FAMILY_CASES} == set(hf_architectures())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", FAMILY_CASES)
 def test_hf_to_sharded_state_to_export_is_bitwise(case: str, tmp_path: Path):
     """Hugging Face -> train state (dp2 x pp2 x tp2, circular) -> checkpoint ->

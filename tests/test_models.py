@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from grids import dense_and_one_moe
 
 import models
 from eqxzoo.nn import Axes, logical_axes
@@ -131,7 +132,7 @@ def _loss(model, batch):
     return jnp.mean(nll) + 0.01 * sum(jnp.mean(v) for k, v in aux.items() if k.endswith("loss"))
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", dense_and_one_moe(CONFIGS))
 def test_grad_vmap_and_jit(name):
     model = build(CONFIGS[name])
     batch = jnp.stack([tokens(10, seed=s) for s in range(3)])

@@ -484,3 +484,26 @@ def test_step_temporaries_grow_with_the_vocabulary_by_at_most_its_two_gradients(
         temp[vocab] = compiled.memory_analysis().temp_size_in_bytes
     vocab_arrays = (temp[20480] - temp[4096]) / ((20480 - 4096) * 64 * 4)
     assert vocab_arrays <= 2.0, temp
+
+
+def test_the_default_rules_split_the_vocabulary_over_tp_and_pp(dense):
+    """The embedding and the output projection live outside the pipeline stages: their
+    vocabulary splits over tp and pp (else every stage would hold a whole tp shard of both
+    tables), their model dimension over dp; each of the 8 devices holds an eighth."""
+    config = step_config(2, ADAM)
+    mesh = make_mesh(MeshConfig(dp=2, pp=2, tp=2))
+    model_config = dataclasses.replace(dense, vocab_size=64, tie_embeddings=False)
+    state = init_train_state(
+        functools.partial(models.DecoderLM, model_config),
+        jax.random.key(0),
+        config=config,
+        mesh=mesh,
+    )
+    assert state.model.embedding.weight.shape == (64, 32)
+    assert {shard.data.shape for shard in state.model.embedding.weight.addressable_shards} == {
+        (16, 16)
+    }
+    assert state.model.unembedding.weight.shape == (32, 64)
+    assert {shard.data.shape for shard in state.model.unembedding.weight.addressable_shards} == {
+        (16, 16)
+    }
