@@ -200,10 +200,3 @@ def reference_dir(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> 
 @pytest.fixture(scope="session")
 def reference(reference_dir: Path) -> list[dict]:
     return records(reference_dir)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The `slow` tests first: xdist hands tests out in order, so the suite's tail is short
-    tests that even out the workers, not a minute-long run on one worker while the other
-    idles."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
