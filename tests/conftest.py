@@ -33,6 +33,20 @@ VOCAB = 53
 # What each family's tiny model sets beyond the common shapes: experts, windows shorter than
 # the tests' sequences, soft-caps that bite, a learned position table.
 _TINY_MOE = models.MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=16)
+_TINY_DEEPSEEK_MOE = models.MoEConfig(
+    n_experts=4,
+    top_k=2,
+    expert_mlp_dim=16,
+    shared_mlp_dim=16,
+    scoring="sigmoid",
+    n_groups=2,
+    topk_groups=1,
+    routed_scaling=2.5,
+    selection_bias=True,
+)
+_TINY_LATENT = models.LatentAttentionConfig(
+    q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8
+)
 _TINY_EXTRAS = {
     "mixtral": dict(moe=_TINY_MOE),
     "qwen_moe": dict(
@@ -56,39 +70,20 @@ _TINY_EXTRAS = {
     # One dense prefix layer before the n_layers MoE blocks, latent attention, group-limited
     # sigmoid routing with the balancing bias.
     "deepseek_v3": dict(
-        first_dense_layers=1,
-        moe=models.MoEConfig(
-            n_experts=4,
-            top_k=2,
-            expert_mlp_dim=16,
-            shared_mlp_dim=16,
-            scoring="sigmoid",
-            n_groups=2,
-            topk_groups=1,
-            routed_scaling=2.5,
-            selection_bias=True,
-        ),
-        latent_attention=models.LatentAttentionConfig(
-            q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8
-        ),
+        first_dense_layers=1, moe=_TINY_DEEPSEEK_MOE, latent_attention=_TINY_LATENT
     ),
-    # DeepSeek-V2: latent attention without the query's low rank, softmax group-limited
-    # routing with a routed scale and shared experts.
+    # DeepSeek-V2: V3's shape with softmax routing (no balancing bias, no renormalisation, its
+    # own routed scale) and no low-rank query.
     "deepseek_v2": dict(
         first_dense_layers=1,
-        moe=models.MoEConfig(
-            n_experts=4,
-            top_k=2,
-            expert_mlp_dim=16,
-            shared_mlp_dim=16,
+        moe=dataclasses.replace(
+            _TINY_DEEPSEEK_MOE,
+            scoring="softmax",
+            selection_bias=False,
             normalize_topk=False,
-            n_groups=2,
-            topk_groups=1,
             routed_scaling=1.5,
         ),
-        latent_attention=models.LatentAttentionConfig(
-            kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8
-        ),
+        latent_attention=dataclasses.replace(_TINY_LATENT, q_lora_rank=None),
     ),
     "gpt_oss": dict(
         sliding_window=3,

@@ -18,6 +18,8 @@ import os
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
+import pytest
+
 FULL_GRIDS = os.environ.get("EQXZOO_FULL_GRIDS", "") not in ("", "0")
 
 Case = dict[str, Any]
@@ -76,8 +78,6 @@ def levels_of(*names: str) -> list[Requirement]:
 def slow_except(values: Iterable, fast: Callable[[Any], bool]) -> list:
     """``values`` as pytest parameters, those ``fast`` rejects marked ``slow``: the fast part
     of the suite (``-m "not slow"``) keeps a representative few of a grid, CI runs them all."""
-    import pytest
-
     return [pytest.param(value, marks=() if fast(value) else pytest.mark.slow) for value in values]
 
 
