@@ -69,6 +69,7 @@ from eqxzoo.nn.attention import DEFAULT_BLOCK_SIZE  # noqa: E402
 from eqxzoo.optim import OptimizerConfig  # noqa: E402
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh  # noqa: E402
 from eqxzoo.parallel.collectives import collective_traffic  # noqa: E402
+from eqxzoo.train.loss_terms import LossConfig  # noqa: E402
 from eqxzoo.train.report import flops_per_token, measured_matmul_flops, median_seconds  # noqa: E402
 from eqxzoo.train.settings import StepConfig  # noqa: E402
 from eqxzoo.train.state import abstract_train_state, init_train_state  # noqa: E402
@@ -108,7 +109,7 @@ class StepRunner:
         batch_shape,
         *,
         remat_stages=True,
-        loss_chunk_size: int = StepConfig.loss_chunk_size,
+        loss_chunk_size: int = LossConfig.chunk_size,
         compile_only: bool = False,
     ):
         devices = jax.devices()[: mesh_config.size]
@@ -117,7 +118,7 @@ class StepRunner:
             schedule=schedule,
             optimizer=OptimizerConfig(warmup_steps=10, decay_steps=1000),
             remat_stages=remat_stages,
-            loss_chunk_size=loss_chunk_size,
+            loss=LossConfig(chunk_size=loss_chunk_size),
         )
         make_model = models.model_factory(model_config)
         if compile_only:
@@ -500,7 +501,7 @@ def loss_memory(quick: bool) -> dict:
             n_heads=sizes["n_heads"],
             mlp_dim=sizes["mlp_dim"],
         )
-        for name, chunk in (("plain", 0), ("chunked", StepConfig.loss_chunk_size)):
+        for name, chunk in (("plain", 0), ("chunked", LossConfig.chunk_size)):
             runner = StepRunner(
                 config,
                 MeshConfig(),

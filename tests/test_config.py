@@ -96,8 +96,8 @@ def test_step_config_carries_every_section():
     step = step_config(config)
     assert step.schedule == config.schedule
     assert step.optimizer is config.optimizer and step.precision is config.precision
-    assert step.load_balance_weight == config.loss.load_balance_weight
-    assert step.router_z_weight == 0.5 and step.remat_stages
+    assert step.loss == config.loss and step.loss.router_z_weight == 0.5
+    assert step.remat_stages
 
 
 def test_overrides_apply():

@@ -53,6 +53,7 @@ from hf_models import VOCAB, hf_config, randomize  # noqa: E402
 from eqxzoo.optim import OptimizerConfig  # noqa: E402
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh  # noqa: E402
 from eqxzoo.train.layout import from_pipeline_layout  # noqa: E402
+from eqxzoo.train.loss_terms import LossConfig  # noqa: E402
 from eqxzoo.train.settings import StepConfig  # noqa: E402
 from eqxzoo.train.state import init_train_state_from  # noqa: E402
 from eqxzoo.train.step import make_train_step  # noqa: E402
@@ -177,8 +178,7 @@ def zoo_finetune(directory, schedule, batches, config):
     step_config = StepConfig(
         schedule=schedule,
         optimizer=config,
-        load_balance_weight=0.0,
-        router_z_weight=0.0,
+        loss=LossConfig(load_balance_weight=0.0, router_z_weight=0.0),
         remat_stages=True,
     )
     mesh = make_mesh(MeshConfig(dp=2, pp=2, tp=2))

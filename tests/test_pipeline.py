@@ -26,6 +26,7 @@ from eqxzoo.parallel import MeshConfig, Schedule, make_mesh
 from eqxzoo.parallel.schedule import ScheduleError
 from eqxzoo.train.layout import from_pipeline_layout, to_pipeline_layout
 from eqxzoo.train.loss import pipelined_loss, pipelined_loss_and_grad, sequential_loss
+from eqxzoo.train.loss_terms import LossConfig
 from eqxzoo.train.settings import StepConfig
 
 N_LAYERS = 8
@@ -51,7 +52,7 @@ VARIANTS = {
     "plain": ({}, {}),
     "no-remat": ({"remat_stages": False}, {}),
     "blockwise": ({}, {"attention_kernel": "blockwise", "attention_block_size": 3}),
-    "chunked-z": ({"loss_chunk_size": 16, "z_loss_weight": 0.01}, {"vocab_size": 64}),
+    "chunked-z": ({"loss": {"chunk_size": 16, "z_loss_weight": 0.01}}, {"vocab_size": 64}),
     "compute-bubbles": ({"skip_bubbles": False}, {}),
 }
 FAMILIES = list(models.families())
@@ -133,12 +134,9 @@ def loss_and_grads(tiny_config, random_batch, case: dict):
     microbatch at once), not what the model computes."""
     schedule = schedule_of(case)
     step_fields, model_fields = VARIANTS[case["variant"]]
-    config = StepConfig(
-        schedule=schedule,
-        load_balance_weight=0.1,
-        router_z_weight=0.01,
-        **{"z_loss_weight": 0.0, **step_fields},
-    )
+    step_fields = dict(step_fields)
+    loss = LossConfig(load_balance_weight=0.1, router_z_weight=0.01, **step_fields.pop("loss", {}))
+    config = StepConfig(schedule=schedule, loss=loss, **step_fields)
     pipelined_config = dataclasses.replace(config, bubble_fill=jnp.nan)
     mesh_config = MESHES[case["mesh"]]
     mesh = make_mesh(mesh_config, jax.devices()[: mesh_config.size])
@@ -147,7 +145,7 @@ def loss_and_grads(tiny_config, random_batch, case: dict):
     model = models.DecoderLM(model_config, key=jax.random.key(0))
     data = random_batch((schedule.microbatches, BATCH, SEQ))
     if case["variant"] == "chunked-z":  # the plain loss of the whole logits as the reference
-        config = dataclasses.replace(config, loss_chunk_size=0)
+        config = dataclasses.replace(config, loss=dataclasses.replace(loss, chunk_size=0))
 
     def sequential(model):
         return sequential_loss(model, data["tokens"], data["targets"], config=config)

@@ -18,6 +18,7 @@ from eqxzoo.nn import Router, balance_selection_bias
 from eqxzoo.optim import OptimizerConfig
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh
 from eqxzoo.train.layout import from_pipeline_layout
+from eqxzoo.train.loss_terms import LossConfig
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import abstract_train_state, init_train_state
 from eqxzoo.train.step import (
@@ -176,7 +177,7 @@ def run_balancing(config, mesh_config, stages, n_steps, random_batch, *, rate, s
     step_config = StepConfig(
         schedule=Schedule("gpipe", stages, SHAPE[1], 1),
         optimizer=OptimizerConfig(learning_rate=1e-4, warmup_steps=0),
-        bias_update_rate=rate,
+        loss=LossConfig(bias_update_rate=rate),
     )
     state = init_train_state(
         lambda key: models.DecoderLM(config, key=key),

@@ -12,8 +12,8 @@
                   microbatches (M), repeats (R), remat_stages
     [optimizer]   `eqxzoo.optim.OptimizerConfig` (decay_steps defaults to run.steps)
     [precision]   params, compute, output (`eqxzoo.train.settings.Precision`)
-    [loss]        load_balance_weight, router_z_weight, z_loss_weight, chunk_size,
-                  bias_update_rate
+    [loss]        the loss terms' weights, chunk_size, bias_update_rate
+                  (`eqxzoo.train.loss_terms.LossConfig`)
     [data]        path, vocab_size, seq_len (T), batch_size (B), grad_accum (G), seed,
                   prefetch, num_threads
     [checkpoint]  every, keep, async_save
@@ -39,6 +39,7 @@ from eqxzoo.optim import OptimizerConfig
 from eqxzoo.parallel.mesh import MeshConfig, MeshError, check_model_fits
 from eqxzoo.parallel.rules import ShardingConfig
 from eqxzoo.parallel.schedule import Schedule, ScheduleError, ScheduleName
+from eqxzoo.train.loss_terms import LossConfig
 from eqxzoo.train.settings import Precision, StepConfig
 from eqxzoo.typed_config import (
     ConfigError,
@@ -129,34 +130,6 @@ class PipelineConfig:
     def __post_init__(self):
         check_fields(self)
         require_at_least(self, 1, "microbatches", "repeats")
-
-
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-    """``[loss]``: weights of the MoE auxiliary losses added to the cross-entropy;
-    ``z_loss_weight``: of the z-loss, the mean squared log-sum-exp of the logits (PaLM used
-    1e-4; 0: none); ``chunk_size``: the vocabulary chunk of the fused cross-entropy
-    (`eqxzoo.nn.fused_cross_entropy`; 0 computes the whole logits instead); and
-    ``bias_update_rate``: how far each step moves the balancing biases of routers that have
-    them (DeepSeek-V3's auxiliary-loss-free balancing; 0 freezes them)."""
-
-    load_balance_weight: float = 0.01
-    router_z_weight: float = 0.001
-    z_loss_weight: float = 0.0
-    chunk_size: int = StepConfig.loss_chunk_size
-    bias_update_rate: float = 0.001
-
-    def __post_init__(self):
-        check_fields(self)
-        require_at_least(
-            self,
-            0,
-            "load_balance_weight",
-            "router_z_weight",
-            "z_loss_weight",
-            "chunk_size",
-            "bias_update_rate",
-        )
 
 
 MAX_SEQ_LEN = 2**22
@@ -429,11 +402,7 @@ def step_config(config: RunConfig) -> StepConfig:
         schedule=config.schedule,
         optimizer=config.optimizer,
         precision=config.precision,
-        load_balance_weight=config.loss.load_balance_weight,
-        router_z_weight=config.loss.router_z_weight,
-        z_loss_weight=config.loss.z_loss_weight,
-        loss_chunk_size=config.loss.chunk_size,
-        bias_update_rate=config.loss.bias_update_rate,
+        loss=config.loss,
         remat_stages=config.pipeline.remat_stages,
         sharding=config.sharding,
     )

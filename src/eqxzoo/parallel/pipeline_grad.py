@@ -25,7 +25,7 @@ microbatch on its F only; their loss terms enter each BW as a constant cotangent
 this is differentiated by autodiff: `pipeline_value_and_grad` returns values and gradients.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import equinox as eqx
 import jax
@@ -59,6 +59,7 @@ def pipeline_value_and_grad(
     *,
     first: FirstFn,
     last: LastFn,
+    part_weights: Sequence[float],
     aux_scales: Mapping[str, float],
     schedule: Schedule,
     mesh: Mesh,
@@ -67,14 +68,15 @@ def pipeline_value_and_grad(
     rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
     bubble_fill: float = 0.0,
 ) -> tuple[Float[Array, "*parts"], dict[str, Array], PyTree, PyTree]:
-    """The summed loss (its parts), every layer's aux values summed over microbatches ``(L, ...)``, and
-    the gradients of the loss with respect to ``layers`` and ``outer``.
+    """The loss's parts summed over microbatches (unweighted), every layer's aux values summed
+    over microbatches ``(L, ...)``, and the gradients of the weighted loss with respect to ``layers`` and ``outer``.
 
     ``layers`` are staged (`stage_layers`), ``outer`` is what the pipeline does not stage
     (embedding, head). ``first(outer, tokens)`` gives a microbatch's input to the blocks,
     ``last(outer, h, targets)`` its share of the loss (the caller divides by the tokens of the
-    whole batch, so the shares sum to the loss), a scalar or a vector of the loss's parts
-    (cross-entropy, z-loss), which are differentiated as their sum and summed separately. ``aux_scales[name]`` is the loss's derivative
+    whole batch, so the shares sum to the loss's parts): a vector of the loss's per-token
+    parts (cross-entropy, z-loss), differentiated as their sum weighted by ``part_weights``
+    and returned unweighted, summed over microbatches. ``aux_scales[name]`` is the loss's derivative
     with respect to one layer's aux value ``name`` for one microbatch (absent names: 0).
     Gradients are those of the summed loss plus the aux terms; layer gradients are staged.
     ``bubble_fill`` is what an idle tick sends to its neighbours (tests send NaN to show that
@@ -234,7 +236,9 @@ def pipeline_value_and_grad(
                     loss, pullback = jax.vjp(
                         lambda o, h: last_fn(o, h, targets_m), outer_params, h_out
                     )
-                    d_outer, d_h = pullback(jnp.ones_like(loss))
+                    d_outer, d_h = pullback(
+                        jnp.ones_like(loss) * jnp.asarray(part_weights, loss.dtype)
+                    )
                     return varying((loss.astype(jnp.float32), d_outer, d_h))
 
                 def no_head():

@@ -1,5 +1,5 @@
-"""The training loss: token-mean cross-entropy, an optional z-loss on the logits and the
-weighted MoE auxiliary losses, computed through the pipeline (`pipelined_loss`,
+"""The training loss: the weighted sum of `eqxzoo.train.loss_terms.LOSS_TERMS` (token-mean
+cross-entropy, an optional z-loss on the logits, the MoE auxiliary losses), computed through the pipeline (`pipelined_loss`,
 differentiated by autodiff), with its gradients by the 1F1B-family executor
 (`pipelined_loss_and_grad`), or the plain way as a reference (`sequential_loss`).
 
@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, Int, PyTree
 from eqxzoo.nn import LanguageModel, fused_cross_entropy, summarize_layer_aux
 from eqxzoo.parallel import activation_sharding, pipeline_value_and_grad, run_pipeline
 from eqxzoo.parallel.rules import MeshAxes, rule_axes
+from eqxzoo.train.loss_terms import layer_terms, token_terms, weighted_loss
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import cast_floats
 
@@ -100,11 +101,11 @@ def token_cross_entropy(
     manual_pp: bool = False,
 ) -> tuple[Float[Array, "*batch seq"], Float[Array, "*batch seq"]]:
     """Each token's cross-entropy and its logits' log-sum-exp (for the z-loss), from the
-    blocks' output ``h``: fused over vocabulary chunks of ``config.loss_chunk_size`` from
+    blocks' output ``h``: fused over vocabulary chunks of ``config.loss.chunk_size`` from
     the model's `head_inputs`, or from the plain logits when it is 0. ``mesh`` (with
     ``manual_pp`` inside a region manual over ``pp``) tells how the vocabulary is sharded
     (`vocab_shards`)."""
-    if not config.loss_chunk_size:
+    if not config.loss.chunk_size:
         return plain_cross_entropy(model.head(h).astype(config.precision.output), targets)
     features, projection, vocab_major, softcap = model.head_inputs(h)
     n_vocab = projection.shape[0 if vocab_major else 1]
@@ -115,7 +116,7 @@ def token_cross_entropy(
         targets.reshape(-1),
         vocab_major=vocab_major,
         softcap=softcap,
-        chunk_size=config.loss_chunk_size,
+        chunk_size=config.loss.chunk_size,
         vocab_shards=n_shards,
     )
     return token_losses.reshape(targets.shape), log_normalizers.reshape(targets.shape)
@@ -148,33 +149,13 @@ def total_loss(
     aux: dict[str, Array],
     config: StepConfig,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
-    """Mean cross-entropy, the z-loss (mean squared log-sum-exp of the logits, PaLM's) times
-    ``z_loss_weight`` when it is set, plus the weighted load-balance and router z-losses
-    (MoE models); returns ``(loss, {"cross_entropy": ..., ["z_loss": ...,] **aux})``."""
-    z_loss = jnp.mean(jnp.square(log_normalizers)) if config.z_loss_weight else None
-    return with_aux_losses(jnp.mean(token_losses), z_loss, aux, config)
-
-
-AUX_LOSS_WEIGHTS = {"load_balance_loss": "load_balance_weight", "router_z_loss": "router_z_weight"}
-
-
-def with_aux_losses(
-    cross_entropy: Float[Array, ""],
-    z_loss: Float[Array, ""] | None,
-    aux: dict[str, Array],
-    config: StepConfig,
-) -> tuple[Float[Array, ""], dict[str, Array]]:
-    """``(loss, metrics)``: the cross-entropy plus the z-loss (None: not configured) and
-    each MoE aux loss, each times its weight."""
-    loss = cross_entropy
-    metrics = {"cross_entropy": cross_entropy}
-    if z_loss is not None:
-        loss = loss + config.z_loss_weight * z_loss
-        metrics["z_loss"] = z_loss
-    for name, weight in AUX_LOSS_WEIGHTS.items():
-        if name in aux:
-            loss = loss + getattr(config, weight) * aux[name]
-    return loss.astype(jnp.float32), {**metrics, **aux}
+    """``(loss, metrics)``: each per-token term's mean over the tokens and the model's aux
+    values, weighted (`eqxzoo.train.loss_terms.weighted_loss`)."""
+    parts = {
+        term.name: jnp.mean(term.per_token(token_losses, log_normalizers))
+        for term in token_terms(config.loss)
+    }
+    return weighted_loss(parts, aux, config.loss)
 
 
 def pipelined_loss_and_grad(
@@ -207,14 +188,13 @@ def pipelined_loss_and_grad(
         token_losses, log_normalizers = token_cross_entropy(
             outer, h, targets, config, mesh, manual_pp=True
         )
-        parts = [jnp.sum(token_losses) / n_tokens]
-        if config.z_loss_weight:
-            parts.append(config.z_loss_weight * jnp.sum(jnp.square(log_normalizers)) / n_tokens)
-        return jnp.stack(parts)
+        return jnp.stack(
+            [jnp.sum(term.per_token(token_losses, log_normalizers)) / n_tokens for term in terms]
+        )
 
+    terms = token_terms(config.loss)
     aux_scales = {
-        name: getattr(config, weight) / (n_micro * n_layers)
-        for name, weight in AUX_LOSS_WEIGHTS.items()
+        term.name: term.weight(config.loss) / (n_micro * n_layers) for term in layer_terms()
     }
     with jax.named_scope("pipeline"):
         loss_parts, layer_aux, layer_grads, outer_grads = pipeline_value_and_grad(
@@ -224,6 +204,7 @@ def pipelined_loss_and_grad(
             targets,
             first=first,
             last=last,
+            part_weights=[term.weight(config.loss) for term in terms],
             aux_scales=aux_scales,
             schedule=config.schedule,
             mesh=mesh,
@@ -236,5 +217,5 @@ def pipelined_loss_and_grad(
     grads = eqx.tree_at(
         lambda m: m.blocks.layers, outer_grads, layer_grads, is_leaf=lambda x: x is None
     )
-    z_loss = loss_parts[1] / config.z_loss_weight if config.z_loss_weight else None
-    return with_aux_losses(loss_parts[0], z_loss, aux, config), grads
+    parts = {term.name: part for term, part in zip(terms, loss_parts)}
+    return weighted_loss(parts, aux, config.loss), grads

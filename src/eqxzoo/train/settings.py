@@ -10,10 +10,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Literal
 
-from eqxzoo.nn.cross_entropy import DEFAULT_CHUNK_SIZE
 from eqxzoo.optim import OptimizerConfig
 from eqxzoo.parallel.rules import MeshAxes, ShardingConfig
 from eqxzoo.parallel.schedule import Schedule
+from eqxzoo.train.loss_terms import LossConfig
 from eqxzoo.typed_config import check_fields
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -35,19 +35,15 @@ class Precision:
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     """Everything the train step needs besides the model: schedule, optimizer, precision,
-    loss weights and the loss's vocabulary chunk, the balancing biases' update rate, stage remat and the sharding rules
-    (`step_config` derives it from a run). ``bubble_fill`` and ``skip_bubbles`` are the
+    the loss (`LossConfig`: its terms' weights, vocabulary chunk and the balancing biases'
+    update rate), stage remat and the sharding rules (`step_config` derives it from a run). ``bubble_fill`` and ``skip_bubbles`` are the
     pipeline's (`eqxzoo.parallel.run_pipeline`); the run sets ``skip_bubbles`` from what the
     compiled step needs (`eqxzoo.train.step.compile_train_step_for`)."""
 
     schedule: Schedule
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     precision: Precision = dataclasses.field(default_factory=Precision)
-    load_balance_weight: float = 0.01
-    router_z_weight: float = 0.001
-    z_loss_weight: float = 0.0
-    loss_chunk_size: int = DEFAULT_CHUNK_SIZE
-    bias_update_rate: float = 0.001
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     remat_stages: bool = True
     bubble_fill: float = 0.0
     skip_bubbles: bool = True

@@ -113,7 +113,7 @@ def train_step(
         skipped=jnp.logical_not(finite).astype(jnp.int32),
     )
     if "expert_fraction" in metrics:
-        balanced = balance_buffers(frozen, metrics["expert_fraction"], config.bias_update_rate)
+        balanced = balance_buffers(frozen, metrics["expert_fraction"], config.loss.bias_update_rate)
         frozen = jax.tree.map(lambda new, old: jnp.where(finite, new, old), balanced, frozen)
     new_state = TrainState(
         step=state.step + finite.astype(state.step.dtype),
