@@ -22,7 +22,15 @@ from eqxzoo.nn import (
 )
 from eqxzoo.nn.attention import DEFAULT_BLOCK_SIZE, AttentionKernel, cudnn_supports
 from eqxzoo.nn.moe import check_groups
-from eqxzoo.typed_config import ConfigError, check_fields, refuse, require_at_least
+from eqxzoo.typed_config import (
+    ConfigError,
+    architecture_field,
+    check_fields,
+    keys_with_role,
+    refuse,
+    require_at_least,
+    runtime_field,
+)
 
 __all__ = [
     "RUNTIME_KEYS",
@@ -43,16 +51,6 @@ NormKind = Literal["rms", "rms_plus_one", "layer"]
 NormPosition = Literal["pre", "post", "both"]
 QKNormOver = Literal["head", "all_heads"]
 PositionKind = Literal["rope", "learned"]
-
-# Keys that choose how the zoo runs the same parameters, never what they compute.
-RUNTIME_KEYS = (
-    "scan_layers",
-    "remat",
-    "attention_kernel",
-    "attention_block_size",
-    "moe.routing",
-    "moe.capacity_factor",
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,24 +75,24 @@ class MoEConfig:
     unused by ``"swiglu"``).
     """
 
-    n_experts: int = 8
-    top_k: int = 2
-    expert_mlp_dim: int = 512
-    normalize_topk: bool = True
-    shared_mlp_dim: int = 0
-    shared_gate: bool = False
-    scoring: Scoring = "softmax"
-    n_groups: int = 1
-    topk_groups: int = 1
-    routed_scaling: float = 1.0
-    router_bias: bool = False
-    selection_bias: bool = False
-    expert_bias: bool = False
-    expert_activation: ExpertActivation = "swiglu"
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
-    routing: RoutingMode = "dropless"
-    capacity_factor: float = 1.25
+    n_experts: int = architecture_field(8)
+    top_k: int = architecture_field(2)
+    expert_mlp_dim: int = architecture_field(512)
+    normalize_topk: bool = architecture_field(True)
+    shared_mlp_dim: int = architecture_field(0)
+    shared_gate: bool = architecture_field(False)
+    scoring: Scoring = architecture_field("softmax")
+    n_groups: int = architecture_field(1)
+    topk_groups: int = architecture_field(1)
+    routed_scaling: float = architecture_field(1.0)
+    router_bias: bool = architecture_field(False)
+    selection_bias: bool = architecture_field(False)
+    expert_bias: bool = architecture_field(False)
+    expert_activation: ExpertActivation = architecture_field("swiglu")
+    swiglu_alpha: float = architecture_field(1.702)
+    swiglu_limit: float = architecture_field(7.0)
+    routing: RoutingMode = runtime_field("dropless")
+    capacity_factor: float = runtime_field(1.25)
 
     @property
     def router_options(self) -> dict[str, Any]:
@@ -155,13 +153,13 @@ class LatentAttentionConfig:
     latent norms' epsilon (transformers builds them with 1e-6 whatever ``rms_norm_eps``).
     """
 
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
-    bias: bool = False
-    norm_eps: float = 1e-6
+    q_lora_rank: int | None = architecture_field(None)
+    kv_lora_rank: int = architecture_field(512)
+    qk_nope_head_dim: int = architecture_field(128)
+    qk_rope_head_dim: int = architecture_field(64)
+    v_head_dim: int = architecture_field(128)
+    bias: bool = architecture_field(False)
+    norm_eps: float = architecture_field(1e-6)
 
     def __post_init__(self):
         check_fields(self)
@@ -215,44 +213,44 @@ class DecoderConfig:
     # sliding otherwise (Gemma's pattern); None: every layer sliding when a window is set.
     global_layer_every: ClassVar[int | None] = None
 
-    vocab_size: int = 32000
-    d_model: int = 512
-    n_layers: int = 8
-    n_heads: int = 8
-    n_kv_heads: int | None = None
-    head_dim: int | None = None
-    mlp_dim: int = 1408
-    activation: Activation = "swiglu"
-    norm: NormKind = "rms"
-    norm_eps: float = 1e-6
-    norm_position: NormPosition = "pre"
-    positions: PositionKind = "rope"
-    max_positions: int = 0
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    local_rope_theta: float | None = None
-    sliding_window: int | None = None
-    layer_types: tuple[LayerType, ...] | None = None
-    qkv_bias: bool = False
-    attention_out_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-    qk_norm_over: QKNormOver = "head"
-    clip_qkv: float | None = None
-    attention_scale_dim: int | None = None
-    attention_softcap: float | None = None
-    attention_sinks: bool = False
-    final_softcap: float | None = None
-    scale_embeddings: bool = False
-    tie_embeddings: bool = False
-    init_std: float = 0.02
+    vocab_size: int = architecture_field(32000)
+    d_model: int = architecture_field(512)
+    n_layers: int = architecture_field(8)
+    n_heads: int = architecture_field(8)
+    n_kv_heads: int | None = architecture_field(None)
+    head_dim: int | None = architecture_field(None)
+    mlp_dim: int = architecture_field(1408)
+    activation: Activation = architecture_field("swiglu")
+    norm: NormKind = architecture_field("rms")
+    norm_eps: float = architecture_field(1e-6)
+    norm_position: NormPosition = architecture_field("pre")
+    positions: PositionKind = architecture_field("rope")
+    max_positions: int = architecture_field(0)
+    rope_theta: float = architecture_field(10000.0)
+    rope_scaling: RopeScaling | None = architecture_field(None)
+    local_rope_theta: float | None = architecture_field(None)
+    sliding_window: int | None = architecture_field(None)
+    layer_types: tuple[LayerType, ...] | None = architecture_field(None)
+    qkv_bias: bool = architecture_field(False)
+    attention_out_bias: bool = architecture_field(False)
+    mlp_bias: bool = architecture_field(False)
+    qk_norm: bool = architecture_field(False)
+    qk_norm_over: QKNormOver = architecture_field("head")
+    clip_qkv: float | None = architecture_field(None)
+    attention_scale_dim: int | None = architecture_field(None)
+    attention_softcap: float | None = architecture_field(None)
+    attention_sinks: bool = architecture_field(False)
+    final_softcap: float | None = architecture_field(None)
+    scale_embeddings: bool = architecture_field(False)
+    tie_embeddings: bool = architecture_field(False)
+    init_std: float = architecture_field(0.02)
     moe: MoEConfig | None = None
-    first_dense_layers: int = 0
+    first_dense_layers: int = architecture_field(0)
     latent_attention: LatentAttentionConfig | None = None
-    scan_layers: bool = True
-    remat: RematPolicy = "none"
-    attention_kernel: AttentionKernel = "auto"
-    attention_block_size: int = DEFAULT_BLOCK_SIZE
+    scan_layers: bool = runtime_field(True)
+    remat: RematPolicy = runtime_field("none")
+    attention_kernel: AttentionKernel = runtime_field("auto")
+    attention_block_size: int = runtime_field(DEFAULT_BLOCK_SIZE)
 
     def __post_init__(self):
         check_fields(self)
@@ -378,3 +376,8 @@ class DecoderConfig:
             self.sliding_window if kind == "sliding_attention" else 0
             for kind in self.attention_layer_types
         )
+
+
+# The keys declared `runtime_field`: they choose how the zoo runs the same parameters, never
+# what the parameters are (a Hugging Face config states none of them; a resume may change them).
+RUNTIME_KEYS = keys_with_role(DecoderConfig, "runtime")

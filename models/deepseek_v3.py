@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from eqxzoo.nn import deinterleave_rope_columns, interleave_rope_columns
-from eqxzoo.typed_config import ConfigError, refuse
+from eqxzoo.typed_config import ConfigError, architecture_field, refuse
 from models.config import DecoderConfig, LatentAttentionConfig, MoEConfig
 from models.decoder import DecoderLM
 from models.family import (
@@ -76,7 +76,7 @@ class DeepseekV3Config(DecoderConfig):
     latent_attention: LatentAttentionConfig | None = LatentAttentionConfig(
         q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64
     )
-    rope_interleave: bool = True
+    rope_interleave: bool = architecture_field(True)
 
     def __post_init__(self):
         super().__post_init__()

@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from models.config import ConfigError, DecoderConfig, MoEConfig, RopeScaling
+from models.config import RUNTIME_KEYS, ConfigError, DecoderConfig, MoEConfig, RopeScaling
 from models.tensor_files import Sliceable, stack
 
 # Keys of every transformers config that say nothing about the computation.
@@ -230,8 +230,8 @@ def llama_like_mapping(
 
 # ----------------------------------------------------------------------------- configs
 
-# DecoderConfig fields every ``config.json`` states (shapes and numerics) or that choose how
-# the zoo runs (never saved): no family refuses them.
+# DecoderConfig fields every ``config.json`` states (shapes and numerics), and those that
+# choose how the zoo runs (`RUNTIME_KEYS`, never saved): no family refuses them.
 FREE_FIELDS = frozenset(
     {
         "vocab_size",
@@ -246,12 +246,8 @@ FREE_FIELDS = frozenset(
         "tie_embeddings",
         "init_std",
         "moe",
-        "scan_layers",
-        "remat",
-        "attention_kernel",
-        "attention_block_size",
     }
-)
+) | {key for key in RUNTIME_KEYS if "." not in key}
 
 # MoEConfig fields that change what the router and experts compute: like DecoderConfig's
 # fields, each is free, fixed ("moe.<field>" in `check_expressible`'s ``fixed`` / ``free``)

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from eqxzoo.config import RunConfig, config_to_dict, load_config
+from eqxzoo.config import (
+    RESUMABLE_KEYS,
+    SWITCHED_OFF_BY_ZERO,
+    RunConfig,
+    config_to_dict,
+    document_key,
+    load_config,
+)
 from eqxzoo.train.checkpoint import STEP_METADATA_FILE
 from eqxzoo.train.memory import (
     GIB,
@@ -20,7 +27,6 @@ from eqxzoo.train.memory import (
     host_memory_available,
 )
 from eqxzoo.train.rundir import (
-    RESUMABLE,
     NotTheSameRun,
     RunDirBusy,
     RunDirLock,
@@ -30,7 +36,9 @@ from eqxzoo.train.rundir import (
     prepare_run_dir,
     refused_changes,
 )
-from eqxzoo.typed_config import flatten
+from eqxzoo.typed_config import config_leaves, field_role, flatten
+from models.config import RUNTIME_KEYS, DecoderConfig
+from models.registry import families
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -98,12 +106,18 @@ def documented_resumable() -> set[str]:
     section = readme.split("### Run directories", 1)[1].split("\n### ", 1)[0]
     allowed = section.split("What may change between a run and its resume:", 1)[1]
     allowed = allowed.split("\n\n", 2)[1]  # the list: the paragraph after the colon
-    return set(re.findall(r"`([a-z_]+\.[a-z0-9_*]+)`", allowed))
+    return set(re.findall(r"`([a-z_]+(?:\.[a-z0-9_*]+)+)`", allowed))
 
 
-@pytest.mark.parametrize("key", list(flatten(config_to_dict(RunConfig()))))
+@pytest.mark.parametrize(
+    "key",
+    sorted(
+        set(flatten(config_to_dict(RunConfig()))) | set(flatten(config_to_dict(load_config(TINY))))
+    ),
+)
 def test_each_key_may_change_on_resume_exactly_when_readme_lists_it(key: str):
-    """Every key of a config, changed alone: refused unless README's list names it."""
+    """Every key of a config (the default one's and a MoE one's), changed alone: refused
+    unless README's list names it."""
     saved = config_to_dict(load_config(TINY))
     new = config_to_dict(load_config(TINY))
     *sections, name = key.split(".")
@@ -135,7 +149,49 @@ def test_what_defines_the_run_is_never_resumable():
 
 
 def test_readme_lists_exactly_the_resumable_keys():
-    assert documented_resumable() == set(RESUMABLE)
+    """README's patterns name exactly the `runtime_field`s: each pattern some, and no other
+    leaf of the config."""
+    patterns = documented_resumable()
+    every_key = [document_key(key) for key in config_leaves(RunConfig)]
+    for pattern in patterns:
+        assert any(fnmatch.fnmatchcase(key, pattern) for key in RESUMABLE_KEYS), pattern
+    for key in every_key:
+        documented = any(fnmatch.fnmatchcase(key, pattern) for pattern in patterns)
+        assert documented == (key in RESUMABLE_KEYS), key
+
+
+def test_how_the_model_runs_may_change_on_resume():
+    for key in ("model.remat", "model.attention_kernel", "model.moe.routing", "mesh.dp"):
+        assert is_resumable(key), key
+    assert is_resumable("model.init_from_hf")
+    assert set(SWITCHED_OFF_BY_ZERO) == {"optimizer.clip_norm", "optimizer.weight_decay"}
+
+
+def test_every_config_field_declares_its_role():
+    """Every leaf of every section, and of every family's model config, says once whether it
+    is architecture, identity or runtime; a family subclass that only changes a default keeps
+    its base's role, and a field a family adds (DeepSeek-V3's ``rope_interleave``) declares
+    its own."""
+    undeclared = [
+        key
+        for key, (cls, name) in config_leaves(RunConfig).items()
+        if field_role(cls, name) is None
+    ]
+    assert undeclared == []
+    base = set(config_leaves(DecoderConfig))
+    for family in families().values():
+        config_class = family.config_class
+        leaves = config_leaves(config_class)
+        assert set(leaves) >= base, config_class
+        assert all(field_role(cls, name) for cls, name in leaves.values()), config_class
+    assert RUNTIME_KEYS == (
+        "moe.routing",
+        "moe.capacity_factor",
+        "scan_layers",
+        "remat",
+        "attention_kernel",
+        "attention_block_size",
+    )
 
 
 def test_a_plan_that_does_not_fit_says_what_it_needs_and_what_to_change():

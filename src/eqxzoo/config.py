@@ -47,9 +47,12 @@ from eqxzoo.typed_config import (
     build_dataclass,
     check_fields,
     dataclass_to_table,
+    identity_field,
+    keys_with_role,
     read_toml,
     refuse,
     require_at_least,
+    runtime_field,
     toml_text,
 )
 from models.config import DecoderConfig
@@ -63,6 +66,8 @@ __all__ = [
     "LossConfig",
     "PipelineConfig",
     "Precision",
+    "RESUMABLE_KEYS",
+    "SWITCHED_OFF_BY_ZERO",
     "RunConfig",
     "RunSettings",
     "ShardingConfig",
@@ -88,18 +93,18 @@ class RunSettings:
     compilation cache (``~`` is expanded by the run loop).
     """
 
-    name: str = "run"
-    seed: int = 0
-    steps: int = 1000
-    log_every: int = 10
-    eval_every: int = 500
-    eval_batches: int = 8
-    max_nonfinite: int = 3
-    compilation_cache_dir: str = DEFAULT_COMPILATION_CACHE_DIR
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "eqxzoo"
-    plot: bool = True
+    name: str = runtime_field("run")
+    seed: int = identity_field(0)
+    steps: int = runtime_field(1000)
+    log_every: int = runtime_field(10)
+    eval_every: int = runtime_field(500)
+    eval_batches: int = runtime_field(8)
+    max_nonfinite: int = runtime_field(3)
+    compilation_cache_dir: str = runtime_field(DEFAULT_COMPILATION_CACHE_DIR)
+    tensorboard: bool = runtime_field(True)
+    wandb: bool = runtime_field(False)
+    wandb_project: str = runtime_field("eqxzoo")
+    plot: bool = runtime_field(True)
 
     def __post_init__(self):
         check_fields(self)
@@ -122,10 +127,10 @@ class PipelineConfig:
     recomputes each stage's activations in the backward pass.
     """
 
-    schedule: ScheduleName = "gpipe"
-    microbatches: int = 1
-    repeats: int = 1
-    remat_stages: bool = True
+    schedule: ScheduleName = runtime_field("gpipe")
+    microbatches: int = runtime_field(1)
+    repeats: int = runtime_field(1)
+    remat_stages: bool = runtime_field(True)
 
     def __post_init__(self):
         check_fields(self)
@@ -147,14 +152,14 @@ class DataConfig:
     are read ahead on ``num_threads`` threads.
     """
 
-    path: str = STDLIB_DATA
-    vocab_size: int = DEFAULT_VOCAB_SIZE
-    seq_len: int = 1024
-    batch_size: int = 8
-    grad_accum: int = 1
-    seed: int = 0
-    prefetch: int = 2
-    num_threads: int = 2
+    path: str = identity_field(STDLIB_DATA)
+    vocab_size: int = identity_field(DEFAULT_VOCAB_SIZE)
+    seq_len: int = identity_field(1024)
+    batch_size: int = runtime_field(8)
+    grad_accum: int = runtime_field(1)
+    seed: int = identity_field(0)
+    prefetch: int = runtime_field(2)
+    num_threads: int = runtime_field(2)
 
     def __post_init__(self):
         check_fields(self)
@@ -179,9 +184,9 @@ class DataConfig:
 class CheckpointConfig:
     """``[checkpoint]``: save every ``every`` steps (and at the end), keep the newest ``keep``."""
 
-    every: int = 1000
-    keep: int = 3
-    async_save: bool = True
+    every: int = runtime_field(1000)
+    keep: int = runtime_field(3)
+    async_save: bool = runtime_field(True)
 
     def __post_init__(self):
         check_fields(self)
@@ -209,7 +214,7 @@ class RunConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)
-    init_from_hf: str = ""
+    init_from_hf: str = runtime_field("")
 
     def __post_init__(self):
         self._check_schedule()
@@ -406,6 +411,20 @@ def step_config(config: RunConfig) -> StepConfig:
         remat_stages=config.pipeline.remat_stages,
         sharding=config.sharding,
     )
+
+
+def document_key(key: str) -> str:
+    """A `RunConfig` leaf's dotted key in the config document (``init_from_hf`` is a key of
+    ``[model]``)."""
+    return f"model.{key}" if key == "init_from_hf" else key
+
+
+# The keys a resume may change (declared `runtime_field`), and those among them whose 0 turns
+# a transformation off, and with it its optimizer state (a resume may not cross 0).
+RESUMABLE_KEYS = tuple(map(document_key, keys_with_role(RunConfig, "runtime")))
+SWITCHED_OFF_BY_ZERO = tuple(
+    map(document_key, keys_with_role(RunConfig, "runtime", off_at_zero=True))
+)
 
 
 def mesh_config(config: RunConfig) -> MeshConfig:

@@ -16,7 +16,7 @@ import optax
 from jaxtyping import PyTree
 
 from eqxzoo.nn import BUFFER_FIELDS
-from eqxzoo.typed_config import check_fields, refuse
+from eqxzoo.typed_config import check_fields, identity_field, refuse, runtime_field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,17 +30,17 @@ class OptimizerConfig:
     state and never change.
     """
 
-    name: Literal["adamw", "adafactor"] = "adamw"
-    learning_rate: float = 3e-4
-    warmup_steps: int = 100
-    decay_steps: int = 10_000
-    final_lr_fraction: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0
-    freeze: tuple[str, ...] = ()
+    name: Literal["adamw", "adafactor"] = identity_field("adamw")
+    learning_rate: float = runtime_field(3e-4)
+    warmup_steps: int = runtime_field(100)
+    decay_steps: int = runtime_field(10_000)
+    final_lr_fraction: float = runtime_field(0.1)
+    b1: float = runtime_field(0.9)
+    b2: float = runtime_field(0.95)
+    eps: float = runtime_field(1e-8)
+    weight_decay: float = runtime_field(0.1, off_at_zero=True)
+    clip_norm: float = runtime_field(1.0, off_at_zero=True)
+    freeze: tuple[str, ...] = identity_field(())
 
     def __post_init__(self):
         check_fields(self)

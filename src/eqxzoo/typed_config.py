@@ -9,6 +9,11 @@ whether it came from Python, a TOML file or ``--set``. `build_dataclass` builds 
 TOML table, refusing unknown keys; `read_toml` and `apply_overrides` read a file and its
 command-line overrides; `dataclass_to_table` and `toml_text` write one back.
 
+Each field declares its role once, with `architecture_field`, `identity_field` or
+`runtime_field`: whether it is part of what the model computes, part of what the run is,
+or a choice of how the same run is carried out (which a resume may change); `keys_with_role`
+derives the lists (runtime model keys, resumable run keys) from those declarations.
+
 Every message is one line naming the key (``mesh.dp: expected int, got 'two'``), raised as
 `ConfigError`. This module imports no JAX: commands check a config before starting it.
 """
@@ -30,6 +35,12 @@ from eqxzoo.errors import ConfigError
 
 __all__ = [
     "ConfigError",
+    "FieldRole",
+    "architecture_field",
+    "field_role",
+    "identity_field",
+    "keys_with_role",
+    "runtime_field",
     "apply_overrides",
     "build_dataclass",
     "check_fields",
@@ -40,6 +51,76 @@ __all__ = [
     "require_at_least",
     "toml_text",
 ]
+
+
+FieldRole = Literal["architecture", "identity", "runtime"]
+_ROLE = "eqxzoo.role"
+_OFF_AT_ZERO = "eqxzoo.off_at_zero"
+
+
+def _role_field(role: FieldRole, default: Any, off_at_zero: bool = False) -> Any:
+    return dataclasses.field(default=default, metadata={_ROLE: role, _OFF_AT_ZERO: off_at_zero})
+
+
+def architecture_field(default: Any) -> Any:
+    """A field that is part of what the model computes (shapes, layout, numerics): a Hugging
+    Face config states it or the family fixes it, and a resume may never change it."""
+    return _role_field("architecture", default)
+
+
+def identity_field(default: Any) -> Any:
+    """A field that is part of what a run is without being the model's (the data and its
+    order, the seeds, the optimizer and its state, the parameters' dtype): a resume may
+    never change it."""
+    return _role_field("identity", default)
+
+
+def runtime_field(default: Any, *, off_at_zero: bool = False) -> Any:
+    """A field that chooses how the same run is carried out (mesh, schedule, batch shape,
+    remat, kernels, logging, learning-rate schedule, ...): a resume may change it.
+    ``off_at_zero``: 0 turns a transformation off, and with it its optimizer state, so a
+    resume may not move it to or from 0."""
+    return _role_field("runtime", default, off_at_zero)
+
+
+def field_role(cls: type, name: str) -> tuple[FieldRole, bool] | None:
+    """``(role, off_at_zero)`` that the dataclass ``cls`` or the nearest base declaring its
+    field ``name`` gives it (a subclass that only changes a default keeps the base's role);
+    None when none does."""
+    for base in cls.__mro__:
+        field = getattr(base, "__dataclass_fields__", {}).get(name)
+        if field is not None and _ROLE in field.metadata:
+            return field.metadata[_ROLE], field.metadata[_OFF_AT_ZERO]
+    return None
+
+
+def config_leaves(cls: type, prefix: str = "") -> dict[str, tuple[type, str]]:
+    """Every leaf field of the config dataclass ``cls`` by dotted key, with the dataclass
+    that declares it. A field typed as a config dataclass (``X`` or ``X | None``) is a
+    section, walked into, unless it declares a role itself (``rope_scaling``: its keys are
+    one leaf, of that role)."""
+    leaves = {}
+    for name, hint in _field_hints(cls).items():
+        section = _dataclass_in(hint)
+        if section is not None and field_role(cls, name) is None:
+            leaves.update(config_leaves(section, f"{prefix}{name}."))
+        else:
+            leaves[f"{prefix}{name}"] = (cls, name)
+    return leaves
+
+
+def keys_with_role(
+    cls: type, role: FieldRole, *, off_at_zero: bool | None = None
+) -> tuple[str, ...]:
+    """The dotted keys of ``cls``'s leaf fields declared with ``role`` (and, when given,
+    ``off_at_zero``), in declaration order."""
+    keys = []
+    for key, (holder, name) in config_leaves(cls).items():
+        declared = field_role(holder, name)
+        if declared is not None and declared[0] == role:
+            if off_at_zero is None or declared[1] == off_at_zero:
+                keys.append(key)
+    return tuple(keys)
 
 
 def refuse(key: str, problem: str) -> typing.NoReturn:

@@ -6,7 +6,7 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 from eqxzoo.errors import UserError
-from eqxzoo.typed_config import check_fields, require_at_least
+from eqxzoo.typed_config import check_fields, require_at_least, runtime_field
 
 MESH_AXES = ("dp", "pp", "tp", "ep")
 
@@ -17,10 +17,10 @@ class MeshError(UserError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    ep: int = 1
+    dp: int = runtime_field(1)
+    pp: int = runtime_field(1)
+    tp: int = runtime_field(1)
+    ep: int = runtime_field(1)
 
     def __post_init__(self):
         check_fields(self)

@@ -18,7 +18,7 @@ from jaxtyping import PyTree
 
 from eqxzoo.nn import Axes
 from eqxzoo.parallel.mesh import MESH_AXES
-from eqxzoo.typed_config import check_fields, refuse
+from eqxzoo.typed_config import check_fields, refuse, runtime_field
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -52,21 +52,21 @@ class ShardingConfig:
     there) and named here so that every sharding comes from this one table.
     """
 
-    stages: tuple[str, ...] = FIXED_RULES["stages"]
-    repeats: tuple[str, ...] = FIXED_RULES["repeats"]
-    layers: tuple[str, ...] = FIXED_RULES["layers"]
-    embed: tuple[str, ...] = ("dp", "ep")
-    vocab: tuple[str, ...] = ("tp", "pp")
-    heads: tuple[str, ...] = ("tp",)
-    kv_heads: tuple[str, ...] = ("tp",)
-    head_dim: tuple[str, ...] = ()
-    mlp: tuple[str, ...] = ("tp",)
-    experts: tuple[str, ...] = ("ep",)
-    grad_accum: tuple[str, ...] = FIXED_RULES["grad_accum"]
-    microbatches: tuple[str, ...] = FIXED_RULES["microbatches"]
-    prefix_microbatches: tuple[str, ...] = FIXED_RULES["prefix_microbatches"]
-    batch: tuple[str, ...] = FIXED_RULES["batch"]
-    seq: tuple[str, ...] = FIXED_RULES["seq"]
+    stages: tuple[str, ...] = runtime_field(FIXED_RULES["stages"])
+    repeats: tuple[str, ...] = runtime_field(FIXED_RULES["repeats"])
+    layers: tuple[str, ...] = runtime_field(FIXED_RULES["layers"])
+    embed: tuple[str, ...] = runtime_field(("dp", "ep"))
+    vocab: tuple[str, ...] = runtime_field(("tp", "pp"))
+    heads: tuple[str, ...] = runtime_field(("tp",))
+    kv_heads: tuple[str, ...] = runtime_field(("tp",))
+    head_dim: tuple[str, ...] = runtime_field(())
+    mlp: tuple[str, ...] = runtime_field(("tp",))
+    experts: tuple[str, ...] = runtime_field(("ep",))
+    grad_accum: tuple[str, ...] = runtime_field(FIXED_RULES["grad_accum"])
+    microbatches: tuple[str, ...] = runtime_field(FIXED_RULES["microbatches"])
+    prefix_microbatches: tuple[str, ...] = runtime_field(FIXED_RULES["prefix_microbatches"])
+    batch: tuple[str, ...] = runtime_field(FIXED_RULES["batch"])
+    seq: tuple[str, ...] = runtime_field(FIXED_RULES["seq"])
 
     def __post_init__(self):
         check_fields(self)

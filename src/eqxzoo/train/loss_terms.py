@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from eqxzoo.nn.cross_entropy import DEFAULT_CHUNK_SIZE
-from eqxzoo.typed_config import check_fields, require_at_least
+from eqxzoo.typed_config import check_fields, require_at_least, runtime_field
 
 TokenValues = Callable[[Float[Array, "*tokens"], Float[Array, "*tokens"]], Float[Array, "*tokens"]]
 
@@ -31,11 +31,11 @@ class LossConfig:
     ``bias_update_rate``: how far each step moves the balancing biases of routers that have
     them (DeepSeek-V3's auxiliary-loss-free balancing; 0 freezes them)."""
 
-    load_balance_weight: float = 0.01
-    router_z_weight: float = 0.001
-    z_loss_weight: float = 0.0
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    bias_update_rate: float = 0.001
+    load_balance_weight: float = runtime_field(0.01)
+    router_z_weight: float = runtime_field(0.001)
+    z_loss_weight: float = runtime_field(0.0)
+    chunk_size: int = runtime_field(DEFAULT_CHUNK_SIZE)
+    bias_update_rate: float = runtime_field(0.001)
 
     def __post_init__(self):
         check_fields(self)

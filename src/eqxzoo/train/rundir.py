@@ -10,8 +10,8 @@ locks, and the others follow its verdict. Readers (``--dry-run``, ``pipelines.ge
 take no lock.
 
 **The same run.** A directory with checkpoints is resumed only by a config that differs
-from its ``config.toml`` in `RESUMABLE` keys alone: what changes how the same run is carried
-out (steps, mesh and schedule, batch shape, logging, checkpoint cadence, the learning-rate
+from its ``config.toml`` in `RESUMABLE_KEYS` alone (the fields declared `runtime_field`):
+what changes how the same run is carried out (steps, mesh and schedule, batch shape, logging, checkpoint cadence, the learning-rate
 schedule, ...), never what it is (the architecture, its parameters' dtype, the optimizer's
 state, the data and its order, the seeds). Any other change, or turning gradient clipping or
 weight decay on or off (which adds or removes optimizer state), is refused in one line naming
@@ -21,7 +21,6 @@ every changed key with both values.
 import dataclasses
 import datetime
 import fcntl
-import fnmatch
 import json
 import os
 import socket
@@ -29,7 +28,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from eqxzoo.config import RunConfig, config_from_dict, config_to_dict, config_to_toml
+from eqxzoo.config import (
+    RESUMABLE_KEYS,
+    SWITCHED_OFF_BY_ZERO,
+    RunConfig,
+    config_from_dict,
+    config_to_dict,
+    config_to_toml,
+)
 from eqxzoo.errors import ConfigError, UserError
 from eqxzoo.train.checkpoint import finished_steps
 from eqxzoo.train.report import replace_text
@@ -38,45 +44,6 @@ from eqxzoo.typed_config import flatten, read_toml
 CONFIG_FILE = "config.toml"
 CHECKPOINT_DIR = "checkpoints"
 LOCK_FILE = "run.lock"
-
-# Keys a resume may change, as `fnmatch` patterns over dotted keys (README lists them).
-RESUMABLE = (
-    "run.name",
-    "run.steps",
-    "run.log_every",
-    "run.eval_every",
-    "run.eval_batches",
-    "run.max_nonfinite",
-    "run.compilation_cache_dir",
-    "run.tensorboard",
-    "run.wandb",
-    "run.wandb_project",
-    "run.plot",
-    "mesh.*",
-    "sharding.*",
-    "pipeline.*",
-    "data.batch_size",
-    "data.grad_accum",
-    "data.prefetch",
-    "data.num_threads",
-    "checkpoint.*",
-    "model.init_from_hf",
-    "optimizer.learning_rate",
-    "optimizer.warmup_steps",
-    "optimizer.decay_steps",
-    "optimizer.final_lr_fraction",
-    "optimizer.b1",
-    "optimizer.b2",
-    "optimizer.eps",
-    "optimizer.weight_decay",
-    "optimizer.clip_norm",
-    "precision.compute",
-    "precision.output",
-    "loss.*",
-)
-
-# Resumable keys whose 0 turns a transformation off, and with it its optimizer state.
-SWITCHED_OFF_BY_ZERO = ("optimizer.clip_norm", "optimizer.weight_decay")
 
 
 class RunDirBusy(UserError, RuntimeError):
@@ -176,12 +143,14 @@ def changed_keys(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[Chang
 
 
 def is_resumable(key: str) -> bool:
-    return any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUMABLE)
+    """Whether a resume may change the dotted ``key`` (or the leaf it is part of)."""
+    parts = key.split(".")
+    return any(".".join(parts[:n]) in RESUMABLE_KEYS for n in range(1, len(parts) + 1))
 
 
 def refused_changes(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
     """The changes from the ``saved`` config document to the ``new`` one that a resume may
-    not make: to a key `RESUMABLE` does not list, or one of `SWITCHED_OFF_BY_ZERO` to or from
+    not make: to a key `RESUMABLE_KEYS` does not list, or one of `SWITCHED_OFF_BY_ZERO` to or from
     0."""
     return [
         change
@@ -193,7 +162,7 @@ def refused_changes(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[Ch
 
 def check_same_run(run_dir: Path, config: RunConfig) -> None:
     """Raise `NotTheSameRun` if ``run_dir`` has checkpoints and ``config`` changes a key of
-    its ``config.toml`` that `RESUMABLE` does not list."""
+    its ``config.toml`` that `RESUMABLE_KEYS` does not list."""
     saved_file = run_dir / CONFIG_FILE
     if not (has_checkpoints(run_dir) and saved_file.is_file()):
         return

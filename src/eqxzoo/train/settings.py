@@ -14,7 +14,7 @@ from eqxzoo.optim import OptimizerConfig
 from eqxzoo.parallel.rules import MeshAxes, ShardingConfig
 from eqxzoo.parallel.schedule import Schedule
 from eqxzoo.train.loss_terms import LossConfig
-from eqxzoo.typed_config import check_fields
+from eqxzoo.typed_config import check_fields, identity_field, runtime_field
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -24,9 +24,9 @@ class Precision:
     """``[precision]``: parameters are stored in ``params`` (fp32 master weights), cast to
     ``compute`` for the forward and backward pass, and the logits/loss are taken in ``output``."""
 
-    params: DType = "float32"
-    compute: DType = "float32"
-    output: DType = "float32"
+    params: DType = identity_field("float32")
+    compute: DType = runtime_field("float32")
+    output: DType = runtime_field("float32")
 
     def __post_init__(self):
         check_fields(self)
