@@ -17,6 +17,7 @@ from models.config import (
     MoEConfig,
     RopeScaling,
 )
+from models.costs import ParameterCounts, flops_per_token, parameter_counts
 from models.decoder import DecoderBlock, DecoderLM, KVCache
 from models.deepseek_v2 import DeepseekV2Config
 from models.deepseek_v3 import DeepseekV3Config
@@ -63,6 +64,7 @@ __all__ = [
     "MoEConfig",
     "Olmo2Config",
     "OlmoeConfig",
+    "ParameterCounts",
     "Qwen3Config",
     "Qwen3MoeConfig",
     "QwenMoeConfig",
@@ -70,10 +72,12 @@ __all__ = [
     "config_from_table",
     "decode_step",
     "families",
+    "flops_per_token",
     "family_of",
     "generate",
     "load_hf",
     "model_factory",
+    "parameter_counts",
     "prefill",
     "sample_token",
     "save_hf",

@@ -70,7 +70,7 @@ from eqxzoo.optim import OptimizerConfig  # noqa: E402
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh  # noqa: E402
 from eqxzoo.parallel.collectives import collective_traffic  # noqa: E402
 from eqxzoo.train.loss_terms import LossConfig  # noqa: E402
-from eqxzoo.train.report import flops_per_token, measured_matmul_flops, median_seconds  # noqa: E402
+from eqxzoo.train.report import measured_matmul_flops, median_seconds  # noqa: E402
 from eqxzoo.train.settings import StepConfig  # noqa: E402
 from eqxzoo.train.state import abstract_train_state, init_train_state  # noqa: E402
 from eqxzoo.train.step import batch_sharding, make_train_step  # noqa: E402
@@ -183,8 +183,8 @@ def single_device(repeats: int, quick: bool, versus_pytorch: bool = False) -> di
         }
     return {
         "tokens_per_s": tokens_per_s,
-        "model_flops_per_token": flops_per_token(config, seq),
-        "model_flops_per_s": tokens_per_s * flops_per_token(config, seq),
+        "model_flops_per_token": models.flops_per_token(config, seq),
+        "model_flops_per_s": tokens_per_s * models.flops_per_token(config, seq),
         **comparison,
     }
 
@@ -268,9 +268,9 @@ def loader_throughput(repeats: int, quick: bool) -> dict:
 
     import numpy as np
 
-    from eqxzoo.config import load_config, step_config
     from eqxzoo.data import TokenStream, open_split, train_batches
-    from eqxzoo.train.loop import batch_shape, data_directory
+    from eqxzoo.run.config import load_config, step_config
+    from eqxzoo.run.loop import batch_shape, data_directory
 
     quick_overrides = (
         "model.d_model=32",

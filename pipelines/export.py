@@ -79,9 +79,9 @@ def checkpoint_step(checkpoints: Path, step: int | None) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
-    from eqxzoo.config import load_config
     from eqxzoo.errors import ConfigError
-    from eqxzoo.train.rundir import CHECKPOINT_DIR, CONFIG_FILE
+    from eqxzoo.run.config import load_config
+    from eqxzoo.run.rundir import CHECKPOINT_DIR, CONFIG_FILE
 
     if not args.run_dir:
         raise UserError("RUN_DIR is empty (an unset variable?): give a pipelines.run directory")

@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def generate_from_run(args: argparse.Namespace) -> int:
     check_options(args)
-    from eqxzoo.config import load_config
-    from eqxzoo.train.rundir import CHECKPOINT_DIR, CONFIG_FILE
+    from eqxzoo.run.config import load_config
+    from eqxzoo.run.rundir import CHECKPOINT_DIR, CONFIG_FILE
 
     run_dir = Path(args.run_dir)
     config_file = run_dir / CONFIG_FILE
@@ -140,13 +140,13 @@ def generate_from_run(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
 
-    from eqxzoo.config import step_config
     from eqxzoo.data import EOD_TOKEN, load_tokenizer
     from eqxzoo.data.prepare import TOKENIZER_FILE
     from eqxzoo.parallel import MeshConfig, make_mesh
+    from eqxzoo.run.config import step_config
+    from eqxzoo.run.loop import data_directory
     from eqxzoo.train.checkpoint import Checkpointer
     from eqxzoo.train.layout import abstract_checkpoint_state
-    from eqxzoo.train.loop import data_directory
     from eqxzoo.train.memory import memory_available
     from models import generate, model_factory
 

@@ -23,12 +23,12 @@ from rich.status import Status
 from rich.text import Text
 
 from eqxzoo.data.prepare import (
-    DEFAULT_VOCAB_SIZE,
     DataError,
     PrepareOptions,
     PrepareResult,
     prepare_corpus,
 )
+from eqxzoo.data.tokenizer import DEFAULT_VOCAB_SIZE
 from eqxzoo.errors import EXIT_OK, run_command
 from eqxzoo.progress import terminal_console
 

@@ -84,20 +84,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     # Config errors are reported before any JAX work (no backend is started yet).
-    from eqxzoo.config import load_config
+    from eqxzoo.run.config import devices_needed, load_config
 
     config = load_config(args.config, args.overrides)
 
     from eqxzoo.runtime import setup_runtime
 
-    setup_runtime(config)
+    setup_runtime(
+        compilation_cache_dir=config.run.compilation_cache_dir, devices=devices_needed(config)
+    )
 
-    from eqxzoo.train.loop import RunOptions, train
+    from eqxzoo.run.loop import RunOptions, train
 
     run_dir = args.run_dir or Path("runs") / config.run.name
     try:
         if args.dry_run:
-            from eqxzoo.train.plan import dry_run
+            from eqxzoo.run.plan import dry_run
 
             dry_run(config)
             return EXIT_OK

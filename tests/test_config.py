@@ -11,7 +11,9 @@ import jax
 import pytest
 
 import models
-from eqxzoo.config import (
+from eqxzoo.optim import trainable_mask
+from eqxzoo.parallel import MeshConfig, Schedule
+from eqxzoo.run.config import (
     ConfigError,
     RunConfig,
     config_from_dict,
@@ -22,8 +24,6 @@ from eqxzoo.config import (
     mesh_config,
     step_config,
 )
-from eqxzoo.optim import trainable_mask
-from eqxzoo.parallel import MeshConfig, Schedule
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.typed_config import read_toml
 

@@ -11,12 +11,12 @@ import pytest
 from grids import dense_and_one_moe, slow_except
 
 import models
-from eqxzoo.config import config_to_toml, load_config
 from eqxzoo.data import load_tokenizer
 from eqxzoo.data.manifest import TOKENIZER_FILE
 from eqxzoo.data.tokenizer import train_byte_level_bpe
+from eqxzoo.run.config import config_to_toml, load_config
+from eqxzoo.run.rundir import CONFIG_FILE
 from eqxzoo.train import memory
-from eqxzoo.train.rundir import CONFIG_FILE
 from pipelines.generate import main as generate_main
 
 SMALL = {"vocab_size": 97, "d_model": 32, "n_layers": 2, "n_heads": 4, "mlp_dim": 48}

@@ -20,7 +20,8 @@ import jax  # noqa: E402
 import safetensors.numpy  # noqa: E402
 from hf_models import HF_CASES, hf_config, randomize  # noqa: E402
 
-from eqxzoo.config import (  # noqa: E402
+from eqxzoo.parallel import MeshConfig, make_mesh  # noqa: E402
+from eqxzoo.run.config import (  # noqa: E402
     ConfigError,
     DataConfig,
     PipelineConfig,
@@ -30,10 +31,9 @@ from eqxzoo.config import (  # noqa: E402
     config_to_toml,
     step_config,
 )
-from eqxzoo.parallel import MeshConfig, make_mesh  # noqa: E402
+from eqxzoo.run.rundir import CHECKPOINT_DIR, CONFIG_FILE  # noqa: E402
 from eqxzoo.train.checkpoint import Checkpointer  # noqa: E402
 from eqxzoo.train.layout import checkpoint_layout, from_pipeline_layout  # noqa: E402
-from eqxzoo.train.rundir import CHECKPOINT_DIR, CONFIG_FILE  # noqa: E402
 from eqxzoo.train.state import init_train_state_from, train_state_axes  # noqa: E402
 from models import load_hf, model_factory  # noqa: E402
 from models.hf import open_hf  # noqa: E402
@@ -360,7 +360,7 @@ def test_export_refuses_a_family_without_a_hugging_face_architecture(tmp_path: P
 def test_the_dry_run_checks_the_checkpoint_without_reading_its_weights(llama_dir, tmp_path):
     """Every value overwritten with garbage: the dry run, which reads only the headers,
     still plans the run and names the checkpoint."""
-    from eqxzoo.train.plan import dry_run
+    from eqxzoo.run.plan import dry_run
 
     garbled = tmp_path / "garbled"
     shutil.copytree(llama_dir, garbled)

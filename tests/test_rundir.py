@@ -9,13 +9,23 @@ from pathlib import Path
 
 import pytest
 
-from eqxzoo.config import (
+from eqxzoo.run.config import (
     RESUMABLE_KEYS,
     SWITCHED_OFF_BY_ZERO,
     RunConfig,
     config_to_dict,
     document_key,
     load_config,
+)
+from eqxzoo.run.rundir import (
+    NotTheSameRun,
+    RunDirBusy,
+    RunDirLock,
+    changed_keys,
+    check_same_run,
+    is_resumable,
+    prepare_run_dir,
+    refused_changes,
 )
 from eqxzoo.train.checkpoint import STEP_METADATA_FILE
 from eqxzoo.train.memory import (
@@ -25,16 +35,6 @@ from eqxzoo.train.memory import (
     StepMemory,
     check_fits,
     host_memory_available,
-)
-from eqxzoo.train.rundir import (
-    NotTheSameRun,
-    RunDirBusy,
-    RunDirLock,
-    changed_keys,
-    check_same_run,
-    is_resumable,
-    prepare_run_dir,
-    refused_changes,
 )
 from eqxzoo.typed_config import config_leaves, field_role, flatten
 from models.config import RUNTIME_KEYS, DecoderConfig

@@ -10,7 +10,6 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from eqxzoo.config import RunConfig, devices_needed
 from eqxzoo.errors import UserError
 
 # Set by `pipelines.launch` for each local process it starts.
@@ -98,12 +97,13 @@ def join_processes() -> int:
     return distributed.global_state.num_processes  # jax.process_count() would start backends
 
 
-def setup_runtime(config: RunConfig) -> None:
-    """Everything that must happen before the first JAX computation of a run."""
+def setup_runtime(*, compilation_cache_dir: str, devices: int) -> None:
+    """Everything that must happen before the first JAX computation of a run whose mesh
+    spans ``devices`` devices (`eqxzoo.run.config.devices_needed`)."""
     use_memory_minimizing_cpu_flags()
-    enable_compilation_cache(config.run.compilation_cache_dir)
+    enable_compilation_cache(compilation_cache_dir)
     processes = join_processes()
-    needed = devices_needed(config)
+    needed = devices
     if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # Only the CPU client reads this: on accelerators the mesh uses the real devices.
         jax.config.update("jax_num_cpu_devices", max(1, needed // processes))

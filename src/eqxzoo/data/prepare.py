@@ -68,14 +68,12 @@ from eqxzoo.data.sources import (
     stdlib_source_files,
 )
 from eqxzoo.data.tokenizer import (
+    DEFAULT_VOCAB_SIZE,
     EOD_TOKEN,
     MIN_VOCAB_SIZE,
     ensure_eod_token,
     train_byte_level_bpe,
 )
-
-DEFAULT_VOCAB_SIZE = 4096
-
 
 # ----------------------------------------------------------------------------- options
 

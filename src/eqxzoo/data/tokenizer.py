@@ -14,6 +14,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 EOD_TOKEN = "<|endoftext|>"
 # 256 byte symbols plus the end-of-document token: the smallest byte-level vocabulary.
 MIN_VOCAB_SIZE = 257
+# The byte-level BPE trained when nobody names a size (the built-in corpus, pipelines.prepare).
+DEFAULT_VOCAB_SIZE = 4096
 
 
 def train_byte_level_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:

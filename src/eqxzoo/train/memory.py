@@ -25,9 +25,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from eqxzoo.config import RunConfig
 from eqxzoo.errors import UserError
-from eqxzoo.train.checkpoint import SYNC_SAVE_GB, saves_asynchronously
+from eqxzoo.train.checkpoint import SYNC_SAVE_GB
 
 MEMINFO = Path("/proc/meminfo")
 CGROUP_FILES = (  # (limit, usage, stat) of this cgroup: v2, then v1
@@ -201,20 +200,6 @@ def check_fits(checks: list[MemoryCheck], step: StepMemory, *, remat_stages: boo
             f"this plan does not fit: {check}; per device the step takes {step.describe()}; "
             f"{advice} (python -m pipelines.run CONFIG --dry-run shows the plan)"
         )
-
-
-def run_memory_checks(
-    step: StepMemory, config: RunConfig, devices: list[jax.Device]
-) -> list[MemoryCheck]:
-    """`memory_checks` for ``config``'s run on this process's ``devices``."""
-    host_buffers = host_buffer_bytes(
-        step,
-        len(devices),
-        batch_tokens=config.tokens_per_step // jax.process_count(),
-        prefetch=config.data.prefetch,
-        async_save=saves_asynchronously(config.checkpoint.async_save, devices[0].platform),
-    )
-    return memory_checks(step, devices, host_buffers=host_buffers)
 
 
 def host_buffer_bytes(

@@ -1,13 +1,11 @@
-"""What a run reports: parameter counts, FLOPs and MFU, metrics files, progress, loss plot.
+"""What a run reports: peak FLOP/s and MFU, metrics files, progress, loss plot.
 
 Everything here runs on the host on values already fetched from the devices; only process 0
 writes (the loop decides), so none of it ever synchronises the processes.
 """
 
-import dataclasses
 import io
 import json
-import math
 import os
 import statistics
 import sys
@@ -16,15 +14,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 
-from eqxzoo.nn import logical_axes
-from eqxzoo.optim import trainable_mask
 from eqxzoo.progress import terminal_console
-from models import DecoderConfig, DecoderLM
 
 METRICS_FILE = "metrics.jsonl"
 LOSS_PLOT_FILE = "loss.png"
@@ -41,52 +35,6 @@ PEAK_FLOPS = {
     "TPU v5e": 197e12,
     "TPU v4": 275e12,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class ParameterCounts:
-    """``total`` parameters; ``active`` per token (each token uses ``top_k`` of the routed
-    experts); ``embedding`` is the input embedding table (not a matmul)."""
-
-    total: int
-    active: int
-    embedding: int
-
-
-def parameter_counts(config: DecoderConfig) -> ParameterCounts:
-    """Counted from the model's shapes (`jax.eval_shape`: nothing is allocated)."""
-    shapes = eqx.filter_eval_shape(DecoderLM, config, key=jax.random.key(0))
-    # Parameters only: per-layer integer data (sliding windows) and buffers (balancing
-    # biases) are not counted.
-    shapes, _ = eqx.partition(shapes, trainable_mask(shapes))
-    leaves = jax.tree.leaves(shapes)
-    axes = jax.tree.leaves(logical_axes(shapes), is_leaf=lambda a: hasattr(a, "names"))
-    total = sum(math.prod(leaf.shape) for leaf in leaves)
-    routed = sum(
-        math.prod(leaf.shape) for leaf, a in zip(leaves, axes, strict=True) if "experts" in a.names
-    )
-    active = total
-    if config.moe is not None and routed:
-        active = total - routed + routed * config.moe.top_k // config.moe.n_experts
-    embedding = config.vocab_size * config.d_model
-    return ParameterCounts(total=total, active=active, embedding=embedding)
-
-
-def flops_per_token(config: DecoderConfig, seq_len: int) -> float:
-    """Training FLOPs per token: ``6 N`` over the active matmul parameters (the output head
-    included, tied or not; the input embedding lookup excluded) plus ``6 L H (d_qk + d_v) T``
-    for attention scores and values (PaLM's MFU convention, ``12 L H d_head T`` where queries
-    and values have one head size; latent attention's differ)."""
-    counts = parameter_counts(config)
-    head = config.vocab_size * config.d_model if config.tie_embeddings else 0
-    matmul_params = counts.active - counts.embedding + head
-    latent = config.latent_attention
-    if latent is None:
-        qk_dim = v_dim = config.attention_head_dim
-    else:
-        qk_dim, v_dim = latent.qk_nope_head_dim + latent.qk_rope_head_dim, latent.v_head_dim
-    attention = 6 * config.n_layers * config.n_heads * (qk_dim + v_dim) * seq_len
-    return float(6 * matmul_params + attention)
 
 
 def measured_matmul_flops(repeats: int = 10, size: int = 2048) -> float:

@@ -1,8 +1,8 @@
 """What the train step needs besides the model: `StepConfig` (schedule, optimizer, precision,
 loss weights, stage remat, sharding rules) and the `Precision` policy.
 
-The run config (`eqxzoo.config`) declares `Precision` as its ``[precision]`` section and
-derives a `StepConfig` from a run (`eqxzoo.config.step_config`); this module imports nothing
+The run config (`eqxzoo.run.config`) declares `Precision` as its ``[precision]`` section and
+derives a `StepConfig` from a run (`eqxzoo.run.config.step_config`); this module imports nothing
 of the zoo, so the trainer depends on models only through the model contract.
 """
 

@@ -33,8 +33,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from eqxzoo.data.prepare import DEFAULT_VOCAB_SIZE
-from eqxzoo.data.tokenizer import MIN_VOCAB_SIZE
+from eqxzoo.data.tokenizer import DEFAULT_VOCAB_SIZE, MIN_VOCAB_SIZE
 from eqxzoo.optim import OptimizerConfig
 from eqxzoo.parallel.mesh import MeshConfig, MeshError, check_model_fits
 from eqxzoo.parallel.rules import ShardingConfig

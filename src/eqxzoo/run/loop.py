@@ -6,7 +6,7 @@ torch_xla's asynchronous step closures). The loop blocks only where it must: eva
 checkpoint saves (orbax copies the arrays off the devices, then writes in the background)
 and the end of the run.
 
-A run directory holds ``run.lock`` (see `eqxzoo.train.rundir`), ``config.toml`` (the
+A run directory holds ``run.lock`` (see `eqxzoo.run.rundir`), ``config.toml`` (the
 resolved config), ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/``, ``loss.png`` and,
 with ``--profile``, ``profile/``. Before anything is initialised, the run locks its directory,
 checks that a resume is the same run, and compiles the step to check that it fits in memory.
@@ -23,7 +23,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from eqxzoo.config import RunConfig, config_to_dict, step_config
 from eqxzoo.data import (
     BatchShape,
     check_vocab,
@@ -34,6 +33,8 @@ from eqxzoo.data import (
 from eqxzoo.data.prepare import prepare_stdlib_corpus
 from eqxzoo.errors import EXIT_STOPPED, UserError
 from eqxzoo.parallel import make_mesh
+from eqxzoo.run.config import RunConfig, config_to_dict, step_config
+from eqxzoo.run.rundir import CHECKPOINT_DIR, has_checkpoints, prepare_run_dir
 from eqxzoo.runtime import counts_of_every_process, on_every_process
 from eqxzoo.train.checkpoint import Checkpointer, StopSignal, saves_asynchronously
 from eqxzoo.train.layout import (
@@ -42,20 +43,20 @@ from eqxzoo.train.layout import (
     from_checkpoint_layout,
 )
 from eqxzoo.train.memory import (
+    MemoryCheck,
     PlanDoesNotFit,
     StepMemory,
     check_fits,
-    run_memory_checks,
+    host_buffer_bytes,
+    memory_checks,
 )
 from eqxzoo.train.report import (
     LOSS_PLOT_FILE,
     MetricsWriter,
     ProgressBar,
-    flops_per_token,
     peak_flops,
     plot_losses,
 )
-from eqxzoo.train.rundir import CHECKPOINT_DIR, has_checkpoints, prepare_run_dir
 from eqxzoo.train.state import (
     TrainState,
     abstract_train_state,
@@ -64,11 +65,10 @@ from eqxzoo.train.state import (
     train_state_axes,
 )
 from eqxzoo.train.step import batch_sharding, compile_train_step_for, make_eval_step
-from models import model_factory
+from models import flops_per_token, model_factory
 from models.hf import open_hf
 
 PROFILE_DIR = "profile"
-STDLIB = "stdlib"
 
 
 class RunStopped(UserError, RuntimeError):
@@ -99,9 +99,23 @@ class RunSummary:
 
 def data_directory(config: RunConfig) -> Path:
     """The prepared corpus: ``data.path``, or the built-in stdlib corpus prepared on first use."""
-    if config.data.path == STDLIB:
+    if config.data.is_stdlib:
         return prepare_stdlib_corpus(vocab_size=config.data.vocab_size)
     return Path(config.data.path).expanduser()
+
+
+def run_memory_checks(
+    step: StepMemory, config: RunConfig, devices: list[jax.Device]
+) -> list[MemoryCheck]:
+    """`memory_checks` for ``config``'s run on this process's ``devices``."""
+    host_buffers = host_buffer_bytes(
+        step,
+        len(devices),
+        batch_tokens=config.tokens_per_step // jax.process_count(),
+        prefetch=config.data.prefetch,
+        async_save=saves_asynchronously(config.checkpoint.async_save, devices[0].platform),
+    )
+    return memory_checks(step, devices, host_buffers=host_buffers)
 
 
 def batch_shape(config: RunConfig, *, grad_accum: int | None = None) -> BatchShape:
@@ -182,7 +196,7 @@ class _Trainer:
 
     def open_run_dir(self, opened: contextlib.ExitStack) -> None:
         """Process 0 locks the run directory, checks that this config may resume what it
-        holds and writes the config into it (`eqxzoo.train.rundir`); the other processes
+        holds and writes the config into it (`eqxzoo.run.rundir`); the other processes
         follow its verdict."""
         refusal = None
         if self.is_main:

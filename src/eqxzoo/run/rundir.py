@@ -28,7 +28,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from eqxzoo.config import (
+from eqxzoo.errors import ConfigError, UserError
+from eqxzoo.run.config import (
     RESUMABLE_KEYS,
     SWITCHED_OFF_BY_ZERO,
     RunConfig,
@@ -36,7 +37,6 @@ from eqxzoo.config import (
     config_to_dict,
     config_to_toml,
 )
-from eqxzoo.errors import ConfigError, UserError
 from eqxzoo.train.checkpoint import finished_steps
 from eqxzoo.train.report import replace_text
 from eqxzoo.typed_config import flatten, read_toml

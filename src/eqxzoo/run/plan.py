@@ -9,14 +9,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from eqxzoo.config import RunConfig, step_config
 from eqxzoo.parallel import make_mesh
-from eqxzoo.train.loop import batch_shape
-from eqxzoo.train.memory import StepMemory, format_bytes, run_memory_checks
-from eqxzoo.train.report import flops_per_token, parameter_counts
+from eqxzoo.run.config import RunConfig, step_config
+from eqxzoo.run.loop import batch_shape, run_memory_checks
+from eqxzoo.train.memory import StepMemory, format_bytes
 from eqxzoo.train.state import abstract_train_state
 from eqxzoo.train.step import compile_train_step_for
-from models import model_factory
+from models import flops_per_token, model_factory, parameter_counts
 from models.hf import open_hf
 
 

@@ -1,0 +1,70 @@
+"""What a config's model costs: its parameter counts and its training FLOPs per token.
+
+Counted from the family's own model shapes (`jax.eval_shape`: nothing is allocated), so
+every family's options (biases, norms, latent attention, shared experts) count as built.
+The run reports them and its MFU from them; the trainer below knows models only by contract.
+"""
+
+import dataclasses
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from eqxzoo.nn import BUFFER_FIELDS, logical_axes
+from models.config import DecoderConfig
+from models.registry import model_factory
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterCounts:
+    """``total`` parameters; ``active`` per token (each token uses ``top_k`` of the routed
+    experts); ``embedding`` is the input embedding table (not a matmul)."""
+
+    total: int
+    active: int
+    embedding: int
+
+
+def parameter_counts(config: DecoderConfig) -> ParameterCounts:
+    """The parameters of ``config``'s model: its floating arrays, less the buffers a rule
+    moves instead of a gradient (`eqxzoo.nn.BUFFER_FIELDS`) and the per-layer integer data
+    (sliding windows)."""
+    shapes = eqx.filter_eval_shape(model_factory(config), key=jax.random.key(0))
+
+    def is_parameter(path, leaf) -> bool:
+        floating = isinstance(leaf, jax.ShapeDtypeStruct) and jnp.issubdtype(
+            leaf.dtype, jnp.inexact
+        )
+        return floating and not (bool(path) and getattr(path[-1], "name", None) in BUFFER_FIELDS)
+
+    shapes, _ = eqx.partition(shapes, jax.tree_util.tree_map_with_path(is_parameter, shapes))
+    leaves = jax.tree.leaves(shapes)
+    axes = jax.tree.leaves(logical_axes(shapes), is_leaf=lambda a: hasattr(a, "names"))
+    total = sum(math.prod(leaf.shape) for leaf in leaves)
+    routed = sum(
+        math.prod(leaf.shape) for leaf, a in zip(leaves, axes, strict=True) if "experts" in a.names
+    )
+    active = total
+    if config.moe is not None and routed:
+        active = total - routed + routed * config.moe.top_k // config.moe.n_experts
+    embedding = config.vocab_size * config.d_model
+    return ParameterCounts(total=total, active=active, embedding=embedding)
+
+
+def flops_per_token(config: DecoderConfig, seq_len: int) -> float:
+    """Training FLOPs per token: ``6 N`` over the active matmul parameters (the output head
+    included, tied or not; the input embedding lookup excluded) plus ``6 L H (d_qk + d_v) T``
+    for attention scores and values (PaLM's MFU convention, ``12 L H d_head T`` where queries
+    and values have one head size; latent attention's differ)."""
+    counts = parameter_counts(config)
+    head = config.vocab_size * config.d_model if config.tie_embeddings else 0
+    matmul_params = counts.active - counts.embedding + head
+    latent = config.latent_attention
+    if latent is None:
+        qk_dim = v_dim = config.attention_head_dim
+    else:
+        qk_dim, v_dim = latent.qk_nope_head_dim + latent.qk_rope_head_dim, latent.v_head_dim
+    attention = 6 * config.n_layers * config.n_heads * (qk_dim + v_dim) * seq_len
+    return float(6 * matmul_params + attention)
