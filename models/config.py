@@ -20,8 +20,14 @@ from eqxzoo.nn import (
     RoutingMode,
     Scoring,
 )
-from eqxzoo.nn.attention import DEFAULT_BLOCK_SIZE, AttentionKernel, cudnn_supports
-from eqxzoo.nn.moe import check_groups
+from eqxzoo.nn.attention import (
+    DEFAULT_BLOCK_SIZE,
+    AttentionKernel,
+    check_kv_heads,
+    cudnn_supports,
+)
+from eqxzoo.nn.moe import check_groups, check_shared_experts, check_top_k
+from eqxzoo.nn.rope import check_rotary_dim
 from eqxzoo.typed_config import (
     ConfigError,
     architecture_field,
@@ -119,25 +125,15 @@ class MoEConfig:
     def __post_init__(self):
         check_fields(self)
         require_at_least(self, 1, "n_experts", "expert_mlp_dim")
-        if not 1 <= self.top_k <= self.n_experts:
-            refuse("top_k", f"must be between 1 and n_experts={self.n_experts}, got {self.top_k}")
-        if self.shared_mlp_dim < 0:
-            refuse(
-                "shared_mlp_dim", f"must be >= 0 (0: no shared experts), got {self.shared_mlp_dim}"
-            )
-        if self.shared_gate and self.shared_mlp_dim == 0:
-            refuse("shared_gate", "needs shared experts: set shared_mlp_dim > 0")
+        check_top_k(self.n_experts, self.top_k)
+        check_shared_experts(self.shared_mlp_dim, self.shared_gate)
         if self.capacity_factor <= 0:
             refuse("capacity_factor", f"must be > 0, got {self.capacity_factor}")
         if self.routed_scaling <= 0:
             refuse("routed_scaling", f"must be > 0, got {self.routed_scaling}")
         if self.swiglu_limit <= 0:
             refuse("swiglu_limit", f"must be > 0, got {self.swiglu_limit}")
-        try:
-            check_groups(self.n_experts, self.top_k, self.n_groups, self.topk_groups)
-        except ValueError as error:
-            field = "n_groups" if str(error).startswith("n_groups") else "topk_groups"
-            refuse(field, str(error).removeprefix(f"{field} "))
+        check_groups(self.n_experts, self.top_k, self.n_groups, self.topk_groups)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,8 +163,7 @@ class LatentAttentionConfig:
         require_at_least(self, 2, "qk_rope_head_dim")
         if self.q_lora_rank is not None and self.q_lora_rank < 1:
             refuse("q_lora_rank", f"must be >= 1 (or unset), got {self.q_lora_rank}")
-        if self.qk_rope_head_dim % 2:
-            refuse("qk_rope_head_dim", f"must be even, got {self.qk_rope_head_dim}")
+        check_rotary_dim(self.qk_rope_head_dim, "qk_rope_head_dim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,17 +259,14 @@ class DecoderConfig:
             "mlp_dim",
             "attention_block_size",
         )
-        if self.kv_heads < 1:
-            refuse("n_kv_heads", f"must be >= 1, got {self.kv_heads}")
-        if self.n_heads % self.kv_heads != 0:
-            refuse("n_kv_heads", f"must divide n_heads={self.n_heads}, got {self.kv_heads}")
+        check_kv_heads(self.n_heads, self.kv_heads)
         if self.head_dim is None and self.d_model % self.n_heads != 0:
             refuse(
                 "head_dim",
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: set head_dim",
             )
-        if self.positions == "rope" and self.attention_head_dim % 2 != 0:
-            refuse("head_dim", f"must be even for rotary embeddings, got {self.attention_head_dim}")
+        if self.positions == "rope":
+            check_rotary_dim(self.attention_head_dim, "head_dim")
         if self.positions == "learned":
             if self.max_positions < 1:
                 refuse("max_positions", "learned positions need a table: set max_positions >= 1")

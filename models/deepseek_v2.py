@@ -6,7 +6,7 @@ renormalised, and no balancing bias. V2 always stores the rotary columns interle
 import dataclasses
 from typing import Any, ClassVar
 
-from eqxzoo.typed_config import ConfigError, refuse
+from eqxzoo.typed_config import refuse
 from models.config import DecoderConfig, LatentAttentionConfig, MoEConfig
 from models.decoder import DecoderLM
 from models.deepseek_v3 import (
@@ -79,7 +79,7 @@ def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
     fields = latent_to_hf(config, ARCHITECTURE)
     moe = config.moe
     if moe.normalize_topk:
-        raise ConfigError(f"moe.normalize_topk: {ARCHITECTURE} never renormalises; set False")
+        refuse("moe.normalize_topk", f"{ARCHITECTURE} never renormalises; set False")
     grouped = moe.n_groups > 1
     return {
         **fields,

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from eqxzoo.nn import deinterleave_rope_columns, interleave_rope_columns
-from eqxzoo.typed_config import ConfigError, architecture_field, refuse
+from eqxzoo.typed_config import architecture_field, refuse
 from models.config import DecoderConfig, LatentAttentionConfig, MoEConfig
 from models.decoder import DecoderLM
 from models.family import (
@@ -115,16 +115,17 @@ def latent_to_hf(config: DecoderConfig, architecture: str) -> dict[str, Any]:
     fields = common_hf_fields(config, architecture, free=FREE)
     latent = config.latent_attention
     if latent.norm_eps != 1e-6:
-        raise ConfigError(
-            f"latent_attention.norm_eps: {architecture} builds its latent norms with 1e-6, "
-            f"got {latent.norm_eps}"
+        refuse(
+            "latent_attention.norm_eps",
+            f"{architecture} builds its latent norms with 1e-6, got {latent.norm_eps}",
         )
     moe = config.moe
     if moe.shared_mlp_dim % moe.expert_mlp_dim:
-        raise ConfigError(
-            f"moe.shared_mlp_dim: {architecture}'s shared experts are n_shared_experts x "
+        refuse(
+            "moe.shared_mlp_dim",
+            f"{architecture}'s shared experts are n_shared_experts x "
             f"expert_mlp_dim wide; {moe.shared_mlp_dim} is not a multiple of "
-            f"{moe.expert_mlp_dim}"
+            f"{moe.expert_mlp_dim}",
         )
     return {
         **fields,

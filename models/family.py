@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from eqxzoo.typed_config import refuse
 from models.config import RUNTIME_KEYS, ConfigError, DecoderConfig, MoEConfig, RopeScaling
 from models.tensor_files import Sliceable, stack
 
@@ -74,7 +75,7 @@ COMMON_PINNED_KEYS: Mapping[str, Any] = {"attention_dropout": 0.0}
 class HFConfig:
     """A parsed ``config.json``, read with the family's defaults for optional keys.
 
-    ``where`` (the file's path) starts every error message.
+    ``where`` is the file's path, which `models.hf.config_from_hf` puts before every error.
     """
 
     def __init__(self, values: Mapping[str, Any], defaults: Mapping[str, Any], where: str):
@@ -95,7 +96,9 @@ class HFConfig:
         raise self.error(key, "missing: a Hugging Face config must set it")
 
     def error(self, key: str, problem: str) -> ConfigError:
-        return ConfigError(f"{self.where}: {key}: {problem}")
+        """The error about ``key`` of the ``config.json``; `models.hf.read_hf_config` prefixes
+        the file's path (``where``) to every error it raises."""
+        return ConfigError(problem, field=key)
 
 
 @runtime_checkable
@@ -298,9 +301,7 @@ def check_expressible(
             continue
         expected = fixed.get(name, default)
         if value != expected:
-            raise ConfigError(
-                f"{name}: {value!r} has no {architecture} counterpart; use {expected!r}"
-            )
+            refuse(name, f"{value!r} has no {architecture} counterpart; use {expected!r}")
 
 
 def common_fields(
@@ -538,9 +539,10 @@ def common_hf_fields(
     check_expressible(config, architecture, fixed=fixed, free=free | {"activation"})
     activations = {zoo: hf for hf, zoo in GATED_ACTIVATIONS.items()}
     if config.activation not in activations:
-        raise ConfigError(
-            f"activation: {config.activation!r} has no {architecture} counterpart; use "
-            f"{' or '.join(repr(name) for name in activations)}"
+        refuse(
+            "activation",
+            f"{config.activation!r} has no {architecture} counterpart; use "
+            f"{' or '.join(repr(name) for name in activations)}",
         )
     return {
         "vocab_size": config.vocab_size,

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 
 from eqxzoo.nn import Activation
-from eqxzoo.typed_config import ConfigError, refuse
+from eqxzoo.typed_config import refuse
 from models.config import DecoderConfig, NormKind, PositionKind
 from models.decoder import DecoderLM
 from models.family import (
@@ -91,9 +91,10 @@ def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
         None,
         config.d_model // config.n_heads,
     ):
-        raise ConfigError(
-            f"n_kv_heads: {ARCHITECTURE} has as many key/value heads as heads of "
-            "d_model / n_heads features; leave n_kv_heads and head_dim unset"
+        refuse(
+            "n_kv_heads",
+            f"{ARCHITECTURE} has as many key/value heads as heads of "
+            "d_model / n_heads features; leave n_kv_heads and head_dim unset",
         )
     return {
         "vocab_size": config.vocab_size,

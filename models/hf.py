@@ -81,12 +81,10 @@ def config_from_hf(hf_config: Mapping[str, Any], *, where: str = CONFIG_NAME) ->
     """
     mapping = family_for_hf(hf_config, where).hf
     reader = HFConfig(hf_config, mapping.defaults, where)
-    mapping.check_keys(reader)
     try:
+        mapping.check_keys(reader)
         return mapping.config_from_hf(reader)
     except ConfigError as error:
-        if str(error).startswith(f"{where}: "):
-            raise
         raise ConfigError(f"{where}: {error}") from None
 
 

@@ -5,7 +5,7 @@ optional tied embeddings and attention biases."""
 import dataclasses
 from typing import Any, ClassVar
 
-from eqxzoo.typed_config import ConfigError, refuse
+from eqxzoo.typed_config import refuse
 from models.config import DecoderConfig
 from models.decoder import DecoderLM
 from models.family import (
@@ -45,9 +45,9 @@ def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
         config, ARCHITECTURE, free=frozenset({"rope_scaling", "qkv_bias", "attention_out_bias"})
     )
     if config.attention_out_bias and not config.qkv_bias:
-        raise ConfigError(
-            f"attention_out_bias: {ARCHITECTURE} has an output bias only with q/k/v biases; "
-            "set qkv_bias=True"
+        refuse(
+            "attention_out_bias",
+            f"{ARCHITECTURE} has an output bias only with q/k/v biases; set qkv_bias=True",
         )
     return {**fields, "attention_bias": config.qkv_bias, "mlp_bias": False}
 

@@ -5,7 +5,7 @@ window in every layer."""
 import dataclasses
 from typing import Any, ClassVar
 
-from eqxzoo.typed_config import ConfigError, refuse
+from eqxzoo.typed_config import refuse
 from models.config import DecoderConfig, MoEConfig
 from models.decoder import DecoderLM
 from models.family import (
@@ -56,7 +56,7 @@ def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
     fields = common_hf_fields(config, ARCHITECTURE, free=frozenset({"sliding_window"}))
     moe = config.moe
     if not moe.normalize_topk:
-        raise ConfigError(f"moe.normalize_topk: {ARCHITECTURE} always renormalises; set it to True")
+        refuse("moe.normalize_topk", f"{ARCHITECTURE} always renormalises; set it to True")
     return {
         **fields,
         "intermediate_size": moe.expert_mlp_dim,

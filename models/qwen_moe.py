@@ -4,7 +4,7 @@ sigmoid-gated shared expert in every layer."""
 import dataclasses
 from typing import Any, ClassVar
 
-from eqxzoo.typed_config import ConfigError, refuse
+from eqxzoo.typed_config import refuse
 from models.config import DecoderConfig, MoEConfig
 from models.decoder import DecoderLM
 from models.family import (
@@ -79,9 +79,10 @@ def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
     fields = common_hf_fields(config, ARCHITECTURE, free=frozenset({"qkv_bias"}))
     moe = config.moe
     if not (moe.shared_mlp_dim > 0 and moe.shared_gate):
-        raise ConfigError(
-            f"moe.shared_mlp_dim: {ARCHITECTURE} always has a gated shared expert; "
-            "set shared_mlp_dim > 0 and shared_gate=True"
+        refuse(
+            "moe.shared_mlp_dim",
+            f"{ARCHITECTURE} always has a gated shared expert; "
+            "set shared_mlp_dim > 0 and shared_gate=True",
         )
     return {
         **fields,

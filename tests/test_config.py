@@ -11,6 +11,9 @@ import jax
 import pytest
 
 import models
+from eqxzoo.nn.attention import CausalSelfAttention
+from eqxzoo.nn.mla import LatentAttention
+from eqxzoo.nn.moe import MoE, Router
 from eqxzoo.optim import trainable_mask
 from eqxzoo.parallel import MeshConfig, Schedule
 from eqxzoo.run.config import (
@@ -423,3 +426,60 @@ def test_learned_positions_bound_the_sequence_length():
         config_from_dict(document)
     document["data"]["seq_len"] = 128
     assert config_from_dict(document).model.max_positions == 128
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (["model.moe.top_k=9"], "model.moe.top_k"),
+        (["pipeline.microbatches=1"], "pipeline.microbatches"),
+        (["pipeline.schedule=gpipe"], "pipeline.repeats"),
+        (["optimizer.warmup_steps=5000"], "optimizer.warmup_steps"),
+        (["mesh.tp=3"], "mesh.tp"),
+        (["model.n_kv_heads=3"], "model.n_kv_heads"),
+    ],
+)
+def test_errors_carry_the_field_they_are_about(overrides, field):
+    """The key is a property of the error (`UserError.field`), and the message starts with it."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(TINY, overrides)
+    assert refused.value.field == field
+    assert str(refused.value) == f"{field}: {refused.value.problem}"
+
+
+def test_each_rule_has_one_checker_for_the_config_and_the_layers():
+    """The config and `eqxzoo.nn`'s layers refuse the same option with the same error."""
+    key = jax.random.key(0)
+    pairs = [
+        (
+            lambda: models.MoEConfig(n_experts=4, top_k=5),
+            lambda: Router(8, 4, 5, normalize_topk=True, key=key),
+        ),
+        (
+            lambda: models.MoEConfig(shared_gate=True),
+            lambda: MoE(8, 8, 4, 2, shared_gate=True, key=key),
+        ),
+        (
+            lambda: models.LlamaConfig(d_model=64, n_heads=4, n_kv_heads=3),
+            lambda: CausalSelfAttention(64, 4, 3, 16, key=key),
+        ),
+        (
+            lambda: models.LatentAttentionConfig(qk_rope_head_dim=3),
+            lambda: LatentAttention(
+                64,
+                4,
+                q_lora_rank=None,
+                kv_lora_rank=8,
+                qk_nope_head_dim=8,
+                qk_rope_head_dim=3,
+                v_head_dim=8,
+                key=key,
+            ),
+        ),
+    ]
+    for from_config, from_layer in pairs:
+        with pytest.raises(ConfigError) as config_error:
+            from_config()
+        with pytest.raises(ConfigError) as layer_error:
+            from_layer()
+        assert str(config_error.value) == str(layer_error.value)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
+from eqxzoo.errors import ConfigError
 from eqxzoo.nn import (
     MLP,
     Axes,
@@ -211,7 +212,7 @@ def test_rope_scalings():
 
 
 def test_attention_rejects_bad_kv_heads():
-    with pytest.raises(ValueError, match=r"n_heads \(4\) must be a multiple of n_kv_heads \(3\)"):
+    with pytest.raises(ConfigError, match=r"^n_kv_heads: must divide n_heads=4, got 3$"):
         _attention(3)
 
 
@@ -511,7 +512,7 @@ def test_clamped_swiglu_matches_formula():
 
 
 def test_experts_reject_bad_options():
-    with pytest.raises(ValueError, match=r"limit must be > 0, got 0\.0"):
+    with pytest.raises(ConfigError, match=r"^limit: must be > 0, got 0\.0$"):
         Experts(4, 8, 2, activation="clamped_swiglu", limit=0.0, key=jax.random.key(0))
     with pytest.raises((ValueError, TypeError), match="gelu"):  # the type checker may be first
         Experts(4, 8, 2, activation="gelu", key=jax.random.key(0))

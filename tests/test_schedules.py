@@ -3,10 +3,23 @@ was built), the 1F1B family keeps at most the documented number of microbatches 
 and the lockstep model of the step time matches each schedule's closed form."""
 
 import itertools
+import typing
 
+import numpy as np
 import pytest
 
-from eqxzoo.parallel.schedule import BW, IDLE, B, Costs, F, Schedule, ScheduleError, W
+from eqxzoo.parallel.schedule import (
+    BW,
+    IDLE,
+    SCHEDULES,
+    B,
+    Costs,
+    F,
+    Schedule,
+    ScheduleError,
+    ScheduleName,
+    W,
+)
 
 SIZES = [(P, M) for P in (2, 4, 8) for M in (P, 2 * P + 1, 4 * P)]
 NAMES = [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2)]
@@ -135,3 +148,21 @@ def test_forward_only_is_the_forward_schedule_of_the_same_shape():
     gpipe = Schedule("gpipe", 3, 5, 1)
     forward_ticks = (gpipe.actions().action == F).any(axis=1).sum()
     assert forward_ticks == gpipe.ticks == gpipe.table()["active"].shape[0]
+
+
+def test_every_schedule_name_has_one_spec():
+    assert set(typing.get_args(ScheduleName)) == set(SCHEDULES)
+    for name, spec in SCHEDULES.items():
+        assert spec.name == name
+
+
+@pytest.mark.parametrize(("P", "M", "R"), [(1, 1, 1), (2, 3, 1), (4, 4, 1), (2, 5, 3), (4, 4, 2)])
+def test_the_forward_table_is_the_closed_form(P, M, R):
+    """Derived from the stage orders, the forward table puts work item ``r M + m`` on stage
+    ``p`` at tick ``r M + m + p``: ``M R + P - 1`` ticks."""
+    table = Schedule("gpipe" if R == 1 else "circular", P, M, R).table()
+    item = np.arange(M * R + P - 1)[:, None] - np.arange(P)[None, :]
+    active = (item >= 0) & (item < M * R)
+    np.testing.assert_array_equal(table["active"], active)
+    np.testing.assert_array_equal(table["microbatch"], np.where(active, item % M, 0))
+    np.testing.assert_array_equal(table["repeat"], np.where(active, item // M, 0))

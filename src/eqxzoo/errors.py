@@ -20,9 +20,25 @@ EXIT_LOST_PEER = 4
 
 
 class UserError(Exception):
-    """A problem the user can fix; ``str(error)`` is the whole one-line message."""
+    """A problem the user can fix; ``str(error)`` is the whole one-line message.
+
+    ``field`` is the config key (or option) it is about, when it is about one: the message is
+    then ``"field: problem"``. Code that relates an error to a key reads ``field`` (and
+    `under` puts it in its section), never the message's text.
+    """
 
     exit_code: int = EXIT_USAGE
+
+    def __init__(self, problem: str, *, field: str | None = None):
+        super().__init__(f"{field}: {problem}" if field else problem)
+        self.problem = problem
+        self.field = field
+
+    def under(self, section: str, *, note: str = "") -> "UserError":
+        """The same error about ``section.field`` (about ``section`` itself when it names no
+        field), with ``note`` appended to the problem."""
+        field = f"{section}.{self.field}" if self.field else section
+        return type(self)(self.problem + note, field=field)
 
 
 class ConfigError(UserError, ValueError):

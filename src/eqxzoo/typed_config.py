@@ -124,9 +124,9 @@ def keys_with_role(
 
 
 def refuse(key: str, problem: str) -> typing.NoReturn:
-    """Raise ``ConfigError("key: problem")``: the config refuses a value (commands report it
-    through `eqxzoo.errors.run_command`)."""
-    raise ConfigError(f"{key}: {problem}")
+    """Raise ``ConfigError(problem, field=key)`` (``"key: problem"``): the config refuses a
+    value (commands report it through `eqxzoo.errors.run_command`)."""
+    raise ConfigError(problem, field=key)
 
 
 def require_at_least(config: Any, minimum: int | float, *names: str) -> None:
@@ -186,7 +186,7 @@ def build_dataclass(cls: type, table: Any, where: str) -> Any:
     try:
         return cls(**values)
     except ConfigError as error:
-        raise ConfigError(f"{where}.{error}") from None
+        raise error.under(where) from None
 
 
 def _check_value(key: str, value: Any, hint: Any) -> None:

@@ -22,12 +22,21 @@ from eqxzoo.nn.blockwise import blockwise_attend
 from eqxzoo.nn.linear import dense, normal_init
 from eqxzoo.nn.norm import RMSNorm
 from eqxzoo.nn.rope import RopeScaling, apply_rope, rope_amplitude, rope_frequencies
+from eqxzoo.typed_config import refuse
 
 QKNorm = Literal["none", "head", "all_heads"]
 
 
 AttentionKernel = Literal["auto", "blockwise", "dense", "cudnn"]
 DEFAULT_BLOCK_SIZE = 512
+
+
+def check_kv_heads(n_heads: int, n_kv_heads: int) -> None:
+    """Refuse key/value heads that do not split the query heads into equal groups."""
+    if n_kv_heads < 1:
+        refuse("n_kv_heads", f"must be >= 1, got {n_kv_heads}")
+    if n_heads % n_kv_heads != 0:
+        refuse("n_kv_heads", f"must divide n_heads={n_heads}, got {n_kv_heads}")
 
 
 def attend(
@@ -102,7 +111,7 @@ def choose_kernel(
         positions_are_indices=positions_are_indices,
     )
     if requested == "cudnn" and supported is not True:
-        raise ValueError(f"attention kernel 'cudnn' cannot compute this attention: {supported}")
+        refuse("kernel", f"'cudnn' cannot compute this attention: {supported}")
     if requested != "auto":
         return requested
     if platform == "gpu" and supported is True:
@@ -267,10 +276,9 @@ class CausalSelfAttention(AbstractAxesOwner):
         init_std: float = 0.02,
         key: PRNGKeyArray,
     ):
-        if n_heads % n_kv_heads != 0:
-            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        check_kv_heads(n_heads, n_kv_heads)
         if qk_norm not in ("none", "head", "all_heads"):
-            raise ValueError(f"qk_norm must be 'none', 'head' or 'all_heads', got {qk_norm!r}")
+            refuse("qk_norm", f"must be 'none', 'head' or 'all_heads', got {qk_norm!r}")
         kq, kk, kv, ko = jax.random.split(key, 4)
         self.wq = normal_init(kq, (d_model, n_heads, head_dim), init_std)
         self.wk = normal_init(kk, (d_model, n_kv_heads, head_dim), init_std)

@@ -16,6 +16,8 @@ import equinox as eqx
 import jax
 from jaxtyping import PyTree
 
+from eqxzoo.errors import ConfigError
+
 LogicalName = str | None
 
 
@@ -74,10 +76,10 @@ def _axes_at(root, path, leaf) -> Axes:
             own = None
         node = _child(node, entry)
     if own is None:
-        raise ValueError(f"array at {jax.tree_util.keystr(path)} has no logical axes")
+        raise ConfigError(f"array at {jax.tree_util.keystr(path)} has no logical axes")
     names = prefix + tuple(own)
     if hasattr(leaf, "ndim") and leaf.ndim != len(names):
-        raise ValueError(
+        raise ConfigError(
             f"array at {jax.tree_util.keystr(path)} has rank {leaf.ndim} but logical axes {names}"
         )
     return Axes(names)

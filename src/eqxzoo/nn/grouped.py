@@ -38,6 +38,7 @@ from jax import custom_batching
 from jaxtyping import Array, Float, Int
 
 from eqxzoo.nn.varying import cotangent_for, varying_like
+from eqxzoo.typed_config import refuse
 
 Implementation = Literal["auto", "blocks", "ragged_dot"]
 NATIVE_RAGGED_DOT_BACKENDS = ("gpu",)
@@ -57,8 +58,8 @@ def resolve_implementation(implementation: Implementation) -> Literal["blocks", 
         native = jax.default_backend() in NATIVE_RAGGED_DOT_BACKENDS
         return "ragged_dot" if native else "blocks"
     if implementation not in ("blocks", "ragged_dot"):
-        raise ValueError(
-            f"implementation must be 'auto', 'blocks' or 'ragged_dot', got {implementation!r}"
+        refuse(
+            "implementation", f"must be 'auto', 'blocks' or 'ragged_dot', got {implementation!r}"
         )
     return implementation
 

@@ -22,7 +22,14 @@ from eqxzoo.nn.attention import DEFAULT_BLOCK_SIZE, AttentionKernel, attend, wri
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
 from eqxzoo.nn.linear import dense, normal_init
 from eqxzoo.nn.norm import RMSNorm
-from eqxzoo.nn.rope import RopeScaling, apply_rope, rope_amplitude, rope_frequencies, yarn_mscale
+from eqxzoo.nn.rope import (
+    RopeScaling,
+    apply_rope,
+    check_rotary_dim,
+    rope_amplitude,
+    rope_frequencies,
+    yarn_mscale,
+)
 
 
 @runtime_checkable
@@ -124,8 +131,7 @@ class LatentAttention(AbstractAxesOwner):
         init_std: float = 0.02,
         key: PRNGKeyArray,
     ):
-        if qk_rope_head_dim % 2:
-            raise ValueError(f"qk_rope_head_dim must be even, got {qk_rope_head_dim}")
+        check_rotary_dim(qk_rope_head_dim, "qk_rope_head_dim")
         qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         kq, kq_b, kkv_a, kk_b, kv_b, ko = jax.random.split(key, 6)
         if q_lora_rank is None:

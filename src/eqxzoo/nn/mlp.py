@@ -8,6 +8,7 @@ import jax
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqxzoo.nn.linear import Linear
+from eqxzoo.typed_config import refuse
 
 Activation = Literal["swiglu", "geglu", "gelu"]
 
@@ -39,7 +40,7 @@ class MLP(eqx.Module):
         key: PRNGKeyArray,
     ):
         if activation not in (*GATED, "gelu"):
-            raise ValueError(f"activation must be 'swiglu', 'geglu' or 'gelu', got {activation!r}")
+            refuse("activation", f"must be 'swiglu', 'geglu' or 'gelu', got {activation!r}")
         kg, ku, kd = jax.random.split(key, 3)
         linear = dict(use_bias=use_bias, init_std=init_std)
         self.gate = (

@@ -36,6 +36,7 @@ from eqxzoo.nn.grouped import grouped_matmul, padding_fraction, resolve_implemen
 from eqxzoo.nn.linear import Linear, normal_init
 from eqxzoo.nn.mlp import MLP
 from eqxzoo.nn.varying import cotangent_for
+from eqxzoo.typed_config import refuse
 
 RoutingMode = Literal["dropless", "capacity", "dense"]
 Scoring = Literal["softmax", "sigmoid", "softmax_topk"]
@@ -106,13 +107,10 @@ class Router(AbstractAxesOwner):
         init_std: float = 0.02,
         key: PRNGKeyArray,
     ):
-        if not 1 <= top_k <= n_experts:
-            raise ValueError(f"top_k must be in [1, n_experts={n_experts}], got {top_k}")
+        check_top_k(n_experts, top_k)
         check_groups(n_experts, top_k, n_groups, topk_groups)
         if scoring not in ("softmax", "sigmoid", "softmax_topk"):
-            raise ValueError(
-                f"scoring must be 'softmax', 'sigmoid' or 'softmax_topk', got {scoring!r}"
-            )
+            refuse("scoring", f"must be 'softmax', 'sigmoid' or 'softmax_topk', got {scoring!r}")
         self.weight = normal_init(key, (d_model, n_experts), init_std)
         self.bias = jnp.zeros((n_experts,)) if bias else None
         self.selection_bias = jnp.zeros((n_experts,)) if selection_bias else None
@@ -169,18 +167,33 @@ class Router(AbstractAxesOwner):
         return jnp.where(in_chosen[:, :, None], grouped, -jnp.inf).reshape(n_tokens, n_experts)
 
 
+def check_top_k(n_experts: int, top_k: int) -> None:
+    """Refuse a ``top_k`` outside ``[1, n_experts]`` (`ConfigError` about ``top_k``)."""
+    if not 1 <= top_k <= n_experts:
+        refuse("top_k", f"must be between 1 and n_experts={n_experts}, got {top_k}")
+
+
 def check_groups(n_experts: int, top_k: int, n_groups: int, topk_groups: int) -> None:
     """Refuse expert groups that do not split the experts evenly or leave fewer than
     ``top_k`` experts (or, scored by their best two, groups of one) to choose from."""
     if n_groups < 1 or n_experts % n_groups != 0:
-        raise ValueError(f"n_groups must divide n_experts={n_experts}, got {n_groups}")
+        refuse("n_groups", f"must divide n_experts={n_experts}, got {n_groups}")
     if not 1 <= topk_groups <= n_groups:
-        raise ValueError(f"topk_groups must be in [1, n_groups={n_groups}], got {topk_groups}")
+        refuse("topk_groups", f"must be in [1, n_groups={n_groups}], got {topk_groups}")
     if n_groups > 1 and topk_groups * (n_experts // n_groups) < top_k:
-        raise ValueError(
-            f"topk_groups={topk_groups} groups of {n_experts // n_groups} experts leave fewer "
-            f"than top_k={top_k} experts to choose from"
+        refuse(
+            "topk_groups",
+            f"{topk_groups} groups of {n_experts // n_groups} experts leave fewer than "
+            f"top_k={top_k} experts to choose from",
         )
+
+
+def check_shared_experts(shared_mlp_dim: int, shared_gate: bool) -> None:
+    """Refuse a negative shared-expert width, or a gate with no shared experts to gate."""
+    if shared_mlp_dim < 0:
+        refuse("shared_mlp_dim", f"must be >= 0 (0: no shared experts), got {shared_mlp_dim}")
+    if shared_gate and shared_mlp_dim == 0:
+        refuse("shared_gate", "needs shared experts: set shared_mlp_dim > 0")
 
 
 # Router arrays the trainer moves by a rule after each step, never by the optimizer.
@@ -235,9 +248,9 @@ class Experts(AbstractAxesOwner):
         key: PRNGKeyArray,
     ):
         if activation not in ("swiglu", "clamped_swiglu"):
-            raise ValueError(f"activation must be 'swiglu' or 'clamped_swiglu', got {activation!r}")
+            refuse("activation", f"must be 'swiglu' or 'clamped_swiglu', got {activation!r}")
         if limit <= 0:
-            raise ValueError(f"limit must be > 0, got {limit}")
+            refuse("limit", f"must be > 0, got {limit}")
         kg, ku, kd = jax.random.split(key, 3)
         self.gate = normal_init(kg, (n_experts, d_model, hidden_dim), init_std)
         self.up = normal_init(ku, (n_experts, d_model, hidden_dim), init_std)
@@ -474,11 +487,10 @@ class MoE(eqx.Module):
         key: PRNGKeyArray,
     ):
         if routing_mode not in ("dropless", "capacity", "dense"):
-            raise ValueError(
-                f"routing_mode must be 'dropless', 'capacity' or 'dense', got {routing_mode!r}"
+            refuse(
+                "routing_mode", f"must be 'dropless', 'capacity' or 'dense', got {routing_mode!r}"
             )
-        if shared_gate and shared_mlp_dim == 0:
-            raise ValueError("shared_gate needs shared experts: set shared_mlp_dim > 0")
+        check_shared_experts(shared_mlp_dim, shared_gate)
         kr, ke, ks, kg = jax.random.split(key, 4)
         self.router = Router(
             d_model,

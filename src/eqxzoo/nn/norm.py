@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
+from eqxzoo.typed_config import refuse
 
 
 class RMSNorm(AbstractAxesOwner):
@@ -35,7 +36,7 @@ class RMSNorm(AbstractAxesOwner):
     ):
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         if len(axis_names) != len(shape):
-            raise ValueError(f"axis_names {axis_names} do not name the axes of shape {shape}")
+            refuse("axis_names", f"{axis_names} do not name the axes of shape {shape}")
         self.weight = jnp.full(shape, 1.0 - weight_offset)
         self.eps = eps
         self.weight_offset = weight_offset

@@ -17,6 +17,13 @@ from eqxzoo.typed_config import check_fields, refuse
 RopeScalingKind = Literal["linear", "dynamic", "llama3", "yarn"]
 
 
+def check_rotary_dim(dim: int, field: str) -> None:
+    """Refuse an odd number of rotated features (rotary embeddings turn pairs); ``field``
+    names the option that sets it."""
+    if dim % 2:
+        refuse(field, f"must be even for rotary embeddings, got {dim}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """How a model stretches its rotary frequencies beyond the context it was trained at.

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
+from eqxzoo.typed_config import refuse
 
 RematPolicy = Literal["none", "full", "dots"]
 
@@ -23,7 +24,7 @@ def remat(fn: Callable, policy: RematPolicy) -> Callable:
     if policy == "none":
         return fn
     if policy not in _REMAT_POLICIES:
-        raise ValueError(f"remat policy must be one of none, full, dots; got {policy!r}")
+        refuse("remat_policy", f"must be one of none, full, dots; got {policy!r}")
     return jax.checkpoint(fn, policy=_REMAT_POLICIES[policy])
 
 

@@ -10,9 +10,10 @@ import jax
 from jaxtyping import Array
 
 
-def varying_axes(value: Array) -> frozenset[str]:
-    """The manual mesh axes ``value`` varies over (empty outside `jax.shard_map`)."""
-    aval = jax.typeof(value)
+def varying_axes(value: Array | jax.ShapeDtypeStruct) -> frozenset[str]:
+    """The manual mesh axes ``value`` (an array, or the shape of one) varies over (empty
+    outside `jax.shard_map`): the one answer every manual region here asks for."""
+    aval = value if isinstance(value, jax.ShapeDtypeStruct) else jax.typeof(value)
     manual = getattr(aval, "manual_axis_type", None)
     varying = manual.varying if manual is not None else getattr(aval, "vma", None)
     return frozenset(varying or ())

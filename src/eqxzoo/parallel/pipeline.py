@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, PyTree
 
 from eqxzoo.nn import Axes, apply_layers
 from eqxzoo.nn.stack import RematPolicy
+from eqxzoo.nn.varying import varying_axes
 from eqxzoo.parallel.rules import (
     DEFAULT_RULES,
     MeshAxes,
@@ -228,10 +229,6 @@ def _varying_over_pp(tree: PyTree, manual: bool = True) -> PyTree:
         return tree
 
     def cast(x):
-        aval = jax.typeof(x)
-        varying = getattr(aval, "vma", None)
-        if varying is None:
-            varying = aval.manual_axis_type.varying
-        return x if "pp" in varying else jax.lax.pcast(x, ("pp",), to="varying")
+        return x if "pp" in varying_axes(x) else jax.lax.pcast(x, ("pp",), to="varying")
 
     return jax.tree.map(cast, tree)

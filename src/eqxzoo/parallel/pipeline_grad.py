@@ -26,6 +26,7 @@ this is differentiated by autodiff: `pipeline_value_and_grad` returns values and
 """
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -35,6 +36,7 @@ from jaxtyping import Array, Float, Int, PyTree
 
 from eqxzoo.nn import Axes, apply_layers, logical_axes
 from eqxzoo.nn.stack import RematPolicy
+from eqxzoo.nn.varying import varying_axes
 from eqxzoo.parallel.pipeline import _varying_over_pp
 from eqxzoo.parallel.rules import (
     DEFAULT_RULES,
@@ -193,19 +195,31 @@ def pipeline_value_and_grad(
             )
             return pullback, cotangent
 
-        def tick(carry, tick_inputs):
-            """One tick of every stage; ``carry`` holds what arrived from the neighbours
-            (``received``, ``received_grad``), the stash (``inputs``, ``grads``,
-            ``residuals``: one slot per item in flight) and the sums (``layer_grads``,
-            ``outer_grads``, ``loss``, ``aux``)."""
+        def nothing() -> TickResult:
+            zeros = jnp.zeros(h_shape.shape, h_shape.dtype)
+            return TickResult(
+                send=zeros,
+                send_back=zeros,
+                input=zeros,
+                grad=zeros,
+                write_grad=jnp.zeros((), bool),
+                residuals=varying(zeros_like(residual_shapes)),
+                d_layers=zeros_like(one_repeat_shapes),
+                d_outer=zeros_like(outer_params),
+                loss=jnp.zeros(loss_shape, jnp.float32),
+                aux=zeros_like(aux_shapes),
+            )
+
+        def tick(carry: TickCarry, tick_inputs) -> tuple[TickCarry, None]:
+            """One tick of every stage: the action the table names, then the exchange with
+            the neighbouring stages."""
             t, tokens_m, targets_m = tick_inputs
-            carry = dict(carry)
-            inputs, grads, residuals = carry["inputs"], carry["grads"], carry["residuals"]
+            inputs, grads, residuals = carry.inputs, carry.grads, carry.residuals
             row = {name: column[t, stage] for name, column in columns.items()}
             kind, r, slot = row["action"], row["repeat"], row["slot"]
             # What the neighbours sent at the tick before lands in the slot the table names.
-            inputs = _write(inputs, row["arrive_input"], carry["received"].astype(h_shape.dtype))
-            grads = _write(grads, row["arrive_grad"], carry["received_grad"].astype(h_shape.dtype))
+            inputs = _write(inputs, row["arrive_input"], carry.received.astype(h_shape.dtype))
+            grads = _write(grads, row["arrive_grad"], carry.received_grad.astype(h_shape.dtype))
             weights, data = jax.tree.map(lambda p: p[r], (layer_params, layer_data))
             is_first = (stage == 0) & (r == 0)
             is_last = (stage == last_stage) & (r == n_repeats - 1)
@@ -218,13 +232,11 @@ def pipeline_value_and_grad(
                     lambda: inputs[slot],
                 )
 
-            def idle():
-                result = _nothing()
-                result["send"] = jnp.full(h_shape.shape, bubble_fill, h_shape.dtype)
-                result["send_back"] = jnp.full(h_shape.shape, bubble_fill, h_shape.dtype)
-                return varying(result)
+            def idle() -> TickResult:
+                fill = jnp.full(h_shape.shape, bubble_fill, h_shape.dtype)
+                return varying(nothing()._replace(send=fill, send_back=fill))
 
-            def forward():
+            def forward() -> TickResult:
                 h_in = stage_input()
                 if remat_stages:
                     (h_out, aux), new_residuals = stage_fn(weights, data, h_in), stashed_residuals
@@ -251,11 +263,9 @@ def pipeline_value_and_grad(
                     )
 
                 loss, d_outer, d_h = jax.lax.cond(is_last, head, no_head)
-                result = _nothing()
-                result.update(
+                result = nothing()._replace(
                     send=h_out,
                     input=h_in,
-                    write_input=True,
                     grad=d_h,
                     write_grad=is_last,
                     residuals=new_residuals,
@@ -266,39 +276,24 @@ def pipeline_value_and_grad(
                 return varying(result)
 
             def backward(weight_grad: bool, input_grad: bool):
-                def run():
+                def run() -> TickResult:
                     pullback, cotangent = vjp_of_stage(
                         weights, data, inputs[slot], grads[slot], stashed_residuals
                     )
                     d_weights, d_h = pullback(cotangent)
-                    result = _nothing()
+                    result = nothing()
                     if weight_grad:
-                        result["d_layers"] = to_float32(d_weights)
+                        result = result._replace(d_layers=to_float32(d_weights))
                     if input_grad:
                         d_outer = jax.lax.cond(
                             is_first,
                             lambda: varying(embedding_grads(tokens_m, d_h)),
                             lambda: varying(zeros_like(outer_params)),
                         )
-                        result.update(send_back=d_h, d_outer=d_outer)
+                        result = result._replace(send_back=d_h, d_outer=d_outer)
                     return varying(result)
 
                 return run
-
-            def _nothing():
-                return {
-                    "send": jnp.zeros(h_shape.shape, h_shape.dtype),
-                    "send_back": jnp.zeros(h_shape.shape, h_shape.dtype),
-                    "input": jnp.zeros(h_shape.shape, h_shape.dtype),
-                    "write_input": jnp.zeros((), bool),
-                    "grad": jnp.zeros(h_shape.shape, h_shape.dtype),
-                    "write_grad": jnp.zeros((), bool),
-                    "residuals": varying(zeros_like(residual_shapes)),
-                    "d_layers": zeros_like(one_repeat_shapes),
-                    "d_outer": zeros_like(outer_params),
-                    "loss": jnp.zeros(loss_shape, jnp.float32),
-                    "aux": zeros_like(aux_shapes),
-                }
 
             branches = {
                 IDLE: idle,
@@ -308,59 +303,56 @@ def pipeline_value_and_grad(
                 BW: backward(weight_grad=True, input_grad=True),
             }
             result = jax.lax.switch(kind, [branches[action] for action in sorted(branches)])
-            is_forward = kind == F
-            carry["inputs"] = _write(inputs, jnp.where(is_forward, slot, -1), result["input"])
-            carry["grads"] = _write(
-                grads, jnp.where(result["write_grad"], slot, -1), result["grad"]
-            )
-            carry["residuals"] = jax.tree.map(
-                lambda buffer, value: _write(buffer, jnp.where(is_forward, slot, -1), value),
-                residuals,
-                result["residuals"],
-            )
-            carry["layer_grads"] = jax.tree.map(
-                lambda acc, d: acc.at[r].add(d.astype(acc.dtype)),
-                carry["layer_grads"],
-                result["d_layers"],
-            )
-            carry["outer_grads"] = jax.tree.map(
-                lambda acc, d: acc + d.astype(acc.dtype), carry["outer_grads"], result["d_outer"]
-            )
-            carry["loss"] = carry["loss"] + result["loss"]
-            carry["aux"] = jax.tree.map(
-                lambda acc, v: acc.at[r].add(v), carry["aux"], result["aux"]
-            )
+            forward_slot = jnp.where(kind == F, slot, -1)
             # Across stages in float32: XLA:CPU fails to compile bfloat16 collectives.
-            send = result["send"].astype(transport_dtype)
-            send_back = result["send_back"].astype(transport_dtype)
+            send = result.send.astype(transport_dtype)
+            send_back = result.send_back.astype(transport_dtype)
             if manual:
                 send = jax.lax.ppermute(send, "pp", forward_shift)
                 send_back = jax.lax.ppermute(send_back, "pp", backward_shift)
-            carry["received"], carry["received_grad"] = send, send_back
+            carry = TickCarry(
+                received=send,
+                received_grad=send_back,
+                inputs=_write(inputs, forward_slot, result.input),
+                grads=_write(grads, jnp.where(result.write_grad, slot, -1), result.grad),
+                residuals=jax.tree.map(
+                    lambda buffer, value: _write(buffer, forward_slot, value),
+                    residuals,
+                    result.residuals,
+                ),
+                layer_grads=jax.tree.map(
+                    lambda acc, d: acc.at[r].add(d.astype(acc.dtype)),
+                    carry.layer_grads,
+                    result.d_layers,
+                ),
+                outer_grads=jax.tree.map(
+                    lambda acc, d: acc + d.astype(acc.dtype), carry.outer_grads, result.d_outer
+                ),
+                loss=carry.loss + result.loss,
+                aux=jax.tree.map(lambda acc, v: acc.at[r].add(v), carry.aux, result.aux),
+            )
             return carry, None
 
         slot_buffer = jnp.zeros((n_slots, *h_shape.shape), h_shape.dtype)
         init = varying(
-            {
-                "received": jnp.zeros(h_shape.shape, transport_dtype),
-                "received_grad": jnp.zeros(h_shape.shape, transport_dtype),
-                "inputs": slot_buffer,
-                "grads": slot_buffer,
-                "residuals": jax.tree.map(
+            TickCarry(
+                received=jnp.zeros(h_shape.shape, transport_dtype),
+                received_grad=jnp.zeros(h_shape.shape, transport_dtype),
+                inputs=slot_buffer,
+                grads=slot_buffer,
+                residuals=jax.tree.map(
                     lambda s: jnp.zeros((n_slots, *s.shape), s.dtype), residual_shapes
                 ),
-                "layer_grads": to_float32(jax.tree.map(jnp.zeros_like, layer_params)),
-                "outer_grads": to_float32(jax.tree.map(jnp.zeros_like, outer_params)),
-                "loss": jnp.zeros(loss_shape, jnp.float32),
-                "aux": jax.tree.map(
-                    lambda s: jnp.zeros((n_repeats, *s.shape), s.dtype), aux_shapes
-                ),
-            }
+                layer_grads=to_float32(jax.tree.map(jnp.zeros_like, layer_params)),
+                outer_grads=to_float32(jax.tree.map(jnp.zeros_like, outer_params)),
+                loss=jnp.zeros(loss_shape, jnp.float32),
+                aux=jax.tree.map(lambda s: jnp.zeros((n_repeats, *s.shape), s.dtype), aux_shapes),
+            )
         )
         ticks = (jnp.arange(table.ticks), tick_tokens[:, 0], tick_targets[:, 0])
         sums, _ = jax.lax.scan(tick, init, ticks)
-        layer_grads = jax.tree.map(lambda g: g[:, None], sums["layer_grads"])
-        stacked = jax.tree.map(lambda v: v[None], (sums["outer_grads"], sums["loss"], sums["aux"]))
+        layer_grads = jax.tree.map(lambda g: g[:, None], sums.layer_grads)
+        stacked = jax.tree.map(lambda v: v[None], (sums.outer_grads, sums.loss, sums.aux))
         return layer_grads, *stacked
 
     stage_spec = jax.tree.map(
@@ -408,14 +400,46 @@ def pipeline_value_and_grad(
     return loss_sums.sum(axis=0), layer_aux, layer_grads, outer_grads
 
 
+class TickResult(NamedTuple):
+    """What one stage's action produces in one tick (zeros for what it does not): the
+    activation it sends on (``send``) and the cotangent it sends back (``send_back``); the
+    stage input and output cotangent it stashes (``input``, and ``grad`` when ``write_grad``)
+    with the residuals of its pullback (``residuals``, without stage remat); its share of
+    the weight gradient of the repeat it ran (``d_layers``), of the outer parameters
+    (``d_outer``), of the loss's parts (``loss``) and the layers' aux values (``aux``)."""
+
+    send: Array
+    send_back: Array
+    input: Array
+    grad: Array
+    write_grad: Array
+    residuals: list[Array]
+    d_layers: PyTree
+    d_outer: PyTree
+    loss: Array
+    aux: dict[str, Array]
+
+
+class TickCarry(NamedTuple):
+    """What a stage carries from tick to tick: what arrived from its neighbours
+    (``received``, ``received_grad``), its stash (``inputs``, ``grads``, ``residuals``: one
+    slot per item in flight) and its sums (``layer_grads`` per repeat, ``outer_grads``,
+    ``loss``, ``aux`` per repeat)."""
+
+    received: Array
+    received_grad: Array
+    inputs: Array
+    grads: Array
+    residuals: list[Array]
+    layer_grads: PyTree
+    outer_grads: PyTree
+    loss: Array
+    aux: dict[str, Array]
+
+
 def _varies(value) -> bool:
     """Whether ``value`` (an array or a shape struct) varies over ``pp`` inside the pipeline."""
-    kind = value if isinstance(value, jax.ShapeDtypeStruct) else jax.typeof(value)
-    axes = getattr(kind, "vma", None)
-    if axes is None:
-        manual = getattr(kind, "manual_axis_type", None)
-        axes = () if manual is None else manual.varying
-    return "pp" in axes
+    return "pp" in varying_axes(value)
 
 
 def _write(buffer: Array, slot: Array, value: Array) -> Array:

@@ -37,6 +37,7 @@ model: a tick costs its slowest stage's action (F = 1, B = W = 1, BW = 2, per ch
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -45,7 +46,6 @@ from eqxzoo.errors import UserError
 from eqxzoo.typed_config import check_fields
 
 ScheduleName = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1"]
-FORWARD_SCHEDULES = ("gpipe", "circular")
 
 IDLE, F, B, W, BW = 0, 1, 2, 3, 4
 ACTION_NAMES = {IDLE: "idle", F: "F", B: "B", W: "W", BW: "BW"}
@@ -101,32 +101,16 @@ class Schedule:
                 f"stages, microbatches and repeats must be >= 1, got "
                 f"{self.stages}, {self.microbatches}, {self.repeats}"
             )
-        if self.name in ("gpipe", "1f1b", "zb_h1") and self.repeats != 1:
-            other = "circular" if self.name == "gpipe" else "interleaved_1f1b"
-            raise ScheduleError(
-                f"the {self.name} schedule has one repeat per stage, got "
-                f"repeats={self.repeats}: use schedule '{other}' for repeats > 1"
-            )
-        if self.name == "circular" and self.repeats > 1 and self.microbatches < self.stages:
-            raise ScheduleError(
-                f"the circular schedule needs microbatches >= stages, got "
-                f"microbatches={self.microbatches} < stages={self.stages}"
-            )
-        if self.name == "interleaved_1f1b" and self.repeats == 1:
-            raise ScheduleError(
-                "the interleaved_1f1b schedule interleaves repeats > 1 over the stages, got "
-                "repeats=1: use schedule '1f1b' for one repeat"
-            )
-        if self.name == "interleaved_1f1b" and self.microbatches < self.stages:
-            raise ScheduleError(
-                f"the interleaved_1f1b schedule needs microbatches >= stages, got "
-                f"microbatches={self.microbatches} < stages={self.stages}"
-            )
+        self.spec.check(self)
+
+    @property
+    def spec(self) -> "ScheduleSpec":
+        return SCHEDULES[self.name]
 
     @property
     def fuses_backward(self) -> bool:
         """Whether the schedule runs the backward itself (the 1F1B family)."""
-        return self.name not in FORWARD_SCHEDULES
+        return self.spec.fuses_backward
 
     @property
     def forward_only(self) -> "Schedule":
@@ -146,20 +130,19 @@ class Schedule:
 
     def table(self) -> dict[str, np.ndarray]:
         """The forward table of ``gpipe``/``circular``: ``active``, ``microbatch`` and
-        ``repeat``, each of shape ``(ticks, stages)``.
+        ``repeat``, each of shape ``(ticks, stages)``: the forward half of the action table
+        its stage orders give (item ``r M + m`` on stage ``p`` at tick ``r M + m + p``).
 
         Inactive (bubble) entries have microbatch and repeat 0; executors must skip them.
         """
         assert not self.fuses_backward, self.name
-        tick = np.arange(self.ticks)[:, None]
-        stage = np.arange(self.stages)[None, :]
-        item = tick - stage
-        active = (item >= 0) & (item < self.microbatches * self.repeats)
-        item = np.where(active, item, 0)
+        forward = slice(0, self.ticks)
+        actions = self.actions()
+        active = actions.action[forward] == F
         return {
             "active": active,
-            "microbatch": (item % self.microbatches).astype(np.int32),
-            "repeat": (item // self.microbatches).astype(np.int32),
+            "microbatch": np.where(active, actions.microbatch[forward], 0),
+            "repeat": np.where(active, actions.repeat[forward], 0),
         }
 
     def actions(self) -> ActionTable:
@@ -192,31 +175,105 @@ class Schedule:
 def stage_orders(schedule: Schedule) -> list[list[tuple[int, int, int]]]:
     """Each stage's actions ``(kind, microbatch, repeat)`` in the order it runs them."""
     P, M, R = schedule.stages, schedule.microbatches, schedule.repeats
-    name = schedule.name
-    if name in FORWARD_SCHEDULES:
-        forward = [(F, m, r) for r in range(R) for m in range(M)]
-        backward = [(BW, m, r) for r in reversed(range(R)) for m in reversed(range(M))]
-        return [forward + backward for _ in range(P)]
-    orders = []
-    for stage in range(P):
-        if name == "interleaved_1f1b":
-            groups = [range(start, min(start + P, M)) for start in range(0, M, P)]
-            forward = [(F, m, r) for group in groups for r in range(R) for m in group]
-            backward = [(BW, m, r) for group in groups for r in reversed(range(R)) for m in group]
-            warmup = min(2 * (P - 1 - stage) + (R - 1) * P, M * R)
-        else:
-            forward = [(F, m, 0) for m in range(M)]
-            backward = [(BW, m, 0) for m in range(M)]
-            warmup = min(P - 1 - stage, M)
-        order = forward[:warmup]
-        for index, item in enumerate(backward):
-            if warmup + index < len(forward):
-                order.append(forward[warmup + index])
-            order.append(item)
-        if name == "zb_h1":
-            order = _split_and_defer_weight_grads(order, delay=stage)
-        orders.append(order)
-    return orders
+    return [schedule.spec.stage_order(P, M, R, stage) for stage in range(P)]
+
+
+Action = tuple[int, int, int]  # (kind, microbatch, repeat)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleSpec:
+    """One schedule: its ``name``; whether the 1F1B-family executor runs it
+    (``fuses_backward``; else its forward table is differentiated by autodiff); ``check``,
+    which refuses the (stages, microbatches, repeats) it cannot run with a `ScheduleError`;
+    and ``stage_order(P, M, R, stage)``, the stage's actions in the order it runs them, from
+    which the action table (and a forward schedule's forward table) is built."""
+
+    name: str
+    fuses_backward: bool
+    check: Callable[[Schedule], None]
+    stage_order: Callable[[int, int, int, int], list[Action]]
+
+
+def _one_repeat(schedule: Schedule) -> None:
+    if schedule.repeats != 1:
+        other = "circular" if schedule.name == "gpipe" else "interleaved_1f1b"
+        raise ScheduleError(
+            f"the {schedule.name} schedule has one repeat per stage, got "
+            f"repeats={schedule.repeats}: use schedule '{other}' for repeats > 1",
+            field="repeats",
+        )
+
+
+def _microbatches_cover_stages(schedule: Schedule) -> None:
+    if schedule.microbatches < schedule.stages:
+        raise ScheduleError(
+            f"the {schedule.name} schedule needs microbatches >= stages, got "
+            f"microbatches={schedule.microbatches} < stages={schedule.stages}",
+            field="microbatches",
+        )
+
+
+def _check_circular(schedule: Schedule) -> None:
+    if schedule.repeats > 1:
+        _microbatches_cover_stages(schedule)
+
+
+def _check_interleaved(schedule: Schedule) -> None:
+    if schedule.repeats == 1:
+        raise ScheduleError(
+            "the interleaved_1f1b schedule interleaves repeats > 1 over the stages, got "
+            "repeats=1: use schedule '1f1b' for one repeat",
+            field="repeats",
+        )
+    _microbatches_cover_stages(schedule)
+
+
+def _forward_then_backward(P: int, M: int, R: int, stage: int) -> list[Action]:
+    """GPipe and circular: every forward, then autodiff's mirror image of them."""
+    forward = [(F, m, r) for r in range(R) for m in range(M)]
+    backward = [(BW, m, r) for r in reversed(range(R)) for m in reversed(range(M))]
+    return forward + backward
+
+
+def _alternate(forward: list[Action], backward: list[Action], warmup: int) -> list[Action]:
+    """``warmup`` forwards, then one forward and one backward at a time, then the rest."""
+    order = forward[:warmup]
+    for index, item in enumerate(backward):
+        if warmup + index < len(forward):
+            order.append(forward[warmup + index])
+        order.append(item)
+    return order
+
+
+def _one_f_one_b(P: int, M: int, R: int, stage: int) -> list[Action]:
+    forward = [(F, m, 0) for m in range(M)]
+    backward = [(BW, m, 0) for m in range(M)]
+    return _alternate(forward, backward, warmup=min(P - 1 - stage, M))
+
+
+def _interleaved_one_f_one_b(P: int, M: int, R: int, stage: int) -> list[Action]:
+    """Megatron's order: forwards through the chunks in groups of ``P`` microbatches."""
+    groups = [range(start, min(start + P, M)) for start in range(0, M, P)]
+    forward = [(F, m, r) for group in groups for r in range(R) for m in group]
+    backward = [(BW, m, r) for group in groups for r in reversed(range(R)) for m in group]
+    return _alternate(forward, backward, warmup=min(2 * (P - 1 - stage) + (R - 1) * P, M * R))
+
+
+def _zero_bubble_h1(P: int, M: int, R: int, stage: int) -> list[Action]:
+    return _split_and_defer_weight_grads(_one_f_one_b(P, M, R, stage), delay=stage)
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    spec.name: spec
+    for spec in (
+        ScheduleSpec("gpipe", False, _one_repeat, _forward_then_backward),
+        ScheduleSpec("circular", False, _check_circular, _forward_then_backward),
+        ScheduleSpec("1f1b", True, _one_repeat, _one_f_one_b),
+        ScheduleSpec("interleaved_1f1b", True, _check_interleaved, _interleaved_one_f_one_b),
+        ScheduleSpec("zb_h1", True, _one_repeat, _zero_bubble_h1),
+    )
+}
 
 
 def _split_and_defer_weight_grads(order, delay: int):

@@ -245,12 +245,10 @@ class RunConfig:
         except ScheduleError as error:
             # PipelineConfig already checked the name and the sizes: what is left is a
             # repeats the schedule does not take, or too few microbatches for the stages.
-            if "repeat" in str(error):
-                raise ConfigError(f"pipeline.repeats: {error}") from None
-            raise ConfigError(
-                f"pipeline.microbatches: {error} (stages = mesh.pp): raise pipeline.microbatches "
-                "or lower mesh.pp"
-            ) from None
+            note = ""
+            if error.field == "microbatches":
+                note = " (stages = mesh.pp): raise pipeline.microbatches or lower mesh.pp"
+            raise ConfigError(error.problem + note, field=f"pipeline.{error.field}") from None
 
     def _check_model_fits_mesh(self) -> None:
         model, mesh = self.model, self.mesh
@@ -284,7 +282,7 @@ class RunConfig:
                     repeats=self.pipeline.repeats,
                 )
             except MeshError as error:
-                raise ConfigError(f"{key}: {error}; {fix}") from None
+                raise ConfigError(f"{error}; {fix}", field=key) from None
         kv_heads = model.kv_heads
         if kv_heads % mesh.tp != 0 and mesh.tp % kv_heads != 0:
             refuse(
@@ -345,8 +343,9 @@ def config_from_dict(document: Mapping[str, Any]) -> RunConfig:
             try:
                 sections[name] = build_dataclass(cls, {**table, "decay_steps": run.steps}, name)
             except ConfigError as error:
-                if str(error).startswith("optimizer.warmup_steps:"):
-                    raise ConfigError(f"{error} (decay_steps defaults to run.steps)") from None
+                if error.field == "optimizer.warmup_steps":
+                    note = " (decay_steps defaults to run.steps)"
+                    raise ConfigError(error.problem + note, field=error.field) from None
                 raise
         else:
             sections[name] = build_dataclass(cls, table, name)
