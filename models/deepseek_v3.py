@@ -16,19 +16,15 @@ from eqxzoo.nn import deinterleave_rope_columns, interleave_rope_columns
 from eqxzoo.typed_config import architecture_field, refuse
 from models.config import DecoderConfig, LatentAttentionConfig, MoEConfig
 from models.decoder import DecoderLM
-from models.family import (
+from models.family import Family, HFConfig, Tensor, llama_like_mapping
+from models.hf_fields import common_fields, common_hf_fields
+from models.hf_tensors import (
     LLAMA_NORMS,
-    Family,
-    HFConfig,
-    Tensor,
-    common_fields,
-    common_hf_fields,
     copied,
     experts,
     heads_in,
     heads_out,
     linear,
-    llama_like_mapping,
     mlp_tensors,
     model_tensors,
     norm_tensors,

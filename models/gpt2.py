@@ -11,16 +11,9 @@ from eqxzoo.nn import Activation
 from eqxzoo.typed_config import refuse
 from models.config import DecoderConfig, NormKind, PositionKind
 from models.decoder import DecoderLM
-from models.family import (
-    COMMON_IGNORED_KEYS,
-    Family,
-    HFConfig,
-    HFMapping,
-    LayerTensors,
-    Tensor,
-    check_expressible,
-    copied,
-)
+from models.family import COMMON_IGNORED_KEYS, Family, HFConfig, HFMapping, LayerTensors, Tensor
+from models.hf_fields import check_expressible
+from models.hf_tensors import copied
 from models.tensor_files import Sliceable
 
 

@@ -17,19 +17,9 @@ import jax.numpy as jnp
 from eqxzoo.typed_config import refuse
 from models.config import DecoderConfig, MoEConfig
 from models.decoder import DecoderLM
-from models.family import (
-    Family,
-    HFConfig,
-    LayerTensors,
-    Tensor,
-    common_fields,
-    common_hf_fields,
-    copied,
-    linear,
-    llama_like_mapping,
-    llama_like_tensors,
-    read_layer_types,
-)
+from models.family import Family, HFConfig, LayerTensors, Tensor, llama_like_mapping
+from models.hf_fields import common_fields, common_hf_fields, read_layer_types
+from models.hf_tensors import copied, linear, llama_like_tensors
 from models.tensor_files import Sliceable
 
 # What GPT-OSS's router and experts are, beyond their sizes and the clamp's constants.

@@ -6,16 +6,9 @@ from typing import Any, ClassVar
 from eqxzoo.typed_config import refuse
 from models.config import DecoderConfig
 from models.decoder import DecoderLM
-from models.family import (
-    Family,
-    HFConfig,
-    Tensor,
-    common_fields,
-    common_hf_fields,
-    llama_like_mapping,
-    llama_like_tensors,
-    mlp_tensors,
-)
+from models.family import Family, HFConfig, Tensor, llama_like_mapping
+from models.hf_fields import common_fields, common_hf_fields
+from models.hf_tensors import llama_like_tensors, mlp_tensors
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,18 +7,9 @@ from typing import Any, ClassVar
 from eqxzoo.typed_config import refuse
 from models.config import DecoderConfig, NormPosition, QKNormOver
 from models.decoder import DecoderLM
-from models.family import (
-    Family,
-    HFConfig,
-    Tensor,
-    attention_tensors,
-    common_fields,
-    common_hf_fields,
-    llama_like_mapping,
-    mlp_tensors,
-    model_tensors,
-    norm_tensors,
-)
+from models.family import Family, HFConfig, Tensor, llama_like_mapping
+from models.hf_fields import common_fields, common_hf_fields
+from models.hf_tensors import attention_tensors, mlp_tensors, model_tensors, norm_tensors
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,17 +7,9 @@ from typing import Any, ClassVar
 from eqxzoo.typed_config import refuse
 from models.config import DecoderConfig, MoEConfig
 from models.decoder import DecoderLM
-from models.family import (
-    Family,
-    HFConfig,
-    Tensor,
-    common_fields,
-    common_hf_fields,
-    linear,
-    llama_like_mapping,
-    llama_like_tensors,
-    routed_experts_tensors,
-)
+from models.family import Family, HFConfig, Tensor, llama_like_mapping
+from models.hf_fields import common_fields, common_hf_fields
+from models.hf_tensors import linear, llama_like_tensors, routed_experts_tensors
 
 
 @dataclasses.dataclass(frozen=True)

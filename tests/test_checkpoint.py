@@ -37,7 +37,8 @@ from eqxzoo.train.checkpoint import (
     Checkpointer,
     CheckpointError,
     CheckpointWarning,
-    StopSignal,
+    checksums,
+    data_state,
     inspect_arrays,
 )
 from eqxzoo.train.settings import StepConfig
@@ -48,6 +49,7 @@ from eqxzoo.train.state import (
     state_shardings,
     train_state_axes,
 )
+from eqxzoo.train.stop_signal import StopSignal
 
 MODEL = functools.partial(
     models.DecoderLM,
@@ -312,7 +314,7 @@ def test_refuses_to_save_non_finite_values(tmp_path):
 def test_data_state_restores_with_another_process_count(
     tmp_path, monkeypatch, saved_by, restored_by
 ):
-    monkeypatch.setattr(checkpoint, "process_index_and_count", lambda: saved_by)
+    monkeypatch.setattr(data_state, "process_index_and_count", lambda: saved_by)
     with Checkpointer(tmp_path, every=1, keep=1) as checkpointer:
         checkpointer.save(1, small_state(), data_iterator(7), {})
     index, count = saved_by
@@ -324,7 +326,7 @@ def test_data_state_restores_with_another_process_count(
                 data_dir / f"process_{other}-of-{count}.json",
             )
 
-    monkeypatch.setattr(checkpoint, "process_index_and_count", lambda: restored_by)
+    monkeypatch.setattr(data_state, "process_index_and_count", lambda: restored_by)
     iterator = data_iterator()
     assert (
         Checkpointer(tmp_path, every=1, keep=1).restore_latest(small_abstract(), iterator).step == 1
@@ -333,9 +335,9 @@ def test_data_state_restores_with_another_process_count(
 
 
 def test_data_state_of_this_process_missing_with_the_same_count(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint, "process_index_and_count", lambda: (0, 2))
+    monkeypatch.setattr(data_state, "process_index_and_count", lambda: (0, 2))
     save_steps(tmp_path, [1])
-    monkeypatch.setattr(checkpoint, "process_index_and_count", lambda: (1, 2))
+    monkeypatch.setattr(data_state, "process_index_and_count", lambda: (1, 2))
     with (
         pytest.warns(CheckpointWarning),
         pytest.raises(
@@ -596,7 +598,7 @@ def test_checksums_never_gather_a_sharded_array():
     mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("y", "x"))
     array = jax.device_put(jnp.arange(512 * 256, dtype=jnp.float32).reshape(512, 256), sharding)
-    compiled = checkpoint._inspect.lower((array,)).compile()
+    compiled = checksums._inspect.lower((array,)).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < array.nbytes / 2
     assert (
         inspect_arrays({"a": array}).checksums == inspect_arrays({"a": np.asarray(array)}).checksums

@@ -11,7 +11,8 @@ from eqxzoo.nn import LatentAttention, RopeScaling, cache_slots, deinterleave_ro
 from eqxzoo.nn.mla import interleave_rope_columns
 from eqxzoo.nn.rope import rope_amplitude, rope_frequencies
 from models.config import DecoderConfig
-from models.family import HFConfig, read_rope, rope_to_hf
+from models.family import HFConfig
+from models.hf_rope import read_rope, rope_to_hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

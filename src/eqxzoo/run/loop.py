@@ -36,7 +36,7 @@ from eqxzoo.parallel import make_mesh
 from eqxzoo.run.config import RunConfig, config_to_dict, step_config
 from eqxzoo.run.rundir import CHECKPOINT_DIR, has_checkpoints, prepare_run_dir
 from eqxzoo.runtime import counts_of_every_process, on_every_process
-from eqxzoo.train.checkpoint import Checkpointer, StopSignal, saves_asynchronously
+from eqxzoo.train.checkpoint import Checkpointer, saves_asynchronously
 from eqxzoo.train.layout import (
     abstract_checkpoint_layout,
     checkpoint_layout,
@@ -65,6 +65,7 @@ from eqxzoo.train.state import (
     train_state_axes,
 )
 from eqxzoo.train.step import batch_sharding, compile_train_step_for, make_eval_step
+from eqxzoo.train.stop_signal import StopSignal
 from models import flops_per_token, model_factory
 from models.hf import open_hf
 

@@ -1,0 +1,370 @@
+"""The `Checkpointer`: saving, listing and restoring the steps of one run directory with an
+orbax `CheckpointManager` (see the package's docstring for what a checkpoint holds)."""
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+from grain import DatasetIterator
+from jaxtyping import PyTree
+
+from eqxzoo.runtime import on_every_process
+from eqxzoo.train.checkpoint.checksums import CHECKSUMS, inspect_arrays, verify_arrays
+from eqxzoo.train.checkpoint.data_state import DataStateHandler, DataStateRestore, DataStateSave
+from eqxzoo.train.checkpoint.errors import CheckpointError, CheckpointWarning
+from eqxzoo.train.checkpoint.orbax_failures import (
+    settle_failed_writes,
+    short_reason,
+    silence_orbax_write_failures,
+    wait_for_orbax_writers,
+    write_failure,
+)
+
+ITEMS = ("state", "data", "meta")
+ASYNC_SAVE_GB = 96  # orbax's default
+SYNC_SAVE_GB = 1
+STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+
+# --- the data iterator item --------------------------------------------------------------
+
+
+# --- checkpointer ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Unusable:
+    """A checkpoint that was skipped on restore, and why."""
+
+    step: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"checkpoint at step {self.step} is unusable ({self.reason}); trying an older one"
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What `Checkpointer.restore_latest` read: the data iterator was restored in place."""
+
+    step: int
+    state: PyTree
+    meta: dict
+    skipped: tuple[Unusable, ...]
+
+
+class Checkpointer:
+    """Saves the steps that are due and keeps the newest ``keep`` checkpoints.
+
+    A step is due every ``every`` steps or when forced (`is_due`, the only place that
+    decides); the caller asks before preparing the state and `save` does not ask again.
+    Saves are asynchronous by default: `save` returns once the arrays are copied off the
+    devices (the caller may then donate them) and the files are written in the background.
+    `wait` blocks until they are on disk; `close` also releases the manager, and is safe
+    to call on every path (after a failed save it releases without waiting).
+
+    Warnings (a skipped checkpoint, short free space) go to ``warn``; by default they are
+    `CheckpointWarning` warnings.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        every: int,
+        keep: int,
+        async_save: bool = True,
+        warn: Callable[[str], None] | None = None,
+    ):
+        assert every >= 1 and keep >= 1, (every, keep)  # `CheckpointConfig` refuses others
+        settle_failed_writes()
+        silence_orbax_write_failures()
+        self.every = every
+        self.directory = epath.Path(_absolute(directory))
+        self._warn = warn or _warn_checkpoint
+        self._writing_step: int | None = None  # an asynchronous save still being written
+        self._failed = False
+        # orbax's writes wait for an asynchronous creation of the item directories to signal
+        # success: when it failed (a full disk), they waited 300 s and raised a TimeoutError.
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+            cleanup_tmp_directories=True,
+            create=True,
+        )
+        # Synchronous saves write at most SYNC_SAVE_GB at a time, not a host copy of everything.
+        handlers = {
+            "state": ocp.StandardCheckpointHandler(
+                save_concurrent_gb=ASYNC_SAVE_GB if async_save else SYNC_SAVE_GB
+            ),
+            "data": DataStateHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+        }
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=handlers
+        )
+        self._stale_steps: tuple[int, ...] = ()
+
+    def is_due(self, step: int, *, force: bool) -> bool:
+        """Whether step ``step`` gets a checkpoint: a multiple of ``every``, or ``force``
+        (end of run, a stop signal)."""
+        return force or step % self.every == 0
+
+    def save(
+        self,
+        step: int,
+        state: PyTree,
+        data_iterator: DatasetIterator,
+        meta: dict[str, Any],
+    ) -> bool:
+        """Save ``state``, the iterator's position and ``meta`` as step ``step``.
+
+        Whether the step is due is the caller's question (`is_due`). Returns whether a
+        checkpoint was started; a step already saved is not saved again. Raises
+        `CheckpointError` if a floating array of ``state`` holds NaN or Inf, if ``meta`` or
+        the iterator state is not JSON-serialisable, or if this save (or the asynchronous
+        one before it) cannot be written.
+        """
+        self.wait()
+        self._drop_stale_steps()
+        if step in self._manager.all_steps():
+            return False
+        inspection = inspect_arrays(state)
+        bad = inspection.non_finite
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise CheckpointError(
+                f"refusing to save step {step}: non-finite values in {bad[0]}{more}"
+            )
+        data_state = data_iterator.get_state()
+        _check_json(data_state, f"step {step}: the data iterator state")
+        _check_json(meta, f"step {step}: meta")
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=DataStateSave(data_state),
+            meta=ocp.args.JsonSave({**meta, CHECKSUMS: inspection.checksums}),
+        )
+        self._warn_if_space_is_short(step)
+        with self._writing(step):
+            started = self._manager.save(step, args=args, force=True)
+            self._writing_step = step
+        return started
+
+    def restore_latest(
+        self,
+        abstract_state: PyTree[jax.ShapeDtypeStruct],
+        data_iterator: DatasetIterator | None,
+    ) -> Restored | None:
+        """Restore the newest usable checkpoint onto the shardings in ``abstract_state``.
+
+        The data iterator (if any: generation needs none) is set to the saved position in
+        place. Unusable checkpoints are
+        skipped with a `CheckpointWarning` each (also listed in `Restored.skipped`); they are
+        deleted when the next checkpoint is saved. Returns None when there is no
+        checkpoint; raises `CheckpointError` when there are some but none is usable.
+        """
+        self.wait()
+        self._manager.reload()
+        skipped = []
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            try:
+                state, data_state, meta = self._restore_step(step, abstract_state)
+                if data_iterator is not None:
+                    data_iterator.set_state(data_state)
+                failure = None
+            except Exception as error:  # noqa: BLE001 - any read failure makes it unusable
+                failure = short_reason(error)
+            if not on_every_process(failure is None):
+                unusable = Unusable(step, failure or "unreadable on another process")
+                self._warn(str(unusable))
+                skipped.append(unusable)
+                continue
+            if data_iterator is not None:
+                data_iterator.start_prefetch()
+            self._stale_steps = tuple(unusable.step for unusable in skipped)
+            return Restored(step=step, state=state, meta=meta, skipped=tuple(skipped))
+        if skipped:
+            reasons = "; ".join(f"step {u.step}: {u.reason}" for u in skipped)
+            raise CheckpointError(f"no usable checkpoint in {self.directory}: {reasons}")
+        return None
+
+    def latest_step(self) -> int | None:
+        """The newest step saved or being saved, None if there is none."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Every step with a checkpoint (or one being saved), oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def wait(self) -> None:
+        """Block until every started save is on disk; `CheckpointError` if one failed."""
+        if self._writing_step is None:
+            return
+        with self._writing(self._writing_step):
+            self._manager.wait_until_finished()
+        self._writing_step = None
+
+    def close(self) -> None:
+        """Finish pending saves and release the manager; after a failed save, only release."""
+        try:
+            if not self._failed:
+                self.wait()
+        finally:
+            with contextlib.suppress(Exception):
+                self._manager.close()
+
+    @contextlib.contextmanager
+    def _writing(self, step: int) -> Iterator[None]:
+        """Turn a failure of the filesystem to write step ``step`` (no space, a quota, an I/O
+        error) into one `CheckpointError`, once the save's other writes have ended and the
+        step's partial directory is removed. Other failures (a bug) propagate as they are."""
+        try:
+            yield
+        except Exception as error:
+            cause = write_failure(error)
+            if cause is None:
+                raise
+            self._failed = True
+            self._writing_step = None
+            # orbax leaves the failed save's other write coroutines un-awaited.
+            warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
+            wait_for_orbax_writers()
+            if jax.process_count() == 1:  # else the others may still write there
+                self._remove_partial(step)
+            older = [good for good in finished_steps(self.directory) if good != step]
+            newest = (
+                f"the newest good checkpoint is step {older[-1]}"
+                if older
+                else "there is no earlier checkpoint"
+            )
+            raise CheckpointError(
+                f"checkpoint of step {step} not written: {cause} at {self.directory}; {newest}"
+            ) from error
+
+    def _remove_partial(self, step: int) -> None:
+        """Remove the temporary directory of the failed save of ``step``."""
+        for partial in self.directory.glob(f"{step}{TMP_SUFFIX}*"):
+            shutil.rmtree(partial, ignore_errors=True)
+
+    def _warn_if_space_is_short(self, step: int) -> None:
+        """Warn when the free space is smaller than the newest checkpoint's size."""
+        steps = finished_steps(self.directory)
+        if not steps or "://" in str(self.directory):
+            return
+        newest = self.directory / str(steps[-1])
+        size = sum(
+            os.path.getsize(os.path.join(root, name))
+            for root, _, names in os.walk(newest)
+            for name in names
+        )
+        free = shutil.disk_usage(self.directory).free
+        if free < size:
+            self._warn(
+                f"{free / 2**20:.1f} MiB free at {self.directory}, less than the last checkpoint "
+                f"(step {steps[-1]}, {size / 2**20:.1f} MiB): the checkpoint of step {step} "
+                "may not fit"
+            )
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _restore_step(self, step: int, abstract_state: PyTree) -> tuple[PyTree, dict, dict]:
+        """Read one step item by item, so that a failure names the item."""
+        check_complete(self.directory / str(step))
+        targets = {
+            "meta": ocp.args.JsonRestore(),
+            "data": DataStateRestore(),
+            "state": ocp.args.StandardRestore(abstract_state),
+        }
+        restored = {}
+        for item, target in targets.items():
+            try:
+                restored[item] = self._manager.restore(
+                    step, args=ocp.args.Composite(**{item: target})
+                )[item]
+            except Exception as error:
+                raise CheckpointError(f"{item}: {short_reason(error)}") from error
+        meta = restored["meta"]
+        verify_arrays(
+            restored["state"], meta.pop(CHECKSUMS, None) if isinstance(meta, dict) else None
+        )
+        return restored["state"], restored["data"], meta
+
+    def _drop_stale_steps(self) -> None:
+        """Delete the unusable checkpoints newer than the one this run resumed from.
+
+        They are kept until the run writes its next checkpoint, so that a restore alone
+        never deletes anything; from then on the run's history replaces them.
+        """
+        for step in self._stale_steps:
+            if step in self._manager.all_steps():
+                self._manager.delete(step)
+        self._stale_steps = ()
+
+
+def finished_steps(directory: epath.Path | os.PathLike) -> list[int]:
+    """The steps under ``directory`` whose save finished: renamed from its temporary name, with
+    its metadata file written (whether they are readable is `restore_latest`'s question)."""
+    directory = epath.Path(directory)
+    return sorted(
+        int(path.name)
+        for path in directory.iterdir()
+        if path.name.isdigit() and (path / STEP_METADATA_FILE).exists()
+    )
+
+
+def saves_asynchronously(requested: bool, platform: str) -> bool:
+    """Whether a run's checkpoints are written in the background: as ``requested``, except on
+    CPU devices, which already live in host memory (an asynchronous save would first copy
+    the whole state there again)."""
+    return requested and platform != "cpu"
+
+
+def check_complete(step_directory: epath.Path) -> None:
+    """Raise `CheckpointError` if the step's metadata or one of its items is missing.
+
+    orbax restores some checkpoints whose metadata file was lost; we do not trust them.
+    """
+    metadata_file = step_directory / STEP_METADATA_FILE
+    if not metadata_file.exists():
+        raise CheckpointError(f"its metadata file {STEP_METADATA_FILE} is missing")
+    try:
+        json.loads(metadata_file.read_text())
+    except ValueError as error:
+        raise CheckpointError(f"its metadata file {STEP_METADATA_FILE} is corrupt") from error
+    for item in ITEMS:
+        if not (step_directory / item).is_dir():
+            raise CheckpointError(f"item {item!r} is missing")
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+
+def _warn_checkpoint(message: str) -> None:
+    warnings.warn(message, CheckpointWarning, stacklevel=3)
+
+
+def _absolute(directory: str | os.PathLike) -> str:
+    """Local paths made absolute (orbax needs it); URLs such as ``gs://...`` unchanged."""
+    directory = os.fspath(directory)
+    return directory if "://" in directory else os.path.abspath(directory)
+
+
+def _check_json(value: Any, what: str) -> None:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{what} is not JSON-serialisable: {error}") from error
