@@ -13,11 +13,15 @@ from models.deepseek_v3 import (
     DEEPSEEK_IGNORED,
     DEEPSEEK_PINNED,
     LATENT_KEYS,
+    LATENT_MOE_KEYS,
+    TINY_LATENT,
+    TINY_MOE,
     deepseek_tensors,
     latent_fields,
     latent_to_hf,
 )
 from models.family import Family, HFConfig, Tensor, llama_like_mapping
+from models.hf_fields import moe_fields
 
 ARCHITECTURE = "DeepseekV2ForCausalLM"
 
@@ -61,12 +65,10 @@ def config_from_hf(hf_config: HFConfig) -> DeepseekV2Config:
             "topk_method", f"{method!r} is not supported; supported: {', '.join(TOPK_METHODS)}"
         )
     grouped = method == "group_limited_greedy"
-    expert_mlp_dim = hf_config.get("moe_intermediate_size")
+    moe_config = moe_fields(hf_config, LATENT_MOE_KEYS)
     moe = MoEConfig(
-        n_experts=hf_config.get("n_routed_experts"),
-        top_k=hf_config.get("num_experts_per_tok"),
-        expert_mlp_dim=expert_mlp_dim,
-        shared_mlp_dim=hf_config.get("n_shared_experts") * expert_mlp_dim,
+        **moe_config,
+        shared_mlp_dim=hf_config.get("n_shared_experts") * moe_config["expert_mlp_dim"],
         normalize_topk=False,
         n_groups=hf_config.get("n_group") if grouped else 1,
         topk_groups=hf_config.get("topk_group") if grouped else 1,
@@ -98,6 +100,19 @@ FAMILY = Family(
     name="deepseek_v2",
     config_class=DeepseekV2Config,
     model_class=DecoderLM,
+    # V3's shape with softmax routing (no balancing bias, no renormalisation, its own routed
+    # scale) and no low-rank query.
+    tiny=dict(
+        first_dense_layers=1,
+        moe=dataclasses.replace(
+            TINY_MOE,
+            scoring="softmax",
+            selection_bias=False,
+            normalize_topk=False,
+            routed_scaling=1.5,
+        ),
+        latent_attention=dataclasses.replace(TINY_LATENT, q_lora_rank=None),
+    ),
     hf=llama_like_mapping(
         architecture=ARCHITECTURE,
         model_type="deepseek_v2",

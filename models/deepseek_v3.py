@@ -17,7 +17,7 @@ from eqxzoo.typed_config import architecture_field, refuse
 from models.config import DecoderConfig, LatentAttentionConfig, MoEConfig
 from models.decoder import DecoderLM
 from models.family import Family, HFConfig, Tensor, llama_like_mapping
-from models.hf_fields import common_fields, common_hf_fields
+from models.hf_fields import MoEKeys, common_fields, common_hf_fields, moe_fields, moe_hf_fields
 from models.hf_tensors import (
     LLAMA_NORMS,
     copied,
@@ -32,6 +32,9 @@ from models.hf_tensors import (
 )
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
+# The MoE keys of both DeepSeek configs (V2's router never renormalises), and V3's.
+LATENT_MOE_KEYS = MoEKeys(("n_routed_experts",), "moe_intermediate_size", normalize_topk=None)
+MOE_KEYS = dataclasses.replace(LATENT_MOE_KEYS, normalize_topk="norm_topk_prob")
 
 # DecoderConfig (and MoEConfig) fields a DeepSeek config.json states beyond the common ones;
 # the family configs fix the router's scoring and balancing bias.
@@ -133,9 +136,7 @@ def latent_to_hf(config: DecoderConfig, architecture: str) -> dict[str, Any]:
         "v_head_dim": latent.v_head_dim,
         "attention_bias": latent.bias,
         "first_k_dense_replace": config.first_dense_layers,
-        "n_routed_experts": moe.n_experts,
-        "num_experts_per_tok": moe.top_k,
-        "moe_intermediate_size": moe.expert_mlp_dim,
+        **moe_hf_fields(moe, LATENT_MOE_KEYS),
         "n_shared_experts": moe.shared_mlp_dim // moe.expert_mlp_dim,
         "routed_scaling_factor": moe.routed_scaling,
         "n_group": moe.n_groups,
@@ -145,13 +146,10 @@ def latent_to_hf(config: DecoderConfig, architecture: str) -> dict[str, Any]:
 
 def config_from_hf(hf_config: HFConfig) -> DeepseekV3Config:
     fields = latent_fields(hf_config)
-    expert_mlp_dim = hf_config.get("moe_intermediate_size")
+    moe_config = moe_fields(hf_config, MOE_KEYS)
     moe = MoEConfig(
-        n_experts=hf_config.get("n_routed_experts"),
-        top_k=hf_config.get("num_experts_per_tok"),
-        expert_mlp_dim=expert_mlp_dim,
-        shared_mlp_dim=hf_config.get("n_shared_experts") * expert_mlp_dim,
-        normalize_topk=bool(hf_config.get("norm_topk_prob")),
+        **moe_config,
+        shared_mlp_dim=hf_config.get("n_shared_experts") * moe_config["expert_mlp_dim"],
         scoring="sigmoid",
         n_groups=hf_config.get("n_group"),
         topk_groups=hf_config.get("topk_group"),
@@ -166,7 +164,7 @@ def config_from_hf(hf_config: HFConfig) -> DeepseekV3Config:
 def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
     return {
         **latent_to_hf(config, ARCHITECTURE),
-        "norm_topk_prob": config.moe.normalize_topk,
+        **moe_hf_fields(config.moe, MOE_KEYS),
         "rope_interleave": config.rope_interleave,
     }
 
@@ -295,9 +293,7 @@ LATENT_KEYS = frozenset(
         "v_head_dim",
         "attention_bias",
         "first_k_dense_replace",
-        "n_routed_experts",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
+        *LATENT_MOE_KEYS.handled,
         "n_shared_experts",
         "routed_scaling_factor",
         "n_group",
@@ -305,10 +301,29 @@ LATENT_KEYS = frozenset(
     }
 )
 
+# The tiny examples' experts and latent attention (V2's are derived from them).
+TINY_MOE = MoEConfig(
+    n_experts=4,
+    top_k=2,
+    expert_mlp_dim=16,
+    shared_mlp_dim=16,
+    scoring="sigmoid",
+    n_groups=2,
+    topk_groups=1,
+    routed_scaling=2.5,
+    selection_bias=True,
+)
+TINY_LATENT = LatentAttentionConfig(
+    q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8
+)
+
 FAMILY = Family(
     name="deepseek_v3",
     config_class=DeepseekV3Config,
     model_class=DecoderLM,
+    # One dense prefix layer, latent attention, group-limited sigmoid routing with the
+    # balancing bias.
+    tiny=dict(first_dense_layers=1, moe=TINY_MOE, latent_attention=TINY_LATENT),
     hf=llama_like_mapping(
         architecture=ARCHITECTURE,
         model_type="deepseek_v3",

@@ -204,12 +204,19 @@ class Family:
     """One model family: its TOML ``family`` name, config class, the model class built from
     a config (``model_class(config, key=key)``; the shared `models.decoder.DecoderLM` for
     every family so far) and Hugging Face mapping (``None`` for the bare builder, which has
-    no Hugging Face counterpart)."""
+    no Hugging Face counterpart).
+
+    ``tiny``: the fields its tiny example sets beyond the small shapes every example shares
+    (`models.registry.tiny_config`): what makes it this family at a size a test runs in
+    seconds (experts, windows shorter than a test's sequence, soft-caps that bite, a dense
+    prefix layer). The family tests are driven by these, so a new family needs no test edit.
+    """
 
     name: str
     config_class: type[DecoderConfig]
     model_class: type
     hf: HFMapping | None
+    tiny: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def llama_like_mapping(

@@ -145,6 +145,7 @@ FAMILY = Family(
     name="gemma2",
     config_class=Gemma2Config,
     model_class=DecoderLM,
+    tiny=dict(sliding_window=3, attention_softcap=2.0, final_softcap=3.0),
     hf=llama_like_mapping(
         architecture=ARCHITECTURE,
         model_type="gemma2",

@@ -44,6 +44,7 @@ FAMILY = Family(
     name="gemma3",
     config_class=Gemma3Config,
     model_class=DecoderLM,
+    tiny=dict(sliding_window=3, layer_types=("sliding_attention", "full_attention") * 4),
     hf=llama_like_mapping(
         architecture=ARCHITECTURE,
         model_type="gemma3_text",

@@ -189,6 +189,7 @@ FAMILY = Family(
     name="gpt2",
     config_class=GPT2Config,
     model_class=DecoderLM,
+    tiny=dict(n_kv_heads=None, max_positions=16),
     hf=HFMapping(
         architecture=ARCHITECTURE,
         model_type="gpt2",

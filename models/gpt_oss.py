@@ -18,7 +18,14 @@ from eqxzoo.typed_config import refuse
 from models.config import DecoderConfig, MoEConfig
 from models.decoder import DecoderLM
 from models.family import Family, HFConfig, LayerTensors, Tensor, llama_like_mapping
-from models.hf_fields import common_fields, common_hf_fields, read_layer_types
+from models.hf_fields import (
+    MoEKeys,
+    common_fields,
+    common_hf_fields,
+    moe_fields,
+    moe_hf_fields,
+    read_layer_types,
+)
 from models.hf_tensors import copied, linear, llama_like_tensors
 from models.tensor_files import Sliceable
 
@@ -83,6 +90,7 @@ class GptOssConfig(DecoderConfig):
 
 
 ARCHITECTURE = "GptOssForCausalLM"
+MOE_KEYS = MoEKeys(("num_local_experts",), "intermediate_size", normalize_topk=None)
 
 # Hugging Face's rotary settings when config.json has none.
 HF_DEFAULT_ROPE = {
@@ -144,9 +152,7 @@ def config_from_hf(hf_config: HFConfig) -> GptOssConfig:
     layer_types = read_layer_types(hf_config, fields["n_layers"])
     bias = bool(hf_config.get("attention_bias"))
     moe = MoEConfig(
-        n_experts=hf_config.get("num_local_experts"),
-        top_k=hf_config.get("num_experts_per_tok"),
-        expert_mlp_dim=hf_config.get("intermediate_size"),
+        **moe_fields(hf_config, MOE_KEYS),
         normalize_topk=False,
         swiglu_alpha=float(hf_config.get("swiglu_alpha")),
         swiglu_limit=float(hf_config.get("swiglu_limit")),
@@ -173,9 +179,7 @@ def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
         "attention_bias": config.qkv_bias,
         "sliding_window": config.sliding_window,
         "layer_types": list(config.attention_layer_types),
-        "intermediate_size": moe.expert_mlp_dim,
-        "num_local_experts": moe.n_experts,
-        "num_experts_per_tok": moe.top_k,
+        **moe_hf_fields(moe, MOE_KEYS),
         "swiglu_alpha": moe.swiglu_alpha,
         "swiglu_limit": moe.swiglu_limit,
     }
@@ -224,6 +228,10 @@ FAMILY = Family(
     name="gpt_oss",
     config_class=GptOssConfig,
     model_class=DecoderLM,
+    tiny=dict(
+        sliding_window=3,
+        moe=dataclasses.replace(GptOssConfig().moe, n_experts=4, top_k=2, expert_mlp_dim=16),
+    ),
     hf=llama_like_mapping(
         architecture=ARCHITECTURE,
         model_type="gpt_oss",
@@ -237,13 +245,12 @@ FAMILY = Family(
             "swiglu_alpha": 1.702,
             "swiglu_limit": 7.0,
         },
-        handled_keys=frozenset(
+        handled_keys=MOE_KEYS.handled
+        | frozenset(
             {
                 "attention_bias",
                 "sliding_window",
                 "layer_types",
-                "num_local_experts",
-                "num_experts_per_tok",
                 "swiglu_alpha",
                 "swiglu_limit",
                 "quantization_config",

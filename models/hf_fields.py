@@ -162,3 +162,48 @@ def common_hf_fields(
         "tie_word_embeddings": config.tie_embeddings,
         "initializer_range": config.init_std,
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEKeys:
+    """Where a family's ``config.json`` keeps the fields every MoE states: the number of
+    routed experts (``n_experts``: the first of these keys that is present), their width
+    (``expert_mlp_dim``), the experts per token (``top_k``) and whether the chosen weights are
+    renormalised (``normalize_topk``; None where the architecture fixes it)."""
+
+    n_experts: tuple[str, ...]
+    expert_mlp_dim: str
+    normalize_topk: str | None = "norm_topk_prob"
+    top_k: str = "num_experts_per_tok"
+
+    @property
+    def handled(self) -> frozenset[str]:
+        """The keys, for `HFMapping.handled_keys`."""
+        keys = {*self.n_experts, self.expert_mlp_dim, self.top_k, self.normalize_topk}
+        return frozenset(keys - {None})
+
+
+def moe_fields(hf_config: HFConfig, keys: MoEKeys) -> dict[str, Any]:
+    """The `MoEConfig` fields ``keys`` name, read from ``hf_config``."""
+    present = [key for key in keys.n_experts if hf_config.values.get(key) is not None]
+    fields = {
+        "n_experts": hf_config.get(present[0] if present else keys.n_experts[0]),
+        "top_k": hf_config.get(keys.top_k),
+        "expert_mlp_dim": hf_config.get(keys.expert_mlp_dim),
+    }
+    if keys.normalize_topk is not None:
+        fields["normalize_topk"] = bool(hf_config.get(keys.normalize_topk))
+    return fields
+
+
+def moe_hf_fields(moe: MoEConfig, keys: MoEKeys) -> dict[str, Any]:
+    """The ``config.json`` entries ``keys`` name, written from ``moe`` (the inverse of
+    `moe_fields`)."""
+    fields = {
+        keys.n_experts[0]: moe.n_experts,
+        keys.top_k: moe.top_k,
+        keys.expert_mlp_dim: moe.expert_mlp_dim,
+    }
+    if keys.normalize_topk is not None:
+        fields[keys.normalize_topk] = moe.normalize_topk
+    return fields

@@ -48,6 +48,7 @@ FAMILY = Family(
     name="mistral",
     config_class=MistralConfig,
     model_class=DecoderLM,
+    tiny=dict(sliding_window=3),
     hf=llama_like_mapping(
         architecture=ARCHITECTURE,
         model_type="mistral",

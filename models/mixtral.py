@@ -9,7 +9,7 @@ from eqxzoo.typed_config import refuse
 from models.config import DecoderConfig, MoEConfig
 from models.decoder import DecoderLM
 from models.family import Family, HFConfig, Tensor, llama_like_mapping
-from models.hf_fields import common_fields, common_hf_fields
+from models.hf_fields import MoEKeys, common_fields, common_hf_fields, moe_fields, moe_hf_fields
 from models.hf_tensors import llama_like_tensors, routed_experts_tensors
 
 
@@ -29,15 +29,11 @@ class MixtralConfig(DecoderConfig):
 
 
 ARCHITECTURE = "MixtralForCausalLM"
+MOE_KEYS = MoEKeys(("num_local_experts",), "intermediate_size", normalize_topk=None)
 
 
 def config_from_hf(hf_config: HFConfig) -> MixtralConfig:
-    moe = MoEConfig(
-        n_experts=hf_config.get("num_local_experts"),
-        top_k=hf_config.get("num_experts_per_tok"),
-        expert_mlp_dim=hf_config.get("intermediate_size"),
-        normalize_topk=True,
-    )
+    moe = MoEConfig(**moe_fields(hf_config, MOE_KEYS), normalize_topk=True)
     return MixtralConfig(
         **common_fields(hf_config),
         sliding_window=hf_config.values.get("sliding_window"),
@@ -52,9 +48,7 @@ def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
         refuse("moe.normalize_topk", f"{ARCHITECTURE} always renormalises; set it to True")
     return {
         **fields,
-        "intermediate_size": moe.expert_mlp_dim,
-        "num_local_experts": moe.n_experts,
-        "num_experts_per_tok": moe.top_k,
+        **moe_hf_fields(moe, MOE_KEYS),
         "sliding_window": config.sliding_window,
     }
 
@@ -69,11 +63,12 @@ FAMILY = Family(
     name="mixtral",
     config_class=MixtralConfig,
     model_class=DecoderLM,
+    tiny=dict(moe=MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=16)),
     hf=llama_like_mapping(
         architecture=ARCHITECTURE,
         model_type="mixtral",
         defaults={"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_experts_per_tok": 2},
-        handled_keys=frozenset({"num_local_experts", "num_experts_per_tok", "sliding_window"}),
+        handled_keys=MOE_KEYS.handled | {"sliding_window"},
         # The router's auxiliary loss is the trainer's business ([loss] in the run config).
         ignored_keys=frozenset({"output_router_logits", "router_aux_loss_coef"}),
         pinned_keys={"router_jitter_noise": 0.0},

@@ -9,7 +9,7 @@ from eqxzoo.typed_config import refuse
 from models.config import DecoderConfig, MoEConfig, QKNormOver
 from models.decoder import DecoderLM
 from models.family import Family, HFConfig, Tensor, llama_like_mapping
-from models.hf_fields import common_fields, common_hf_fields
+from models.hf_fields import MoEKeys, common_fields, common_hf_fields, moe_fields, moe_hf_fields
 from models.hf_tensors import llama_like_tensors, routed_experts_tensors
 from models.olmo2 import attention_bias, attention_bias_to_hf
 
@@ -35,6 +35,8 @@ class OlmoeConfig(DecoderConfig):
 
 
 ARCHITECTURE = "OlmoeForCausalLM"
+# OLMoE's intermediate_size is the experts' width (it has no dense MLP).
+MOE_KEYS = MoEKeys(("num_experts",), "intermediate_size")
 
 FIXED = {"qk_norm": True, "qk_norm_over": "all_heads"}
 FREE = frozenset({"rope_scaling", "qkv_bias", "attention_out_bias", "clip_qkv"})
@@ -42,12 +44,7 @@ FREE = frozenset({"rope_scaling", "qkv_bias", "attention_out_bias", "clip_qkv"})
 
 def config_from_hf(hf_config: HFConfig) -> OlmoeConfig:
     fields = common_fields(hf_config)
-    moe = MoEConfig(
-        n_experts=hf_config.get("num_experts"),
-        top_k=hf_config.get("num_experts_per_tok"),
-        expert_mlp_dim=fields["mlp_dim"],
-        normalize_topk=bool(hf_config.get("norm_topk_prob")),
-    )
+    moe = MoEConfig(**moe_fields(hf_config, MOE_KEYS))
     clip = hf_config.values.get("clip_qkv")
     return OlmoeConfig(
         **fields,
@@ -64,11 +61,7 @@ def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
     return {
         **fields,
         **attention_bias_to_hf(config, ARCHITECTURE),
-        # OLMoE's intermediate_size is the experts' width (it has no dense MLP).
-        "intermediate_size": moe.expert_mlp_dim,
-        "num_experts": moe.n_experts,
-        "num_experts_per_tok": moe.top_k,
-        "norm_topk_prob": moe.normalize_topk,
+        **moe_hf_fields(moe, MOE_KEYS),
         "clip_qkv": config.clip_qkv,
     }
 
@@ -83,6 +76,10 @@ FAMILY = Family(
     name="olmoe",
     config_class=OlmoeConfig,
     model_class=DecoderLM,
+    # Queries and keys are RMS-normed before the clip: a bound of 1 would sit in the bulk of
+    # their values, where the clip's derivative (1 inside, 0 outside) turns rounding
+    # differences between two equal programs into different gradients (1F1B vs sequential).
+    tiny=dict(moe=MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=16), clip_qkv=3.0),
     hf=llama_like_mapping(
         architecture=ARCHITECTURE,
         model_type="olmoe",
@@ -93,9 +90,7 @@ FAMILY = Family(
             "num_experts": 64,
             "norm_topk_prob": False,
         },
-        handled_keys=frozenset(
-            {"attention_bias", "clip_qkv", "num_experts", "num_experts_per_tok", "norm_topk_prob"}
-        ),
+        handled_keys=MOE_KEYS.handled | frozenset({"attention_bias", "clip_qkv"}),
         # The router's auxiliary loss is the trainer's business ([loss] in the run config).
         ignored_keys=frozenset({"output_router_logits", "router_aux_loss_coef"}),
         config_from_hf=config_from_hf,

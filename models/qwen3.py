@@ -96,6 +96,7 @@ FAMILY = Family(
     name="qwen3",
     config_class=Qwen3Config,
     model_class=DecoderLM,
+    tiny=dict(head_dim=16),
     hf=llama_like_mapping(
         architecture=ARCHITECTURE,
         model_type="qwen3",

@@ -8,7 +8,7 @@ from eqxzoo.typed_config import refuse
 from models.config import DecoderConfig, MoEConfig
 from models.decoder import DecoderLM
 from models.family import Family, HFConfig, Tensor, llama_like_mapping
-from models.hf_fields import common_fields, common_hf_fields
+from models.hf_fields import MoEKeys, common_fields, common_hf_fields, moe_fields, moe_hf_fields
 from models.hf_tensors import llama_like_tensors, routed_experts_tensors
 from models.qwen3 import ATTENTION_KEYS, FIXED, FREE, attention_fields, attention_to_hf
 
@@ -32,6 +32,8 @@ class Qwen3MoeConfig(DecoderConfig):
 
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
+# transformers reads num_experts, or num_local_experts when it is absent.
+MOE_KEYS = MoEKeys(("num_experts", "num_local_experts"), "moe_intermediate_size")
 
 
 def _check_every_layer_is_moe(hf_config: HFConfig, n_layers: int, n_experts: int) -> None:
@@ -57,17 +59,9 @@ def _check_every_layer_is_moe(hf_config: HFConfig, n_layers: int, n_experts: int
 
 def config_from_hf(hf_config: HFConfig) -> Qwen3MoeConfig:
     fields = {**common_fields(hf_config), **attention_fields(hf_config)}
-    values = hf_config.values
-    n_experts = values.get("num_experts", values.get("num_local_experts"))
-    if n_experts is None:
-        raise hf_config.error("num_experts", "missing: a Hugging Face config must set it")
-    _check_every_layer_is_moe(hf_config, fields["n_layers"], n_experts)
-    moe = MoEConfig(
-        n_experts=n_experts,
-        top_k=hf_config.get("num_experts_per_tok"),
-        expert_mlp_dim=hf_config.get("moe_intermediate_size"),
-        normalize_topk=bool(hf_config.get("norm_topk_prob")),
-    )
+    moe_config = moe_fields(hf_config, MOE_KEYS)
+    _check_every_layer_is_moe(hf_config, fields["n_layers"], moe_config["n_experts"])
+    moe = MoEConfig(**moe_config)
     return Qwen3MoeConfig(**fields, moe=moe)
 
 
@@ -77,10 +71,7 @@ def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
     return {
         **fields,
         **attention_to_hf(config),
-        "num_experts": moe.n_experts,
-        "num_experts_per_tok": moe.top_k,
-        "moe_intermediate_size": moe.expert_mlp_dim,
-        "norm_topk_prob": moe.normalize_topk,
+        **moe_hf_fields(moe, MOE_KEYS),
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     }
@@ -96,6 +87,10 @@ FAMILY = Family(
     name="qwen3_moe",
     config_class=Qwen3MoeConfig,
     model_class=DecoderLM,
+    tiny=dict(
+        head_dim=16,
+        moe=MoEConfig(n_experts=6, top_k=2, expert_mlp_dim=16, normalize_topk=True),
+    ),
     hf=llama_like_mapping(
         architecture=ARCHITECTURE,
         model_type="qwen3_moe",
@@ -107,12 +102,8 @@ FAMILY = Family(
             "norm_topk_prob": False,
         },
         handled_keys=ATTENTION_KEYS
+        | MOE_KEYS.handled
         | {
-            "num_experts",
-            "num_local_experts",
-            "num_experts_per_tok",
-            "moe_intermediate_size",
-            "norm_topk_prob",
             "decoder_sparse_step",
             "mlp_only_layers",
         },

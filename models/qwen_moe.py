@@ -8,7 +8,7 @@ from eqxzoo.typed_config import refuse
 from models.config import DecoderConfig, MoEConfig
 from models.decoder import DecoderLM
 from models.family import Family, HFConfig, Tensor, llama_like_mapping
-from models.hf_fields import common_fields, common_hf_fields
+from models.hf_fields import MoEKeys, common_fields, common_hf_fields, moe_fields, moe_hf_fields
 from models.hf_tensors import linear, llama_like_tensors, routed_experts_tensors
 
 
@@ -27,16 +27,14 @@ class QwenMoeConfig(DecoderConfig):
 
 
 ARCHITECTURE = "Qwen2MoeForCausalLM"
+MOE_KEYS = MoEKeys(("num_experts",), "moe_intermediate_size")
 
 
 def config_from_hf(hf_config: HFConfig) -> QwenMoeConfig:
     fields = common_fields(hf_config)
     _check_layers(hf_config, fields["n_layers"])
     moe = MoEConfig(
-        n_experts=hf_config.get("num_experts"),
-        top_k=hf_config.get("num_experts_per_tok"),
-        expert_mlp_dim=hf_config.get("moe_intermediate_size"),
-        normalize_topk=bool(hf_config.get("norm_topk_prob")),
+        **moe_fields(hf_config, MOE_KEYS),
         shared_mlp_dim=hf_config.get("shared_expert_intermediate_size"),
         shared_gate=True,
     )
@@ -78,11 +76,8 @@ def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
         )
     return {
         **fields,
-        "num_experts": moe.n_experts,
-        "num_experts_per_tok": moe.top_k,
-        "moe_intermediate_size": moe.expert_mlp_dim,
+        **moe_hf_fields(moe, MOE_KEYS),
         "shared_expert_intermediate_size": moe.shared_mlp_dim,
-        "norm_topk_prob": moe.normalize_topk,
         "qkv_bias": config.qkv_bias,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
@@ -110,6 +105,9 @@ FAMILY = Family(
     name="qwen_moe",
     config_class=QwenMoeConfig,
     model_class=DecoderLM,
+    tiny=dict(
+        moe=MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=16, shared_mlp_dim=16, shared_gate=True)
+    ),
     hf=llama_like_mapping(
         architecture=ARCHITECTURE,
         model_type="qwen2_moe",
@@ -122,13 +120,10 @@ FAMILY = Family(
             "norm_topk_prob": False,
             "qkv_bias": True,
         },
-        handled_keys=frozenset(
+        handled_keys=MOE_KEYS.handled
+        | frozenset(
             {
-                "num_experts",
-                "num_experts_per_tok",
-                "moe_intermediate_size",
                 "shared_expert_intermediate_size",
-                "norm_topk_prob",
                 "qkv_bias",
                 "mlp_only_layers",
                 "decoder_sparse_step",

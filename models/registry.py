@@ -92,3 +92,18 @@ def config_from_table(table: Any, *, where: str = "model") -> DecoderConfig:
     if name not in known:
         refuse(f"{where}.family", f"unknown family {name!r}; choose one of {sorted(known)}")
     return build_dataclass(known[name].config_class, table, where)
+
+
+# The shapes every tiny example shares (a family's `Family.tiny` adds what makes it that family).
+TINY_SHAPES = dict(vocab_size=53, d_model=32, n_heads=4, n_kv_heads=2, mlp_dim=48)
+
+
+def tiny_config(family: str, *, n_layers: int = 2, **fields: Any) -> DecoderConfig:
+    """A tiny example of ``family`` with ``n_layers`` pipelined blocks (after any dense prefix
+    layers), for tests and examples: `TINY_SHAPES`, the family's `Family.tiny`, then
+    ``fields``."""
+    chosen = {**TINY_SHAPES, **families()[family].tiny, **fields}
+    chosen["n_layers"] = n_layers + chosen.get("first_dense_layers", 0)
+    if chosen.get("layer_types") is not None:
+        chosen["layer_types"] = tuple(chosen["layer_types"])[: chosen["n_layers"]]
+    return families()[family].config_class(**chosen)

@@ -2,7 +2,6 @@
 (`compiling`), before any JAX computation; the tiny models, random batches and tolerance
 checks the test files share."""
 
-import dataclasses
 import fcntl
 import gc
 import os
@@ -25,91 +24,17 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from runs import records, run  # noqa: E402
 
-import models  # noqa: E402
+from models import registry  # noqa: E402
 
-VOCAB = 53
-
-
-# What each family's tiny model sets beyond the common shapes: experts, windows shorter than
-# the tests' sequences, soft-caps that bite, a learned position table.
-_TINY_MOE = models.MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=16)
-_TINY_DEEPSEEK_MOE = models.MoEConfig(
-    n_experts=4,
-    top_k=2,
-    expert_mlp_dim=16,
-    shared_mlp_dim=16,
-    scoring="sigmoid",
-    n_groups=2,
-    topk_groups=1,
-    routed_scaling=2.5,
-    selection_bias=True,
-)
-_TINY_LATENT = models.LatentAttentionConfig(
-    q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8
-)
-_TINY_EXTRAS = {
-    "mixtral": dict(moe=_TINY_MOE),
-    "qwen_moe": dict(
-        moe=models.MoEConfig(
-            n_experts=4, top_k=2, expert_mlp_dim=16, shared_mlp_dim=16, shared_gate=True
-        )
-    ),
-    "mistral": dict(sliding_window=3),
-    "qwen3": dict(head_dim=16),
-    "qwen3_moe": dict(
-        head_dim=16,
-        moe=models.MoEConfig(n_experts=6, top_k=2, expert_mlp_dim=16, normalize_topk=True),
-    ),
-    "gemma2": dict(sliding_window=3, attention_softcap=2.0, final_softcap=3.0),
-    "gemma3": dict(sliding_window=3, layer_types=("sliding_attention", "full_attention") * 4),
-    # Queries and keys are RMS-normed before the clip: a bound of 1 would sit in the bulk of
-    # their values, where the clip's derivative (1 inside, 0 outside) turns rounding
-    # differences between two equal programs into different gradients (1F1B vs sequential).
-    "olmoe": dict(moe=_TINY_MOE, clip_qkv=3.0),
-    "gpt2": dict(n_kv_heads=None, max_positions=16),
-    # One dense prefix layer before the n_layers MoE blocks, latent attention, group-limited
-    # sigmoid routing with the balancing bias.
-    "deepseek_v3": dict(
-        first_dense_layers=1, moe=_TINY_DEEPSEEK_MOE, latent_attention=_TINY_LATENT
-    ),
-    # DeepSeek-V2: V3's shape with softmax routing (no balancing bias, no renormalisation, its
-    # own routed scale) and no low-rank query.
-    "deepseek_v2": dict(
-        first_dense_layers=1,
-        moe=dataclasses.replace(
-            _TINY_DEEPSEEK_MOE,
-            scoring="softmax",
-            selection_bias=False,
-            normalize_topk=False,
-            routed_scaling=1.5,
-        ),
-        latent_attention=dataclasses.replace(_TINY_LATENT, q_lora_rank=None),
-    ),
-    "gpt_oss": dict(
-        sliding_window=3,
-        moe=dataclasses.replace(models.GptOssConfig().moe, n_experts=4, top_k=2, expert_mlp_dim=16),
-    ),
-}
-
-
-def _tiny_config(family: str, *, n_layers: int) -> models.DecoderConfig:
-    fields = dict(
-        vocab_size=VOCAB, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, mlp_dim=48
-    )
-    fields.update(_TINY_EXTRAS.get(family, {}))
-    fields["n_layers"] += fields.get("first_dense_layers", 0)  # n_layers counts the blocks
-    if "layer_types" in fields:
-        fields["layer_types"] = fields["layer_types"][:n_layers]
-    return models.families()[family].config_class(**fields)
+VOCAB = registry.TINY_SHAPES["vocab_size"]
 
 
 @pytest.fixture
 def tiny_config():
-    """``tiny_config(family, n_layers=...)``: a d_model-32, 4-head (2 kv heads) model of any
-    family with ``n_layers`` blocks (after DeepSeek's one dense prefix layer) (``"llama"``, ``"mixtral"`` with 4 experts top 2, ``"qwen_moe"`` plus a gated
-    shared expert, ``"gemma2"`` with a 3-token window in every other layer, soft-capped, ...:
-    `_TINY_EXTRAS`) over a vocabulary of `VOCAB` tokens."""
-    return _tiny_config
+    """``tiny_config(family, n_layers=...)``: the family's tiny example (`models.registry.
+    tiny_config`: a d_model-32, 4-head (2 kv heads) model with what its family file's
+    `Family.tiny` adds) with ``n_layers`` blocks, over a vocabulary of `VOCAB` tokens."""
+    return registry.tiny_config
 
 
 def _random_batch(shape: tuple[int, ...], seed: int = 0) -> dict[str, jax.Array]:
