@@ -7,6 +7,7 @@ import json
 import pytest
 
 from pipelines import bench
+from pipelines.bench import kernels, moe, schedules, throughput
 
 
 def keys(numbers) -> set[str]:
@@ -36,12 +37,12 @@ def check_pipeline(figures: dict) -> None:
 
 
 def check_compile(figures: dict) -> None:
-    assert set(figures["compile_s_by_layers"]) == keys(bench.QUICK_COMPILE_LAYERS)
+    assert set(figures["compile_s_by_layers"]) == keys(throughput.QUICK_COMPILE_LAYERS)
 
 
 def check_memory(figures: dict) -> None:
     memory = figures["memory_bytes_by_pp"]
-    assert set(memory) == keys(bench.QUICK_MEMORY_PP)
+    assert set(memory) == keys(throughput.QUICK_MEMORY_PP)
     assert memory["2"] < memory["1"]
 
 
@@ -54,14 +55,14 @@ def check_loader(figures: dict) -> None:
 def check_schedules(figures: dict) -> None:
     assert set(figures["schedule_activation_bytes"]) == SCHEDULES
     for by_m in figures["schedule_activation_bytes"].values():
-        assert set(by_m) == keys(bench.QUICK_SCHEDULE_MICROBATCHES)
+        assert set(by_m) == keys(schedules.QUICK_SCHEDULE_MICROBATCHES)
     assert set(figures["schedule_tokens_per_s"]) == SCHEDULES
     assert set(figures["schedule_bubble_fraction"]) == SCHEDULES
 
 
 def check_moe(figures: dict) -> None:
     for key in MOE_KEYS:
-        assert set(figures[key]) == keys(bench.QUICK_MOE_EXPERTS), key
+        assert set(figures[key]) == keys(moe.QUICK_MOE_EXPERTS), key
     assert all(0.0 < fraction < 1.0 for fraction in figures["moe_padding_fraction"].values())
 
 
@@ -77,21 +78,21 @@ def check_loss(figures: dict) -> None:
     by_loss = figures["loss_temp_bytes"]
     assert set(by_loss) == {"plain", "chunked"}
     for by_vocab in by_loss.values():
-        assert set(by_vocab) == keys(bench.QUICK_LOSS["vocabs"])
+        assert set(by_vocab) == keys(kernels.QUICK_LOSS["vocabs"])
 
 
 def check_attention(figures: dict) -> None:
     seconds, temp = figures["attention_fwd_bwd_s"], figures["attention_temp_bytes"]
-    every_seq = keys((*bench.QUICK_ATTENTION["seqs"], *bench.QUICK_ATTENTION["blockwise_only"]))
+    every_seq = keys((*kernels.QUICK_ATTENTION["seqs"], *kernels.QUICK_ATTENTION["blockwise_only"]))
     assert set(seconds) == {"blockwise", "dense", "pytorch"}
     assert set(temp) == {"blockwise", "dense"}
     assert set(seconds["blockwise"]["causal"]) == set(temp["blockwise"]["window"]) == every_seq
-    dense_seqs = keys(bench.QUICK_ATTENTION["seqs"])
+    dense_seqs = keys(kernels.QUICK_ATTENTION["seqs"])
     assert set(seconds["dense"]["window"]) == set(seconds["pytorch"]["causal"]) == dense_seqs
 
 
 def check_seq(figures: dict) -> None:
-    assert set(figures["step_vs_pytorch_by_seq"]) == keys(bench.QUICK_STEP_SEQS)
+    assert set(figures["step_vs_pytorch_by_seq"]) == keys(throughput.QUICK_STEP_SEQS)
 
 
 CHECKS = {
@@ -122,5 +123,6 @@ def test_bench_part_writes_its_json_keys(part, tmp_path, capsys):
     figures = json.loads(out.read_text())
     assert figures == json.loads(json.dumps(returned))
     assert isinstance(figures["matmul_peak_flops"], float)
+    assert set(bench.PARTS[part].keys) <= set(figures), "it writes the keys its row names"
     CHECKS[part](figures)
     assert capsys.readouterr().out.strip(), "every part prints its figures"

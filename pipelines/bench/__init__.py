@@ -1,0 +1,353 @@
+"""The project benchmark: everything measured side by side in one run, reported as ratios.
+
+    python -m pipelines.bench [--json FILE] [--repeats N] [--only PART ...] [--quick]
+
+1. training tokens/s of the reference model on one device, as model FLOP/s over the FLOP/s
+   of a plain jitted 2048x2048 fp32 matmul timed in the same process;
+2. pipeline efficiency on 8 simulated devices: tokens/s of dp=2 x pp=4 (M=8) over dp=8 on
+   the same global batch, for GPipe and circular;
+3. compile time of the train step for 4, 16 and 64 layers;
+4. per-device memory of the compiled step for pp in {1, 2, 4};
+5. with torch installed, the same model in PyTorch eager: our FLOP/s over PyTorch's;
+6. the data loader over the prepared stdlib corpus: tokens/s of `eqxzoo.data.train_batches`
+   (global batches on configs/tiny.toml's mesh) next to a plain numpy memmap reader of the
+   same token stream, and next to the tokens/s that tiny.toml's train step consumes;
+7. the five pipeline schedules at P = 4 (dp=2 x pp=4, 8 layers, B sequences per
+   microbatch): per-device temporary bytes of the compiled step for M in 8, 16, 32
+   (``schedule_activation_bytes``), tokens/s at M = 8 (``schedule_tokens_per_s``) and the
+   modelled bubble at M = 8 (``schedule_bubble_fraction``, the lockstep model of
+   `eqxzoo.parallel.Schedule`).
+8. MoE at the cost of its active FLOPs, on one device: tokens/s of a top-2 dropless MoE train
+   step over that of a dense model with the same active FLOPs (same attention and layers,
+   SwiGLU MLP of width ``top_k * expert_mlp_dim``), at 8 experts of width 512 and 64
+   fine-grained experts of width ``d_model / 2`` (OLMoE's ratio) (``moe_vs_dense_active``);
+   the same for capacity routing (``moe_capacity_vs_dense_active``) and the dropless path's
+   padding (``moe_padding_fraction``).
+9. Expert dispatch: the collectives of a compiled pipelined 64-expert MoE step on
+   dp2 x pp2 x ep2, by kind, and the bytes they move per step (``moe_dispatch_collectives``).
+10. The loss at big vocabularies: compiled temporary bytes per device of the train step at
+   T = 4096, d_model 512, 4 layers, vocabularies of 32k and 152k, with the plain loss (whole
+   logits) and the fused chunked one (``loss_temp_bytes``: {"plain" | "chunked": {vocab:
+   bytes}}).
+11. Attention alone, forward and backward, q/k/v of (1, T, 8 heads, 64) in fp32, causal and
+   with a 1024 window: the blockwise kernel, the dense one and PyTorch's
+   ``F.scaled_dot_product_attention`` on CPU, timed in turn (``attention_fwd_bwd_s``:
+   {kernel: {"causal" | "window": {T: seconds}}}), and our kernels' compiled temporary bytes
+   (``attention_temp_bytes``).
+12. The reference model's train step at T in {256, 1024, 2048} with B x T = 2048 against
+   PyTorch eager (SDPA) side by side (``step_vs_pytorch_by_seq``: {T: ours / PyTorch's
+   tokens/s}).
+
+The pipeline efficiency (2.) times the dp8 and the pipelined steps in turn and reports the
+median ratio and its spread over the rounds (``pp_efficiency_spread``: {schedule: [min,
+max]}); the comparisons with PyTorch (5., 12.) also run both steps in turn and report the
+median of the rounds' ratios.
+
+Each part is one row of `PARTS`: what it measures, what it prints and the JSON keys it
+writes (the modules beside this one hold the measurements).
+
+Absolute times on a shared machine are noise; the ratios, measured in one run, are the result.
+``--quick`` runs every part on a toy model with the fewest points of each sweep: it checks the
+command and its JSON (the test suite runs it), not speed.
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+
+from eqxzoo.train.report import measured_matmul_flops  # noqa: E402
+from pipelines.bench.kernels import attention_figures, loss_memory  # noqa: E402
+from pipelines.bench.loader import loader_throughput  # noqa: E402
+from pipelines.bench.moe import dispatch_figures, moe_figures  # noqa: E402
+from pipelines.bench.schedules import schedule_figures  # noqa: E402
+from pipelines.bench.throughput import (  # noqa: E402
+    compile_times,
+    memory_by_pp,
+    pipeline_efficiency,
+    single_device,
+    step_by_seq,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What a part is measured with: timed steps per measurement, toy shapes (``quick``),
+    the measured matmul peak (FLOP/s) and the parts chosen."""
+
+    repeats: int
+    quick: bool
+    peak: float
+    parts: frozenset[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One part of the benchmark: ``measure(options)`` returns its figures (the JSON ``keys``),
+    ``report(figures)`` the lines it prints."""
+
+    name: str
+    measure: Callable[[Options], dict]
+    report: Callable[[dict], list[str]]
+    keys: tuple[str, ...]
+
+
+def _single(options: Options) -> dict:
+    if "torch" in options.parts:
+        return {}  # measured with PyTorch's step in turn, by the torch part
+    return _with_mfu(single_device(options.repeats, options.quick), options.peak)
+
+
+def _torch(options: Options) -> dict:
+    return _with_mfu(
+        single_device(options.repeats, options.quick, versus_pytorch=True), options.peak
+    )
+
+
+def _with_mfu(figures: dict, peak: float) -> dict:
+    return {**figures, "mfu_vs_matmul": figures["model_flops_per_s"] / peak}
+
+
+def _report_single(figures: dict) -> list[str]:
+    return [
+        f"single device: {figures['tokens_per_s']:.0f} tokens/s, "
+        f"{figures['mfu_vs_matmul']:.2f} of matmul peak "
+        f"({figures['matmul_peak_flops'] / 1e9:.1f} GFLOP/s)"
+    ]
+
+
+def _report_torch(figures: dict) -> list[str]:
+    if figures["vs_pytorch"] is None:
+        return [*_report_single(figures), "pytorch: not installed"]
+    return [
+        *_report_single(figures),
+        f"pytorch eager: {figures['pytorch_tokens_per_s']:.0f} tokens/s; ours / pytorch "
+        f"(median of interleaved rounds) = {figures['vs_pytorch']:.2f}",
+    ]
+
+
+def _report_pipeline(figures: dict) -> list[str]:
+    spread = figures["pp_efficiency_spread"]
+    return [
+        "pipeline efficiency (dp2 x pp4 / dp8), median [min, max] over rounds: "
+        + ", ".join(
+            f"{name} {figures[f'pp_efficiency_{name}']:.2f} "
+            f"[{spread[name][0]:.2f}, {spread[name][1]:.2f}]"
+            for name in ("gpipe", "circular")
+        )
+    ]
+
+
+def _report_loader(figures: dict) -> list[str]:
+    return [
+        f"data loader (tiny.toml batches): {figures['loader_tokens_per_s']:,.0f} tokens/s; "
+        f"numpy memmap {figures['memmap_tokens_per_s']:,.0f}; tiny.toml's step consumes "
+        f"{figures['tiny_step_tokens_per_s']:,.0f}: loader / step = "
+        f"{figures['loader_vs_tiny_step']:.0f}x"
+    ]
+
+
+def _report_schedules(figures: dict) -> list[str]:
+    gpipe_rate = figures["schedule_tokens_per_s"]["gpipe"]
+    lines = []
+    for name, by_count in figures["schedule_activation_bytes"].items():
+        first, last = min(by_count, key=int), max(by_count, key=int)
+        lines.append(
+            f"schedule {name}: activation MB at M={'/'.join(by_count)} "
+            + "/".join(f"{count / 1e6:.1f}" for count in by_count.values())
+            + f" (M={last} / M={first} = {by_count[last] / by_count[first]:.2f}); "
+            f"tokens/s at M={first} / gpipe's = "
+            f"{figures['schedule_tokens_per_s'][name] / gpipe_rate:.2f}; modelled bubble "
+            f"{figures['schedule_bubble_fraction'][name]:.3f}"
+        )
+    return lines
+
+
+def _report_moe(figures: dict) -> list[str]:
+    lines = [
+        f"moe {label} / dense of equal active FLOPs, by experts: "
+        + ", ".join(f"{n}: {ratio:.2f}" for n, ratio in figures[name].items())
+        for name, label in (
+            ("moe_vs_dense_active", "dropless"),
+            ("moe_capacity_vs_dense_active", "capacity"),
+        )
+    ]
+    padding = figures["moe_padding_fraction"]
+    lines.append(
+        "moe dropless padding fraction, by experts: "
+        + ", ".join(f"{n}: {value:.3f}" for n, value in padding.items())
+    )
+    return lines
+
+
+def _report_dispatch(figures: dict) -> list[str]:
+    by_kind = figures["moe_dispatch_collectives"]
+    return [
+        "moe expert dispatch (64 experts, dp2 x pp2 x ep2): "
+        + ", ".join(
+            f"{kind} {t['count']} ops {t['bytes'] / 2**20:.1f} MiB"
+            for kind, t in by_kind.items()
+            if kind != "total_bytes"
+        )
+        + f"; total {by_kind['total_bytes'] / 2**20:.1f} MiB per step"
+    ]
+
+
+def _report_loss(figures: dict) -> list[str]:
+    by_loss = figures["loss_temp_bytes"]
+    lines = [
+        f"loss {name}: train-step temp MB by vocab "
+        + ", ".join(f"{vocab}: {size / 1e6:.0f}" for vocab, size in by_vocab.items())
+        for name, by_vocab in by_loss.items()
+    ]
+    largest, smallest = max(by_loss["plain"], key=int), min(by_loss["plain"], key=int)
+    lines.append(
+        f"loss: plain / chunked temp at vocab {largest} = "
+        f"{by_loss['plain'][largest] / by_loss['chunked'][largest]:.1f}x; chunked temp at "
+        f"{largest} / at {smallest} = "
+        f"{by_loss['chunked'][largest] / by_loss['chunked'][smallest]:.2f}"
+    )
+    return lines
+
+
+def _report_attention(figures: dict) -> list[str]:
+    lines = []
+    for mask in ("causal", "window"):
+        for kernel, by_mask in figures["attention_fwd_bwd_s"].items():
+            lines.append(
+                f"attention fwd+bwd {mask} {kernel}: seconds by T "
+                + ", ".join(f"{seq}: {value:.3f}" for seq, value in by_mask[mask].items())
+            )
+        for kernel, by_mask in figures["attention_temp_bytes"].items():
+            lines.append(
+                f"attention fwd+bwd {mask} {kernel}: temp MB by T "
+                + ", ".join(f"{seq}: {value / 1e6:.0f}" for seq, value in by_mask[mask].items())
+            )
+    return lines
+
+
+def _report_seq(figures: dict) -> list[str]:
+    by_seq = figures["step_vs_pytorch_by_seq"]
+    measured = (
+        "not measured"
+        if by_seq is None
+        else ", ".join(f"{seq}: {ratio:.2f}" for seq, ratio in by_seq.items())
+    )
+    return [f"train step ours / pytorch eager tokens/s by T (B x T fixed): {measured}"]
+
+
+SINGLE_KEYS = ("tokens_per_s", "model_flops_per_token", "model_flops_per_s", "mfu_vs_matmul")
+PARTS: dict[str, Part] = {
+    part.name: part
+    for part in (
+        Part("single", _single, _report_single, SINGLE_KEYS),
+        Part(
+            "pipeline",
+            lambda o: pipeline_efficiency(o.repeats, o.quick),
+            _report_pipeline,
+            (
+                "dp8_tokens_per_s",
+                "pp_efficiency_gpipe",
+                "pp_efficiency_circular",
+                "pp_efficiency_spread",
+            ),
+        ),
+        Part(
+            "compile",
+            lambda o: {"compile_s_by_layers": compile_times(o.quick)},
+            lambda f: [
+                "compile seconds by layers: "
+                + str({k: round(v, 2) for k, v in f["compile_s_by_layers"].items()})
+            ],
+            ("compile_s_by_layers",),
+        ),
+        Part(
+            "memory",
+            lambda o: {"memory_bytes_by_pp": memory_by_pp(o.quick)},
+            lambda f: [f"per-device bytes by pp: {f['memory_bytes_by_pp']}"],
+            ("memory_bytes_by_pp",),
+        ),
+        Part(
+            "torch",
+            _torch,
+            _report_torch,
+            (*SINGLE_KEYS, "vs_pytorch"),
+        ),
+        Part(
+            "loader",
+            lambda o: loader_throughput(o.repeats, o.quick),
+            _report_loader,
+            (
+                "loader_tokens_per_s",
+                "memmap_tokens_per_s",
+                "tiny_step_tokens_per_s",
+                "loader_vs_tiny_step",
+            ),
+        ),
+        Part(
+            "schedules",
+            lambda o: schedule_figures(o.repeats, o.quick),
+            _report_schedules,
+            ("schedule_activation_bytes", "schedule_tokens_per_s", "schedule_bubble_fraction"),
+        ),
+        Part(
+            "moe",
+            lambda o: moe_figures(o.repeats, o.quick),
+            _report_moe,
+            ("moe_vs_dense_active", "moe_capacity_vs_dense_active", "moe_padding_fraction"),
+        ),
+        Part(
+            "dispatch",
+            lambda o: dispatch_figures(o.quick),
+            _report_dispatch,
+            ("moe_dispatch_collectives",),
+        ),
+        Part("loss", lambda o: loss_memory(o.quick), _report_loss, ("loss_temp_bytes",)),
+        Part(
+            "attention",
+            lambda o: attention_figures(o.repeats, o.quick),
+            _report_attention,
+            ("attention_fwd_bwd_s", "attention_temp_bytes"),
+        ),
+        Part(
+            "seq",
+            lambda o: step_by_seq(o.repeats, o.quick),
+            _report_seq,
+            ("step_vs_pytorch_by_seq",),
+        ),
+    )
+}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipelines.bench", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--json", metavar="FILE", help="also write the figures as one JSON object")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed steps per measurement (median)"
+    )
+    parser.add_argument("--only", choices=list(PARTS), action="append")
+    parser.add_argument(
+        "--quick", action="store_true", help="a toy model: checks the command, not speed"
+    )
+    args = parser.parse_args(argv)
+    parts = frozenset(args.only or PARTS)
+    peak = measured_matmul_flops(repeats=args.repeats, size=256 if args.quick else 2048)
+    options = Options(repeats=args.repeats, quick=args.quick, peak=peak, parts=parts)
+    figures: dict = {"matmul_peak_flops": peak}
+    for part in PARTS.values():
+        if part.name in parts:
+            measured = part.measure(options)
+            figures.update(measured)
+            if measured:
+                for line in part.report(figures):
+                    print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return figures
