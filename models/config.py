@@ -20,14 +20,11 @@ from eqxzoo.nn import (
     RoutingMode,
     Scoring,
 )
-from eqxzoo.nn.attention import (
-    DEFAULT_BLOCK_SIZE,
-    AttentionKernel,
-    check_kv_heads,
-    cudnn_supports,
-)
-from eqxzoo.nn.moe import check_groups, check_shared_experts, check_top_k
+from eqxzoo.nn.attention import check_kv_heads
+from eqxzoo.nn.kernels import DEFAULT_BLOCK_SIZE, AttentionKernel, cudnn_supports
+from eqxzoo.nn.moe import check_shared_experts
 from eqxzoo.nn.rope import check_rotary_dim
+from eqxzoo.nn.router import check_groups, check_top_k
 from eqxzoo.typed_config import (
     ConfigError,
     architecture_field,

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqxzoo.nn.attention import attend
 from eqxzoo.nn.blockwise import blockwise_attend
+from eqxzoo.nn.kernels import attend
 
 SCALE = 0.35
 

@@ -13,7 +13,8 @@ import pytest
 import models
 from eqxzoo.nn.attention import CausalSelfAttention
 from eqxzoo.nn.mla import LatentAttention
-from eqxzoo.nn.moe import MoE, Router
+from eqxzoo.nn.moe import MoE
+from eqxzoo.nn.router import Router
 from eqxzoo.optim import trainable_mask
 from eqxzoo.parallel import MeshConfig, Schedule
 from eqxzoo.run.config import (

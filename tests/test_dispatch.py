@@ -18,7 +18,8 @@ from eqxzoo.nn.dispatch import (
     slot_capacity,
     slot_layout,
 )
-from eqxzoo.nn.moe import Experts, Routing, overflow_rows
+from eqxzoo.nn.experts import Experts, overflow_rows
+from eqxzoo.nn.router import Routing
 
 N_TOKENS, TOP_K, N_EXPERTS, D_MODEL = 48, 2, 6, 8
 

@@ -13,7 +13,7 @@ from grids import slow_except
 
 import models
 from eqxzoo.errors import ConfigError
-from eqxzoo.nn.attention import choose_kernel, cudnn_attend, dense_attend
+from eqxzoo.nn.kernels import choose_kernel, cudnn_attend, dense_attend
 
 SUPPORTED = dict(
     windowed=False, softcap=None, sinks=False, same_head_dims=True, positions_are_indices=True

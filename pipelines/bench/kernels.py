@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 import models
-from eqxzoo.nn.attention import DEFAULT_BLOCK_SIZE
+from eqxzoo.nn.kernels import DEFAULT_BLOCK_SIZE
 from eqxzoo.parallel import MeshConfig, Schedule
 from eqxzoo.train.loss_terms import LossConfig
 from pipelines.bench.common import (

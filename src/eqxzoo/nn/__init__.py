@@ -1,13 +1,6 @@
 """Pure Equinox building blocks: norms, rotary embeddings, attention, MLPs, MoE, layer stacks."""
 
-from eqxzoo.nn.attention import (
-    AttentionKernel,
-    CausalSelfAttention,
-    QKNorm,
-    attend,
-    cache_slots,
-    dense_attend,
-)
+from eqxzoo.nn.attention import CausalSelfAttention, QKNorm, cache_slots
 from eqxzoo.nn.axes import AbstractAxesOwner, Axes, LogicalName, logical_axes
 from eqxzoo.nn.blockwise import blockwise_attend
 from eqxzoo.nn.contract import (
@@ -17,25 +10,23 @@ from eqxzoo.nn.contract import (
     summarize_layer_aux,
 )
 from eqxzoo.nn.cross_entropy import fused_cross_entropy
+from eqxzoo.nn.experts import ExpertActivation, Experts, gated_activation
 from eqxzoo.nn.grouped import grouped_matmul
+from eqxzoo.nn.kernels import AttentionKernel, attend, dense_attend
 from eqxzoo.nn.linear import Embedding, Linear, embedding_lookup, normal_init
 from eqxzoo.nn.mla import LatentAttention, deinterleave_rope_columns, interleave_rope_columns
 from eqxzoo.nn.mlp import MLP, Activation
-from eqxzoo.nn.moe import (
-    BUFFER_FIELDS,
-    ExpertActivation,
-    Experts,
-    MoE,
-    Router,
-    Routing,
-    RoutingMode,
-    Scoring,
-    balance_selection_bias,
-    gated_activation,
-    router_losses,
-)
+from eqxzoo.nn.moe import MoE, RoutingMode
 from eqxzoo.nn.norm import LayerNorm, RMSNorm
 from eqxzoo.nn.rope import RopeScaling, apply_rope, rope_frequencies
+from eqxzoo.nn.router import (
+    BUFFER_FIELDS,
+    Router,
+    Routing,
+    Scoring,
+    balance_selection_bias,
+    router_losses,
+)
 from eqxzoo.nn.stack import RematPolicy, Stack, apply_layers, remat
 
 __all__ = [

@@ -40,7 +40,7 @@ def blockwise_attend(
     sinks: Float[Array, " heads"] | None = None,
     block_size: int = 512,
 ) -> Float[Array, "*batch seq heads v_head_dim"]:
-    """`eqxzoo.nn.attention.attend`, computed over blocks of keys and queries.
+    """`eqxzoo.nn.kernels.attend`, computed over blocks of keys and queries.
 
     Same arguments and result (masking by position with a possibly traced ``window``,
     grouped-query heads, ``softcap``, ``sinks``, a value head dimension of its own), to

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from eqxzoo.nn.attention import DEFAULT_BLOCK_SIZE, AttentionKernel, attend, write_cache
+from eqxzoo.nn.attention import write_cache
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
+from eqxzoo.nn.kernels import DEFAULT_BLOCK_SIZE, AttentionKernel, attend
 from eqxzoo.nn.linear import dense, normal_init
 from eqxzoo.nn.norm import RMSNorm
 from eqxzoo.nn.rope import (

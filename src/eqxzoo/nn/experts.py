@@ -1,0 +1,303 @@
+"""The routed experts: each expert's gated MLP, run on the tokens routed to it by the
+dropless, capacity or dense path (the `MoE` layer picks one)."""
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
+from eqxzoo.nn.dispatch import (
+    OVERFLOW_BLOCK,
+    RowMap,
+    computed_and_assigned_rows,
+    rows_from_tokens,
+    rows_to_assignments,
+    slot_layout,
+)
+from eqxzoo.nn.dispatch import padding_fraction as padding_fraction_of_rows
+from eqxzoo.nn.grouped import grouped_matmul, padding_fraction, resolve_implementation
+from eqxzoo.nn.linear import normal_init
+from eqxzoo.nn.router import Routing
+from eqxzoo.nn.varying import cotangent_for
+from eqxzoo.typed_config import refuse
+
+ExpertActivation = Literal["swiglu", "clamped_swiglu"]
+
+
+class Experts(AbstractAxesOwner):
+    """``n_experts`` gated MLPs stored as stacked ``(experts, ...)`` weights.
+
+    Expert ``e`` computes ``(act(x @ gate[e] + gate_bias[e], x @ up[e] + up_bias[e])) @
+    down[e] + down_bias[e]``, the biases optional (``bias``: GPT-OSS). ``activation``
+    (`gated_activation`) is ``"swiglu"``, ``silu(gate) * up``, or ``"clamped_swiglu"``
+    (GPT-OSS), ``(up + 1) * gate * sigmoid(alpha * gate)`` after clamping the gate above at
+    ``limit`` and ``up`` to ``[-limit, limit]``. Every routing path (`dense`, `capacity`,
+    `dropless`) runs the experts through `_apply`, so they compute the same function.
+    """
+
+    gate: Float[Array, "experts embed mlp"]
+    up: Float[Array, "experts embed mlp"]
+    down: Float[Array, "experts mlp embed"]
+    gate_bias: Float[Array, "experts mlp"] | None
+    up_bias: Float[Array, "experts mlp"] | None
+    down_bias: Float[Array, "experts embed"] | None
+    activation: ExpertActivation = eqx.field(static=True)
+    alpha: float = eqx.field(static=True)
+    limit: float = eqx.field(static=True)
+
+    def __init__(
+        self,
+        d_model: int,
+        hidden_dim: int,
+        n_experts: int,
+        *,
+        bias: bool = False,
+        activation: ExpertActivation = "swiglu",
+        alpha: float = 1.702,
+        limit: float = 7.0,
+        init_std: float = 0.02,
+        key: PRNGKeyArray,
+    ):
+        if activation not in ("swiglu", "clamped_swiglu"):
+            refuse("activation", f"must be 'swiglu' or 'clamped_swiglu', got {activation!r}")
+        if limit <= 0:
+            refuse("limit", f"must be > 0, got {limit}")
+        kg, ku, kd = jax.random.split(key, 3)
+        self.gate = normal_init(kg, (n_experts, d_model, hidden_dim), init_std)
+        self.up = normal_init(ku, (n_experts, d_model, hidden_dim), init_std)
+        self.down = normal_init(kd, (n_experts, hidden_dim, d_model), init_std)
+        self.gate_bias = jnp.zeros((n_experts, hidden_dim)) if bias else None
+        self.up_bias = jnp.zeros((n_experts, hidden_dim)) if bias else None
+        self.down_bias = jnp.zeros((n_experts, d_model)) if bias else None
+        self.activation = activation
+        self.alpha = alpha
+        self.limit = limit
+
+    def param_axes(self) -> Mapping[str, tuple[LogicalName, ...]]:
+        return {
+            "gate": ("experts", "embed", "mlp"),
+            "up": ("experts", "embed", "mlp"),
+            "down": ("experts", "mlp", "embed"),
+            "gate_bias": ("experts", "mlp"),
+            "up_bias": ("experts", "mlp"),
+            "down_bias": ("experts", "embed"),
+        }
+
+    @property
+    def n_experts(self) -> int:
+        return self.gate.shape[0]
+
+    def _apply(
+        self,
+        rows: Array,
+        matmul: Callable[[Array, Array], Array],
+        row_bias: Callable[[Array], Array],
+    ) -> Array:
+        """The experts on ``rows`` in any path's layout: ``matmul(rows, weight)`` multiplies
+        each row by its expert's ``(experts, in, out)`` weight, ``row_bias(bias)`` gives each
+        row its expert's row of an ``(experts, out)`` bias, shaped to add to the product."""
+        gate, up = matmul(rows, self.gate), matmul(rows, self.up)
+        if self.gate_bias is not None:
+            gate, up = gate + row_bias(self.gate_bias), up + row_bias(self.up_bias)
+        hidden = gated_activation(gate, up, self.activation, self.alpha, self.limit)
+        out = matmul(hidden, self.down)
+        return out if self.down_bias is None else out + row_bias(self.down_bias)
+
+    def dropless(
+        self, x: Float[Array, "tokens embed"], routing: Routing
+    ) -> tuple[Float[Array, "tokens embed"], Float[Array, ""]]:
+        """Every assignment computed; returns the output and the fraction of the computed
+        rows that are padding. Where `jax.lax.ragged_dot` is native (`resolve_implementation`)
+        the assignments are sorted by expert into one grouped matmul per weight; elsewhere
+        each expert's slots are batched matmuls and the overflow a block loop
+        (`slotted_dropless`), except inside a partitioned mesh (`partitioned_mesh`): there
+        the sorted rows and `jax.lax.ragged_dot` keep the program free of data-dependent
+        loops and branches, whose partitioner-inserted collectives devices on different
+        pipeline stages would reach in different numbers (a deadlock on XLA:CPU)."""
+        if resolve_implementation("auto") == "ragged_dot" or partitioned_mesh():
+            return self._sorted_dropless(x, routing)
+        output, rows = self.slotted_dropless(x, routing.weights, routing.experts)
+        return output, padding_fraction_of_rows(rows)
+
+    def slotted_dropless(
+        self,
+        x: Float[Array, "tokens embed"],
+        weights: Float[Array, "tokens k"],
+        experts: Int[Array, "tokens k"],
+    ) -> tuple[Float[Array, "tokens embed"], Float[Array, "2"]]:
+        """Each expert's slots as batched matmuls, the overflow as a block loop
+        (`eqxzoo.nn.dispatch`). Returns the output and the rows computed and assigned
+        (`eqxzoo.nn.dispatch.computed_and_assigned_rows`)."""
+        n_assignments = experts.size
+        layout = slot_layout(experts, self.n_experts)
+        slot_inputs = rows_from_tokens(x, layout.slots)
+        slot_inputs = slot_inputs.reshape(self.n_experts, layout.capacity, -1)
+        slot_outputs = self._apply(slot_inputs, batched_matmul, lambda b: b[:, None, :])
+        per_choice = rows_to_assignments(slot_outputs.reshape(-1, x.shape[-1]), layout.slots)
+        flat_experts = experts.reshape(-1)
+
+        def overflow_outputs(overflow: RowMap) -> Float[Array, "tokens k embed"]:
+            def matmul(rows, weights):
+                return grouped_matmul(
+                    rows,
+                    weights,
+                    layout.overflow_sizes,
+                    implementation="blocks",
+                    block=OVERFLOW_BLOCK,
+                )
+
+            # Unused rows get some expert's bias; no assignment reads them back.
+            row_experts = jnp.take(flat_experts, overflow.row_assignment)
+            outputs = self._apply(
+                rows_from_tokens(x, overflow), matmul, lambda b: jnp.take(b, row_experts, axis=0)
+            )
+            return rows_to_assignments(outputs, overflow)
+
+        few_rows = overflow_rows(n_assignments)
+        if few_rows < n_assignments:
+            per_choice += jax.lax.cond(
+                jnp.sum(layout.overflow_sizes) <= few_rows,
+                lambda: overflow_outputs(layout.overflow.first_rows(few_rows)),
+                lambda: overflow_outputs(layout.overflow),
+            )
+        else:
+            per_choice += overflow_outputs(layout.overflow)
+        output = jnp.einsum("tkd,tk->td", per_choice, weights.astype(x.dtype))
+        return output, computed_and_assigned_rows(layout)
+
+    def _sorted_dropless(
+        self, x: Float[Array, "tokens embed"], routing: Routing
+    ) -> tuple[Float[Array, "tokens embed"], Float[Array, ""]]:
+        """Sort assignments by expert, grouped matmuls (`jax.lax.ragged_dot`), unsort."""
+        n_tokens, top_k = routing.experts.shape
+        flat_experts = routing.experts.reshape(-1)
+        order = jnp.argsort(flat_experts, stable=True)
+        inverse_order = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
+        sorted_inputs = permute_rows(jnp.repeat(x, top_k, axis=0), order, inverse_order)
+        sorted_experts = jnp.take(flat_experts, order)
+        group_sizes = jnp.bincount(flat_experts, length=self.n_experts).astype(jnp.int32)
+
+        def matmul(rows, weights):
+            return grouped_matmul(rows, weights, group_sizes, implementation="ragged_dot")
+
+        sorted_outputs = self._apply(
+            sorted_inputs, matmul, lambda b: jnp.take(b, sorted_experts, axis=0)
+        )
+        outputs = permute_rows(sorted_outputs, inverse_order, order).reshape(n_tokens, top_k, -1)
+        output = jnp.einsum("tkd,tk->td", outputs, routing.weights.astype(x.dtype))
+        padding = padding_fraction(group_sizes, order.shape[0], implementation="ragged_dot")
+        return output, padding
+
+    def capacity(
+        self, x: Float[Array, "tokens embed"], routing: Routing, capacity_factor: float
+    ) -> tuple[Float[Array, "tokens embed"], Float[Array, ""]]:
+        """Fixed-capacity dispatch; returns the output and the fraction of dropped assignments.
+
+        ``capacity = ceil(capacity_factor * tokens * k / experts)`` slots per expert. Slots
+        are filled first by every token's first choice, then second choices, and so on, each
+        in token order (GShard/Switch priority).
+        """
+        n_tokens, top_k = routing.experts.shape
+        expert_capacity = max(1, math.ceil(capacity_factor * n_tokens * top_k / self.n_experts))
+        choice_major_experts = routing.experts.T.reshape(-1)
+        one_hot = jax.nn.one_hot(choice_major_experts, self.n_experts, dtype=jnp.int32)
+        slot = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)
+        kept = slot < expert_capacity
+        token_index = jnp.tile(jnp.arange(n_tokens), top_k)
+        dispatched = jnp.zeros((self.n_experts, expert_capacity, x.shape[-1]), x.dtype)
+        dispatched = dispatched.at[choice_major_experts, slot].set(x[token_index], mode="drop")
+
+        def matmul(rows, weights):
+            return jnp.einsum("ecd,edf->ecf", rows, weights)
+
+        expert_outputs = self._apply(dispatched, matmul, lambda b: b[:, None, :])
+        gathered = expert_outputs[choice_major_experts, jnp.minimum(slot, expert_capacity - 1)]
+        gathered = jnp.where(kept[:, None], gathered, 0.0).reshape(top_k, n_tokens, -1)
+        output = jnp.einsum("ktd,tk->td", gathered, routing.weights.astype(x.dtype))
+        return output, 1.0 - jnp.mean(kept.astype(jnp.float32))
+
+    def dense(
+        self, x: Float[Array, "tokens embed"], routing: Routing
+    ) -> Float[Array, "tokens embed"]:
+        """Every expert on every token, combined with the routing weights (zero if unchosen)."""
+        n_tokens = x.shape[0]
+        combine = jnp.zeros((n_tokens, self.n_experts), x.dtype)
+        combine = combine.at[jnp.arange(n_tokens)[:, None], routing.experts].add(
+            routing.weights.astype(x.dtype)
+        )
+
+        def matmul(rows, weights):
+            if rows.ndim == 2:  # the tokens, shared by every expert
+                return jnp.einsum("td,edf->etf", rows, weights)
+            return jnp.einsum("etf,efd->etd", rows, weights)
+
+        expert_outputs = self._apply(x, matmul, lambda b: b[:, None, :])
+        return jnp.einsum("etd,te->td", expert_outputs, combine)
+
+
+def gated_activation(
+    gate: Float[Array, "*rows mlp"],
+    up: Float[Array, "*rows mlp"],
+    activation: ExpertActivation,
+    alpha: float,
+    limit: float,
+) -> Float[Array, "*rows mlp"]:
+    """``silu(gate) * up`` (``"swiglu"``) or GPT-OSS's ``"clamped_swiglu"``: ``gate`` clamped
+    above at ``limit``, ``up`` to ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha
+    * gate)`` (the clamps keep the activations of its low-precision experts bounded)."""
+    if activation == "swiglu":
+        return jax.nn.silu(gate) * up
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
+
+
+@jax.custom_vjp
+def permute_rows(
+    x: Float[Array, "rows features"], order: Int[Array, " rows"], inverse: Int[Array, " rows"]
+) -> Float[Array, "rows features"]:
+    """``x[order]`` for a permutation ``order`` whose inverse is ``inverse``; its VJP is the
+    gather ``dy[inverse]``, not the scatter-add JAX would transpose a gather into (XLA:CPU
+    scatters row by row: ~10% of a 64-expert layer's time)."""
+    return jnp.take(x, order, axis=0)
+
+
+def _permute_rows_forward(x, order, inverse):
+    return jnp.take(x, order, axis=0), (x, inverse)
+
+
+def _permute_rows_backward(residuals, dy):
+    x, inverse = residuals
+    return cotangent_for(jnp.take(dy, inverse, axis=0), x), None, None
+
+
+permute_rows.defvjp(_permute_rows_forward, _permute_rows_backward)
+
+
+def partitioned_mesh() -> bool:
+    """Whether the ambient mesh (`jax.set_mesh`, or inside `jax.shard_map`) has an axis of
+    more than one device left to XLA's partitioner."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return False
+    manual = set(mesh.manual_axes)
+    return any(size > 1 for name, size in mesh.shape.items() if name not in manual)
+
+
+def overflow_rows(n_assignments: int) -> int:
+    """Rows for the overflow of a balanced router: an eighth of the assignments, in whole
+    `OVERFLOW_BLOCK` blocks (more overflow runs on ``n_assignments`` rows, slower)."""
+    return -(-n_assignments // (8 * OVERFLOW_BLOCK)) * OVERFLOW_BLOCK
+
+
+def batched_matmul(
+    x: Float[Array, "experts rows in_features"], w: Float[Array, "experts in_features out_features"]
+) -> Float[Array, "experts rows out_features"]:
+    """Each expert's rows times its matrix, accumulated in float32, in the inputs' dtype."""
+    product = jnp.einsum("erd,edf->erf", x, w, preferred_element_type=jnp.float32)
+    return product.astype(jnp.result_type(x.dtype, w.dtype))
