@@ -10,11 +10,14 @@ prompts with `jax.vmap`. For a custom loop, drive `prefill` and `decode_step` di
 `KVCache` from `DecoderLM.init_cache`.
 """
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from eqxzoo.typed_config import refuse
 from models.decoder import DecoderLM, KVCache
 
 
@@ -81,14 +84,23 @@ def sample_token(
     return jax.random.categorical(key, logits).astype(jnp.int32)
 
 
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raise a `ValueError` naming the sampling setting that is out of range."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+def check_sampling(
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    max_new_tokens: int | None = None,
+) -> None:
+    """Raise a `ConfigError` about the first setting out of range (its ``field`` is the
+    argument's name; ``pipelines.generate`` reports it as the option's): the one check of the
+    sampling options, for the library and the command alike."""
+    if max_new_tokens is not None and max_new_tokens < 1:
+        refuse("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        refuse("temperature", f"must be a finite number >= 0 (0: greedy), got {temperature}")
     if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or None (no filter), got {top_k}")
+        refuse("top_k", f"must be >= 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] or None (no filter), got {top_p}")
+        refuse("top_p", f"must be in (0, 1], got {top_p}")
 
 
 @eqx.filter_jit
@@ -111,11 +123,9 @@ def generate(
     greedy (``top_k``/``top_p`` then do nothing). With ``stop_token`` the loop ends once it
     is sampled and the remaining positions hold ``stop_token``.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_sampling(temperature, top_k, top_p, max_new_tokens)
     if prompt.shape[0] < 1:
         raise ValueError("prompt must hold at least one token (e.g. a beginning-of-text token)")
-    check_sampling(temperature, top_k, top_p)
 
     def sample(logits, step_key):
         return sample_token(logits, step_key, temperature=temperature, top_k=top_k, top_p=top_p)

@@ -79,26 +79,14 @@ def checkpoint_step(checkpoints: Path, step: int | None) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
-    from eqxzoo.errors import ConfigError
-    from eqxzoo.run.config import load_config
-    from eqxzoo.run.rundir import CHECKPOINT_DIR, CONFIG_FILE
+    from eqxzoo.run.rundir import CHECKPOINT_DIR, read_run_config
 
     if not args.run_dir:
         raise UserError("RUN_DIR is empty (an unset variable?): give a pipelines.run directory")
     run_dir, out = Path(args.run_dir), Path(args.out)
-    if not run_dir.is_dir():
-        raise UserError(f"{run_dir}: no such run directory")
-    config_file = run_dir / CONFIG_FILE
-    if not config_file.is_file():
-        raise UserError(f"{run_dir} has no {CONFIG_FILE}: not a pipelines.run directory")
     if not (args.max_shard_size > 0 and math.isfinite(args.max_shard_size)):
         raise UserError(f"--max-shard-size must be a number of GB > 0, got {args.max_shard_size}")
-    try:
-        # The run's own config holds its whole architecture: the directory it was
-        # initialised from is not needed any more.
-        config = load_config(config_file, ["model.init_from_hf="])
-    except ConfigError as error:
-        raise ConfigError(f"{config_file}: {error}") from None
+    config = read_run_config(run_dir)
     from models.hf import config_to_hf
 
     dtype = args.dtype or config.precision.params
@@ -170,14 +158,10 @@ def copy_tokenizer(config, out: Path) -> bool:
     """Copy the run's ``tokenizer.json`` (if its prepared data has one) and write the
     ``tokenizer_config.json`` that makes ``AutoTokenizer`` load it; whether it did."""
     from eqxzoo.data import EOD_TOKEN
-    from eqxzoo.data.prepare import TOKENIZER_FILE, default_stdlib_cache_dir
+    from eqxzoo.data.prepare import TOKENIZER_FILE
+    from eqxzoo.run.loop import data_directory
 
-    data = (
-        default_stdlib_cache_dir(config.data.vocab_size)
-        if config.data.is_stdlib
-        else Path(config.data.path).expanduser()
-    )
-    tokenizer = data / TOKENIZER_FILE
+    tokenizer = data_directory(config, prepare=False) / TOKENIZER_FILE
     if not tokenizer.is_file():
         return False
     shutil.copyfile(tokenizer, out / TOKENIZER_FILE)

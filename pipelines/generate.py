@@ -14,7 +14,6 @@ allocates must fit the memory of the device it runs on.
 
 import argparse
 import dataclasses
-import math
 import sys
 from pathlib import Path
 
@@ -42,23 +41,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def check_options(args: argparse.Namespace) -> None:
-    """Raise a `UserError` naming the first option out of range.
+    """Raise a `UserError` naming the first option out of range, before anything is loaded:
+    the sampling options by `models.generate.check_sampling` (reported as the options), the
+    rest here (an empty RUN_DIR is an unset variable, not the current directory)."""
+    from models.generate import check_sampling
 
-    Done here rather than left to `models.generate`, whose checks let a NaN temperature
-    through (it then samples nothing) and cannot know that ``""`` came from an unset variable.
-    """
     if not args.run_dir:
         raise UserError("RUN_DIR is empty (an unset variable?): give a pipelines.run directory")
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise UserError(
-            f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}"
-        )
-    if args.top_k is not None and args.top_k < 1:
-        raise UserError(f"--top-k must be >= 1, got {args.top_k}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    try:
+        check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
+    except ConfigError as error:
+        option = "--" + error.field.replace("_", "-")
+        raise UserError(f"{option} {error.problem}") from None
     low, high = SEED_BOUNDS
     if not low <= args.seed <= high:
         raise UserError(f"--seed must fit in 64 bits (-2**63 to 2**63 - 1), got {args.seed}")
@@ -123,19 +117,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def generate_from_run(args: argparse.Namespace) -> int:
     check_options(args)
-    from eqxzoo.run.config import load_config
-    from eqxzoo.run.rundir import CHECKPOINT_DIR, CONFIG_FILE
+    from eqxzoo.run.rundir import CHECKPOINT_DIR, read_run_config
 
     run_dir = Path(args.run_dir)
-    config_file = run_dir / CONFIG_FILE
-    if not config_file.is_file():
-        raise UserError(f"{run_dir} has no {CONFIG_FILE}: not a pipelines.run directory")
-    try:
-        # The run's own config holds its whole architecture: the Hugging Face directory it
-        # may have started from is not needed.
-        config = load_config(config_file, ["model.init_from_hf="])
-    except ConfigError as error:
-        raise ConfigError(f"{config_file}: {error}") from None
+    config = read_run_config(run_dir)
 
     import jax
     import jax.numpy as jnp

@@ -277,9 +277,9 @@ def test_top_k_filter_and_sampling_errors():
     assert set(np.asarray(samples).tolist()) == {1, 3}
     assert int(models.sample_token(logits, key, temperature=0.0)) == 1
     for settings, message in [
-        ({"temperature": -1.0}, "temperature must be >= 0"),
-        ({"temperature": 1.0, "top_k": 0}, "top_k must be >= 1"),
-        ({"temperature": 1.0, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"temperature": -1.0}, "^temperature: must be a finite number >= 0"),
+        ({"temperature": 1.0, "top_k": 0}, "^top_k: must be >= 1"),
+        ({"temperature": 1.0, "top_p": 0.0}, r"^top_p: must be in \(0, 1\]"),
     ]:
         with pytest.raises(ValueError, match=message):
             models.sample_token(logits, key, **settings)

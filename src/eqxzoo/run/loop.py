@@ -30,7 +30,7 @@ from eqxzoo.data import (
     train_batches,
     validation_batches,
 )
-from eqxzoo.data.prepare import prepare_stdlib_corpus
+from eqxzoo.data.prepare import default_stdlib_cache_dir, prepare_stdlib_corpus
 from eqxzoo.errors import EXIT_STOPPED, UserError
 from eqxzoo.parallel import make_mesh
 from eqxzoo.run.config import RunConfig, config_to_dict, step_config
@@ -98,11 +98,14 @@ class RunSummary:
     stopped_by_signal: bool
 
 
-def data_directory(config: RunConfig) -> Path:
-    """The prepared corpus: ``data.path``, or the built-in stdlib corpus prepared on first use."""
-    if config.data.is_stdlib:
+def data_directory(config: RunConfig, *, prepare: bool = True) -> Path:
+    """The prepared corpus: ``data.path``, or the built-in stdlib corpus's directory, prepared
+    on first use (unless not ``prepare``: a command that only reads its tokenizer)."""
+    if not config.data.is_stdlib:
+        return Path(config.data.path).expanduser()
+    if prepare:
         return prepare_stdlib_corpus(vocab_size=config.data.vocab_size)
-    return Path(config.data.path).expanduser()
+    return default_stdlib_cache_dir(config.data.vocab_size)
 
 
 def run_memory_checks(

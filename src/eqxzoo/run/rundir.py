@@ -36,6 +36,7 @@ from eqxzoo.run.config import (
     config_from_dict,
     config_to_dict,
     config_to_toml,
+    load_config,
 )
 from eqxzoo.train.checkpoint import finished_steps
 from eqxzoo.train.report import replace_text
@@ -201,3 +202,19 @@ def prepare_run_dir(run_dir: Path, config: RunConfig, *, lock: bool, warn=print)
 
 def _show(value: Any) -> str:
     return "(unset)" if value is None else json.dumps(value)
+
+
+def read_run_config(run_dir: Path) -> RunConfig:
+    """The config of the ``pipelines.run`` directory ``run_dir``, as its ``config.toml`` holds
+    it, for the commands that open a run (export, generate): the run's own config holds its
+    whole architecture, so the Hugging Face directory it may have started from is not
+    needed (``init_from_hf`` is cleared). A `UserError` names what is missing."""
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir}: no such run directory")
+    config_file = run_dir / CONFIG_FILE
+    if not config_file.is_file():
+        raise UserError(f"{run_dir} has no {CONFIG_FILE}: not a pipelines.run directory")
+    try:
+        return load_config(config_file, ["model.init_from_hf="])
+    except ConfigError as error:
+        raise ConfigError(f"{config_file}: {error}") from None
