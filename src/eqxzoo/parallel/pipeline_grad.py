@@ -25,8 +25,9 @@ microbatch on its F only; their loss terms enter each BW as a constant cotangent
 this is differentiated by autodiff: `pipeline_value_and_grad` returns values and gradients.
 """
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -139,36 +140,12 @@ def pipeline_value_and_grad(
         layer_params, layer_data = jax.tree.map(lambda p: p[:, 0], (layer_params, layer_data))
         outer_params = _varying_over_pp(outer_params, manual)
         varying = lambda tree: _varying_over_pp(tree, manual)  # noqa: E731
-        residual_shapes, residual_tree, weight_of_residual = [], None, []
+        layout = _ResidualLayout()
         if not remat_stages:
-            # The pullback's structure as traced here, inside the shard_map (its leaves are
-            # the residuals a stash slot keeps); the computation itself is dead code.
             weights, data = jax.tree.map(lambda p: p[0], (layer_params, layer_data))
             probe = varying(jnp.zeros(h_shape.shape, h_shape.dtype))
-            _, pullback = jax.vjp(stage_with(data), weights, probe)
-            residual_tree = jax.tree.structure(pullback)
-            weight_leaves = jax.tree.leaves(weights)
-            # A residual that is a weight itself is read from the weights, not stashed.
-            weight_of_residual = [
-                next((i for i, w in enumerate(weight_leaves) if leaf is w), None)
-                for leaf in jax.tree.leaves(pullback)
-            ]
-            residual_shapes = [
-                jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-                for leaf, weight in zip(jax.tree.leaves(pullback), weight_of_residual)
-                if weight is None
-            ]
-
-        def stashable(pullback):
-            """The pullback's residuals that are not weights: what a stash slot keeps."""
-            leaves = jax.tree.leaves(pullback)
-            return [leaf for leaf, w in zip(leaves, weight_of_residual) if w is None]
-
-        def pullback_from(weights, stashed):
-            """The pullback rebuilt from the stashed residuals and the weights."""
-            stashed, weight_leaves = iter(stashed), jax.tree.leaves(weights)
-            leaves = [next(stashed) if w is None else weight_leaves[w] for w in weight_of_residual]
-            return jax.tree.unflatten(residual_tree, leaves)
+            layout = _ResidualLayout.of(stage_with(data), weights, probe)
+        residual_shapes = list(layout.shapes)
 
         one_repeat_shapes = jax.tree.map(
             lambda p: jax.ShapeDtypeStruct(p.shape[1:], jnp.float32), layer_params
@@ -186,7 +163,7 @@ def pipeline_value_and_grad(
                 outputs, pullback = jax.vjp(stage_with(data), weights, h_in)
             else:
                 outputs = jax.eval_shape(stage_with(data), weights, h_in)
-                pullback = pullback_from(weights, residuals)
+                pullback = layout.pullback_from(weights, residuals)
             cotangent = (h_grad, aux_cotangent)
             cotangent = jax.tree.map(
                 lambda output, value: varying(value) if _varies(output) else value,
@@ -242,7 +219,7 @@ def pipeline_value_and_grad(
                     (h_out, aux), new_residuals = stage_fn(weights, data, h_in), stashed_residuals
                 else:
                     (h_out, aux), pullback = jax.vjp(stage_with(data), weights, h_in)
-                    new_residuals = stashable(pullback)
+                    new_residuals = layout.stashable(pullback)
 
                 def head():
                     loss, pullback = jax.vjp(
@@ -303,35 +280,14 @@ def pipeline_value_and_grad(
                 BW: backward(weight_grad=True, input_grad=True),
             }
             result = jax.lax.switch(kind, [branches[action] for action in sorted(branches)])
-            forward_slot = jnp.where(kind == F, slot, -1)
             # Across stages in float32: XLA:CPU fails to compile bfloat16 collectives.
             send = result.send.astype(transport_dtype)
             send_back = result.send_back.astype(transport_dtype)
             if manual:
                 send = jax.lax.ppermute(send, "pp", forward_shift)
                 send_back = jax.lax.ppermute(send_back, "pp", backward_shift)
-            carry = TickCarry(
-                received=send,
-                received_grad=send_back,
-                inputs=_write(inputs, forward_slot, result.input),
-                grads=_write(grads, jnp.where(result.write_grad, slot, -1), result.grad),
-                residuals=jax.tree.map(
-                    lambda buffer, value: _write(buffer, forward_slot, value),
-                    residuals,
-                    result.residuals,
-                ),
-                layer_grads=jax.tree.map(
-                    lambda acc, d: acc.at[r].add(d.astype(acc.dtype)),
-                    carry.layer_grads,
-                    result.d_layers,
-                ),
-                outer_grads=jax.tree.map(
-                    lambda acc, d: acc + d.astype(acc.dtype), carry.outer_grads, result.d_outer
-                ),
-                loss=carry.loss + result.loss,
-                aux=jax.tree.map(lambda acc, v: acc.at[r].add(v), carry.aux, result.aux),
-            )
-            return carry, None
+            stash = carry._replace(inputs=inputs, grads=grads)
+            return _next_carry(stash, result, kind, slot, r, send, send_back), None
 
         slot_buffer = jnp.zeros((n_slots, *h_shape.shape), h_shape.dtype)
         init = varying(
@@ -435,6 +391,81 @@ class TickCarry(NamedTuple):
     outer_grads: PyTree
     loss: Array
     aux: dict[str, Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class _ResidualLayout:
+    """Which leaves of a stage's pullback a stash slot keeps (without stage remat): the
+    pullback's structure, and for each leaf the index of the weight it is (read from the
+    weights, not stashed) or None (a residual, stashed with ``shapes``)."""
+
+    tree: Any = None
+    weight_of_leaf: tuple[int | None, ...] = ()
+    shapes: tuple[jax.ShapeDtypeStruct, ...] = ()
+
+    @classmethod
+    def of(cls, stage: Callable, weights: PyTree, probe: Array) -> "_ResidualLayout":
+        """The layout of ``stage``'s pullback as traced here (inside the shard_map); the
+        computation itself is dead code."""
+        _, pullback = jax.vjp(stage, weights, probe)
+        weight_leaves = jax.tree.leaves(weights)
+        leaves = jax.tree.leaves(pullback)
+        weight_of_leaf = tuple(
+            next((i for i, w in enumerate(weight_leaves) if leaf is w), None) for leaf in leaves
+        )
+        shapes = tuple(
+            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+            for leaf, weight in zip(leaves, weight_of_leaf)
+            if weight is None
+        )
+        return cls(jax.tree.structure(pullback), weight_of_leaf, shapes)
+
+    def stashable(self, pullback: PyTree) -> list[Array]:
+        """The pullback's residuals that are not weights: what a stash slot keeps."""
+        leaves = jax.tree.leaves(pullback)
+        return [leaf for leaf, w in zip(leaves, self.weight_of_leaf) if w is None]
+
+    def pullback_from(self, weights: PyTree, stashed: list[Array]) -> PyTree:
+        """The pullback rebuilt from the stashed residuals and the weights."""
+        stashed, weight_leaves = iter(stashed), jax.tree.leaves(weights)
+        leaves = [next(stashed) if w is None else weight_leaves[w] for w in self.weight_of_leaf]
+        return jax.tree.unflatten(self.tree, leaves)
+
+
+def _next_carry(
+    carry: TickCarry,
+    result: TickResult,
+    kind: Array,
+    slot: Array,
+    repeat: Array,
+    received: Array,
+    received_grad: Array,
+) -> TickCarry:
+    """The carry after a tick: what the neighbours sent, the item's stage input, output
+    cotangent and residuals stashed in its slot (the input and residuals by its F), and the
+    result added to the sums (weight gradients and aux values of its repeat)."""
+    forward_slot = jnp.where(kind == F, slot, -1)
+    return TickCarry(
+        received=received,
+        received_grad=received_grad,
+        inputs=_write(carry.inputs, forward_slot, result.input),
+        grads=_write(carry.grads, jnp.where(result.write_grad, slot, -1), result.grad),
+        residuals=jax.tree.map(
+            lambda buffer, value: _write(buffer, forward_slot, value),
+            carry.residuals,
+            result.residuals,
+        ),
+        layer_grads=jax.tree.map(
+            lambda acc, d: acc.at[repeat].add(d.astype(acc.dtype)),
+            carry.layer_grads,
+            result.d_layers,
+        ),
+        outer_grads=jax.tree.map(
+            lambda acc, d: acc + d.astype(acc.dtype), carry.outer_grads, result.d_outer
+        ),
+        loss=carry.loss + result.loss,
+        aux=jax.tree.map(lambda acc, v: acc.at[repeat].add(v), carry.aux, result.aux),
+    )
 
 
 def _varies(value) -> bool:
