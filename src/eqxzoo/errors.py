@@ -34,11 +34,11 @@ class UserError(Exception):
         self.problem = problem
         self.field = field
 
-    def under(self, section: str, *, note: str = "") -> "UserError":
+    def under(self, section: str) -> "UserError":
         """The same error about ``section.field`` (about ``section`` itself when it names no
-        field), with ``note`` appended to the problem."""
+        field)."""
         field = f"{section}.{self.field}" if self.field else section
-        return type(self)(self.problem + note, field=field)
+        return type(self)(self.problem, field=field)
 
 
 class ConfigError(UserError, ValueError):
