@@ -10,9 +10,9 @@ import math
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 
-from eqxzoo.nn import BUFFER_FIELDS, logical_axes
+from eqxzoo.nn import logical_axes
+from eqxzoo.optim import trainable_mask
 from models.config import DecoderConfig
 from models.registry import model_factory
 
@@ -28,18 +28,11 @@ class ParameterCounts:
 
 
 def parameter_counts(config: DecoderConfig) -> ParameterCounts:
-    """The parameters of ``config``'s model: its floating arrays, less the buffers a rule
-    moves instead of a gradient (`eqxzoo.nn.BUFFER_FIELDS`) and the per-layer integer data
-    (sliding windows)."""
+    """The parameters of ``config``'s model: what the optimizer trains (`eqxzoo.optim.
+    trainable_mask`: floating arrays, less the buffers a rule moves instead of a gradient),
+    not the per-layer integer data (sliding windows)."""
     shapes = eqx.filter_eval_shape(model_factory(config), key=jax.random.key(0))
-
-    def is_parameter(path, leaf) -> bool:
-        floating = isinstance(leaf, jax.ShapeDtypeStruct) and jnp.issubdtype(
-            leaf.dtype, jnp.inexact
-        )
-        return floating and not (bool(path) and getattr(path[-1], "name", None) in BUFFER_FIELDS)
-
-    shapes, _ = eqx.partition(shapes, jax.tree_util.tree_map_with_path(is_parameter, shapes))
+    shapes, _ = eqx.partition(shapes, trainable_mask(shapes))
     leaves = jax.tree.leaves(shapes)
     axes = jax.tree.leaves(logical_axes(shapes), is_leaf=lambda a: hasattr(a, "names"))
     total = sum(math.prod(leaf.shape) for leaf in leaves)
