@@ -21,6 +21,7 @@ from eqxzoo.nn import (
     Scoring,
 )
 from eqxzoo.nn.attention import check_kv_heads
+from eqxzoo.nn.experts import DroplessKernel
 from eqxzoo.nn.kernels import DEFAULT_BLOCK_SIZE, AttentionKernel, cudnn_supports
 from eqxzoo.nn.moe import check_shared_experts
 from eqxzoo.nn.rope import check_rotary_dim
@@ -62,7 +63,9 @@ class MoEConfig:
 
     ``routing``: ``"dropless"`` (every assignment computed), ``"capacity"`` (at most
     ``capacity_factor`` times the mean load per expert, the rest dropped) or ``"dense"``
-    (every expert on every token: the reference).
+    (every expert on every token: the reference); ``dropless_kernel`` how the dropless
+    routing runs (`eqxzoo.nn.Experts`: ``"auto"``, ``"sorted"`` or ``"slotted"``; a run whose
+    mesh splits pipeline stages over more axes runs ``"auto"`` as ``"sorted"``).
 
     The router (`eqxzoo.nn.Router`): ``scoring`` is ``"softmax"``, ``"sigmoid"``
     (DeepSeek-V3) or ``"softmax_topk"`` (GPT-OSS: softmax over the chosen logits);
@@ -96,6 +99,7 @@ class MoEConfig:
     swiglu_limit: float = architecture_field(7.0)
     routing: RoutingMode = runtime_field("dropless")
     capacity_factor: float = runtime_field(1.25)
+    dropless_kernel: DroplessKernel = runtime_field("auto")
 
     @property
     def router_options(self) -> dict[str, Any]:
@@ -117,6 +121,7 @@ class MoEConfig:
             activation=self.expert_activation,
             alpha=self.swiglu_alpha,
             limit=self.swiglu_limit,
+            dropless_kernel=self.dropless_kernel,
         )
 
     def __post_init__(self):

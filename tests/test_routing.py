@@ -17,6 +17,8 @@ import models
 from eqxzoo.nn import Router, balance_selection_bias
 from eqxzoo.optim import OptimizerConfig
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh
+from eqxzoo.parallel.mesh import MeshError
+from eqxzoo.run.config import model_config_for_mesh
 from eqxzoo.train.layout import from_pipeline_layout
 from eqxzoo.train.loss_terms import LossConfig
 from eqxzoo.train.settings import StepConfig
@@ -180,7 +182,7 @@ def run_balancing(config, mesh_config, stages, n_steps, random_batch, *, rate, s
         loss=LossConfig(bias_update_rate=rate),
     )
     state = init_train_state(
-        lambda key: models.DecoderLM(config, key=key),
+        models.model_factory(model_config_for_mesh(config, mesh_config)),
         jax.random.key(0),
         config=step_config,
         mesh=mesh,
@@ -233,8 +235,9 @@ def test_stages_compute_through_bubbles_where_xla_cpu_cannot_skip_them(tiny_conf
     mesh axes by collective-permutes inside the pipeline's stage branch, which XLA:CPU
     cannot run while another stage idles: the step is refused (one line naming the way
     out), and `compile_train_step_for` compiles the stages without the branch instead."""
-    config = tiny_config("deepseek_v3", n_layers=N_LAYERS)
-    mesh = make_mesh(MeshConfig(dp=2, pp=2, ep=2))
+    mesh_config = MeshConfig(dp=2, pp=2, ep=2)
+    config = model_config_for_mesh(tiny_config("deepseek_v3", n_layers=N_LAYERS), mesh_config)
+    mesh = make_mesh(mesh_config)
     step_config = StepConfig(schedule=Schedule("gpipe", 2, SHAPE[1], 1))
     target = abstract_train_state(
         lambda key: models.DecoderLM(config, key=key), config=step_config, mesh=mesh
@@ -252,3 +255,30 @@ def test_stages_compute_through_bubbles_where_xla_cpu_cannot_skip_them(tiny_conf
     compiled, used = compile_train_step_for(step_config, mesh, target, SHAPE)
     assert used == dataclasses.replace(step_config, skip_bubbles=False)
     assert compiled is not None
+
+
+def test_stages_split_over_more_axes_run_the_experts_without_data_dependent_loops(tiny_config):
+    """The slotted dropless kernel loops as often as the routing overflows: stages holding
+    different layers would reach the collectives the partitioner puts in that loop different
+    numbers of times (a hang on XLA:CPU). The run builds ``"auto"`` as ``"sorted"`` on a mesh
+    that splits stages over more axes and leaves it elsewhere; ``"slotted"`` there is refused
+    in one line before anything compiles."""
+    config = tiny_config("mixtral", n_layers=N_LAYERS)
+    split = MeshConfig(dp=2, pp=2, ep=2)
+    for mesh_config in (MeshConfig(pp=2), MeshConfig(dp=2, ep=2)):
+        assert model_config_for_mesh(config, mesh_config) == config
+    assert model_config_for_mesh(config, split).moe.dropless_kernel == "sorted"
+    slotted = dataclasses.replace(
+        config, moe=dataclasses.replace(config.moe, dropless_kernel="slotted")
+    )
+    assert model_config_for_mesh(slotted, split) == slotted
+    mesh = make_mesh(split)
+    step_config = StepConfig(schedule=Schedule("gpipe", 2, SHAPE[1], 1))
+    target = abstract_train_state(models.model_factory(slotted), config=step_config, mesh=mesh)
+    with pytest.raises(MeshError) as refused:
+        compile_train_step(step_config, mesh, target, SHAPE)
+    assert str(refused.value) == (
+        "mesh {'dp': 2, 'pp': 2, 'tp': 1, 'ep': 2} splits pipeline stages over more axes, "
+        "which the slotted dropless experts cannot run: set model.moe.dropless_kernel = "
+        "'sorted' (or 'auto')"
+    )

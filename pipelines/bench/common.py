@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import models
 from eqxzoo.optim import OptimizerConfig
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh
+from eqxzoo.run.config import model_config_for_mesh
 from eqxzoo.train.loss_terms import LossConfig
 from eqxzoo.train.report import median_seconds
 from eqxzoo.train.settings import StepConfig
@@ -66,7 +67,7 @@ class StepRunner:
             remat_stages=remat_stages,
             loss=LossConfig(chunk_size=loss_chunk_size),
         )
-        make_model = models.model_factory(model_config)
+        make_model = models.model_factory(model_config_for_mesh(model_config, mesh_config))
         if compile_only:
             self.state = abstract_train_state(make_model, config=self.config, mesh=self.mesh)
             ids = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding(self.mesh))

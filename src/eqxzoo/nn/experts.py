@@ -27,6 +27,7 @@ from eqxzoo.nn.varying import cotangent_for
 from eqxzoo.typed_config import refuse
 
 ExpertActivation = Literal["swiglu", "clamped_swiglu"]
+DroplessKernel = Literal["auto", "sorted", "slotted"]
 
 
 class Experts(AbstractAxesOwner):
@@ -38,6 +39,13 @@ class Experts(AbstractAxesOwner):
     (GPT-OSS), ``(up + 1) * gate * sigmoid(alpha * gate)`` after clamping the gate above at
     ``limit`` and ``up`` to ``[-limit, limit]``. Every routing path (`dense`, `capacity`,
     `dropless`) runs the experts through `_apply`, so they compute the same function.
+
+    ``dropless_kernel`` is how `dropless` runs them: ``"sorted"`` (assignments sorted by
+    expert, one `jax.lax.ragged_dot` per weight), ``"slotted"`` (each expert's slots as
+    batched matmuls, the overflow a block loop: faster where ``ragged_dot`` is not native) or
+    ``"auto"``, sorted where it is native (`eqxzoo.nn.grouped.resolve_implementation`).
+    Only ``"sorted"`` is free of data-dependent loops, which a pipeline stage partitioned
+    over more axes needs (`has_data_dependent_loops`).
     """
 
     gate: Float[Array, "experts embed mlp"]
@@ -49,6 +57,7 @@ class Experts(AbstractAxesOwner):
     activation: ExpertActivation = eqx.field(static=True)
     alpha: float = eqx.field(static=True)
     limit: float = eqx.field(static=True)
+    dropless_kernel: DroplessKernel = eqx.field(static=True)
 
     def __init__(
         self,
@@ -60,6 +69,7 @@ class Experts(AbstractAxesOwner):
         activation: ExpertActivation = "swiglu",
         alpha: float = 1.702,
         limit: float = 7.0,
+        dropless_kernel: DroplessKernel = "auto",
         init_std: float = 0.02,
         key: PRNGKeyArray,
     ):
@@ -67,6 +77,7 @@ class Experts(AbstractAxesOwner):
             refuse("activation", f"must be 'swiglu' or 'clamped_swiglu', got {activation!r}")
         if limit <= 0:
             refuse("limit", f"must be > 0, got {limit}")
+        check_dropless_kernel(dropless_kernel)
         kg, ku, kd = jax.random.split(key, 3)
         self.gate = normal_init(kg, (n_experts, d_model, hidden_dim), init_std)
         self.up = normal_init(ku, (n_experts, d_model, hidden_dim), init_std)
@@ -77,6 +88,7 @@ class Experts(AbstractAxesOwner):
         self.activation = activation
         self.alpha = alpha
         self.limit = limit
+        self.dropless_kernel = dropless_kernel
 
     def param_axes(self) -> Mapping[str, tuple[LogicalName, ...]]:
         return {
@@ -108,18 +120,19 @@ class Experts(AbstractAxesOwner):
         out = matmul(hidden, self.down)
         return out if self.down_bias is None else out + row_bias(self.down_bias)
 
+    @property
+    def resolved_dropless_kernel(self) -> Literal["sorted", "slotted"]:
+        """``dropless_kernel`` with ``"auto"`` resolved for the default backend."""
+        if self.dropless_kernel != "auto":
+            return self.dropless_kernel
+        return "sorted" if resolve_implementation("auto") == "ragged_dot" else "slotted"
+
     def dropless(
         self, x: Float[Array, "tokens embed"], routing: Routing
     ) -> tuple[Float[Array, "tokens embed"], Float[Array, ""]]:
-        """Every assignment computed; returns the output and the fraction of the computed
-        rows that are padding. Where `jax.lax.ragged_dot` is native (`resolve_implementation`)
-        the assignments are sorted by expert into one grouped matmul per weight; elsewhere
-        each expert's slots are batched matmuls and the overflow a block loop
-        (`slotted_dropless`), except inside a partitioned mesh (`partitioned_mesh`): there
-        the sorted rows and `jax.lax.ragged_dot` keep the program free of data-dependent
-        loops and branches, whose partitioner-inserted collectives devices on different
-        pipeline stages would reach in different numbers (a deadlock on XLA:CPU)."""
-        if resolve_implementation("auto") == "ragged_dot" or partitioned_mesh():
+        """Every assignment computed, by ``dropless_kernel``; returns the output and the
+        fraction of the computed rows that are padding."""
+        if self.resolved_dropless_kernel == "sorted":
             return self._sorted_dropless(x, routing)
         output, rows = self.slotted_dropless(x, routing.weights, routing.experts)
         return output, padding_fraction_of_rows(rows)
@@ -279,14 +292,10 @@ def _permute_rows_backward(residuals, dy):
 permute_rows.defvjp(_permute_rows_forward, _permute_rows_backward)
 
 
-def partitioned_mesh() -> bool:
-    """Whether the ambient mesh (`jax.set_mesh`, or inside `jax.shard_map`) has an axis of
-    more than one device left to XLA's partitioner."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return False
-    manual = set(mesh.manual_axes)
-    return any(size > 1 for name, size in mesh.shape.items() if name not in manual)
+def check_dropless_kernel(kernel: str) -> None:
+    """Refuse a ``dropless_kernel`` that is not one of `DroplessKernel`'s."""
+    if kernel not in ("auto", "sorted", "slotted"):
+        refuse("dropless_kernel", f"must be 'auto', 'sorted' or 'slotted', got {kernel!r}")
 
 
 def overflow_rows(n_assignments: int) -> int:

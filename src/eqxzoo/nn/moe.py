@@ -5,8 +5,8 @@ Three ways to run the same experts on the same routing decisions:
 
 - ``"dropless"``: every (token, choice) assignment computed, at the cost of the assignments
   plus a little padding: each expert's slots as batched matmuls and the overflow past them
-  as a block-sparse loop (`eqxzoo.nn.dispatch`), or, where `jax.lax.ragged_dot` is native
-  (GPU), the assignments sorted by expert into one grouped matmul per weight.
+  as a block-sparse loop (`eqxzoo.nn.dispatch`), or the assignments sorted by expert into
+  one grouped matmul per weight (`jax.lax.ragged_dot`): `Experts`' ``dropless_kernel``.
 - ``"capacity"``: each expert takes at most ``capacity`` assignments (first choices of all
   tokens before second choices, tokens in order); overflow is dropped and reported. Fixed
   shapes ``(experts, capacity, embed)``, for hardware where ragged matmuls are slow.
@@ -20,7 +20,7 @@ from typing import Any, Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from eqxzoo.nn.experts import Experts
 from eqxzoo.nn.linear import Linear
@@ -44,7 +44,8 @@ class MoE(eqx.Module):
 
     ``router`` holds the `Router`'s options beyond ``top_k`` and ``normalize_topk``
     (``scoring``, ``n_groups``, ``topk_groups``, ``scaling``, ``bias``, ``selection_bias``);
-    ``experts`` the `Experts`' options (``bias``, ``activation``, ``alpha``, ``limit``).
+    ``experts`` the `Experts`' options (``bias``, ``activation``, ``alpha``, ``limit``,
+    ``dropless_kernel``).
     Shared experts (Qwen-MoE / DeepSeek-MoE) are one SwiGLU MLP of width ``shared_mlp_dim``
     applied to every token, optionally scaled by ``sigmoid(x @ shared_gate)`` (Qwen2-MoE).
 
@@ -153,3 +154,14 @@ class MoE(eqx.Module):
             )
             fractions = {"dropped_fraction": dropped_fraction, "padding_fraction": padding}
             return output.reshape(x.shape), {**losses, **fractions}
+
+
+def has_data_dependent_loops(tree: PyTree) -> bool:
+    """Whether a `MoE` in ``tree`` runs its dropless experts slotted, whose overflow is a loop
+    of as many iterations as the routing overflows (`Experts`' ``dropless_kernel``)."""
+    layers = jax.tree.leaves(tree, is_leaf=lambda node: isinstance(node, MoE))
+    return any(
+        layer.routing_mode == "dropless" and layer.experts.resolved_dropless_kernel == "slotted"
+        for layer in layers
+        if isinstance(layer, MoE)
+    )

@@ -1,11 +1,14 @@
 """Device meshes with the axes ``dp`` (data/FSDP), ``pp`` (pipeline), ``tp`` (tensor), ``ep`` (experts)."""
 
 import dataclasses
+from collections.abc import Mapping
 
 import jax
 from jax.sharding import AxisType, Mesh
+from jaxtyping import PyTree
 
 from eqxzoo.errors import UserError
+from eqxzoo.nn.moe import has_data_dependent_loops
 from eqxzoo.typed_config import check_fields, require_at_least, runtime_field
 
 MESH_AXES = ("dp", "pp", "tp", "ep")
@@ -48,6 +51,27 @@ def make_mesh(config: MeshConfig, devices: list | None = None) -> Mesh:
     return jax.make_mesh(
         config.shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
     )
+
+
+def partitions_stages(mesh_shape: Mapping[str, int]) -> bool:
+    """Whether a pipeline stage on this mesh is split over more devices by XLA's partitioner
+    (``pp > 1`` and another axis of more than one device): the stage's program then holds
+    collectives that every stage must reach the same number of times."""
+    return mesh_shape["pp"] > 1 and any(
+        size > 1 for name, size in mesh_shape.items() if name != "pp"
+    )
+
+
+def check_stage_loops(layers: PyTree, mesh: Mesh) -> None:
+    """Refuse ``layers`` whose stage runs a data-dependent number of loop iterations
+    (`eqxzoo.nn.has_data_dependent_loops`) on a mesh that `partitions_stages`: stages holding
+    different layers would reach the loop's collectives different numbers of times, and
+    XLA:CPU deadlocks."""
+    if partitions_stages(dict(mesh.shape)) and has_data_dependent_loops(layers):
+        raise MeshError(
+            f"mesh {dict(mesh.shape)} splits pipeline stages over more axes, which the slotted "
+            "dropless experts cannot run: set model.moe.dropless_kernel = 'sorted' (or 'auto')"
+        )
 
 
 def check_layers_fit(n_layers: int, *, stages: int, repeats: int) -> None:

@@ -38,6 +38,7 @@ from jaxtyping import Array, Float, Int, PyTree
 from eqxzoo.nn import Axes, apply_layers, logical_axes
 from eqxzoo.nn.stack import RematPolicy
 from eqxzoo.nn.varying import varying_axes
+from eqxzoo.parallel.mesh import check_stage_loops
 from eqxzoo.parallel.pipeline import _varying_over_pp
 from eqxzoo.parallel.rules import (
     DEFAULT_RULES,
@@ -87,6 +88,7 @@ def pipeline_value_and_grad(
     """
     assert schedule.fuses_backward, schedule
     assert mesh.shape["pp"] == schedule.stages, (mesh.shape, schedule)
+    check_stage_loops(layers, mesh)
     table = schedule.actions()
     n_stages, n_repeats = schedule.stages, schedule.repeats
     n_slots = table.slots

@@ -35,7 +35,13 @@ from typing import Any
 
 from eqxzoo.data.tokenizer import DEFAULT_VOCAB_SIZE, MIN_VOCAB_SIZE
 from eqxzoo.optim import OptimizerConfig
-from eqxzoo.parallel.mesh import MeshConfig, MeshError, check_model_fits
+from eqxzoo.parallel.mesh import (
+    MESH_AXES,
+    MeshConfig,
+    MeshError,
+    check_model_fits,
+    partitions_stages,
+)
 from eqxzoo.parallel.rules import ShardingConfig
 from eqxzoo.parallel.schedule import Schedule, ScheduleError, ScheduleName
 from eqxzoo.train.loss_terms import LossConfig
@@ -409,6 +415,19 @@ def step_config(config: RunConfig) -> StepConfig:
         remat_stages=config.pipeline.remat_stages,
         sharding=config.sharding,
     )
+
+
+def model_config_for_mesh(model: DecoderConfig, mesh: MeshConfig) -> DecoderConfig:
+    """``model`` as a run builds it on ``mesh``: where the mesh splits pipeline stages over
+    more axes (`eqxzoo.parallel.mesh.partitions_stages`), MoE experts whose
+    ``dropless_kernel`` is ``"auto"`` run ``"sorted"``, the kernel without data-dependent
+    loops (`eqxzoo.parallel.mesh.check_stage_loops`)."""
+    mesh_shape = dict(zip(MESH_AXES, mesh.shape, strict=True))
+    if model.moe is None or model.moe.dropless_kernel != "auto":
+        return model
+    if not partitions_stages(mesh_shape):
+        return model
+    return dataclasses.replace(model, moe=dataclasses.replace(model.moe, dropless_kernel="sorted"))
 
 
 def document_key(key: str) -> str:

@@ -33,7 +33,7 @@ from eqxzoo.data import (
 from eqxzoo.data.prepare import default_stdlib_cache_dir, prepare_stdlib_corpus
 from eqxzoo.errors import EXIT_STOPPED, UserError
 from eqxzoo.parallel import make_mesh
-from eqxzoo.run.config import RunConfig, config_to_dict, step_config
+from eqxzoo.run.config import RunConfig, config_to_dict, model_config_for_mesh, step_config
 from eqxzoo.run.rundir import CHECKPOINT_DIR, has_checkpoints, prepare_run_dir
 from eqxzoo.runtime import counts_of_every_process, on_every_process
 from eqxzoo.train.checkpoint import Checkpointer, saves_asynchronously
@@ -171,7 +171,7 @@ class _Trainer:
             config.checkpoint.async_save, self.mesh.devices.flat[0].platform
         )
         self.step_config = step_config(config)
-        self.make_model = model_factory(config.model)
+        self.make_model = model_factory(model_config_for_mesh(config.model, config.mesh))
         self.total_steps = config.run.steps
         if options.stop_after is not None:
             self.total_steps = min(self.total_steps, options.stop_after)

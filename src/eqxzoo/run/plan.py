@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from eqxzoo.parallel import make_mesh
-from eqxzoo.run.config import RunConfig, step_config
+from eqxzoo.run.config import RunConfig, model_config_for_mesh, step_config
 from eqxzoo.run.loop import batch_shape, run_memory_checks
 from eqxzoo.train.memory import StepMemory, format_bytes
 from eqxzoo.train.state import abstract_train_state
@@ -43,7 +43,8 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
     checkpoint = open_hf(config.init_from_hf) if config.init_from_hf else None
     mesh = make_mesh(config.mesh)
     config_for_step = step_config(config)
-    target = abstract_train_state(model_factory(config.model), config=config_for_step, mesh=mesh)
+    make_model = model_factory(model_config_for_mesh(config.model, config.mesh))
+    target = abstract_train_state(make_model, config=config_for_step, mesh=mesh)
     counts = parameter_counts(config.model)
     shape = batch_shape(config)
     start = time.perf_counter()
