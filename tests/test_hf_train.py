@@ -4,6 +4,7 @@ run's checkpoint, and exported back (`pipelines.export`) bit for bit; ``[model]
 init_from_hf`` in run configs; and every error of both roads, by its message.
 """
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -162,17 +163,21 @@ def test_loading_reads_only_the_slices_of_this_process(tmp_path: Path):
         np.testing.assert_array_equal(np.asarray(actual), np.asarray(wanted))
 
 
-def test_parameters_take_the_runs_dtype(tmp_path: Path):
+def test_parameters_take_the_runs_dtype_and_run_options(tmp_path: Path):
+    """The run's dtype and its way of running the model (remat, kernels: static options the
+    Hugging Face model lacks) apply to the loaded weights."""
     hf_dir = save_hf_model("llama_gqa", tmp_path / "hf")
     config = hf_run_config(hf_dir, tmp_path, precision={"params": "bfloat16"})
+    run_options = dict(remat="full", attention_kernel="blockwise")
     state = init_train_state_from(
-        model_factory(config.model),
+        model_factory(dataclasses.replace(config.model, **run_options)),
         open_hf(hf_dir).model,
         config=step_config(config),
         mesh=make_mesh(config.mesh),
     )
     assert {leaf.dtype for leaf in jax.tree.leaves(state.model)} == {np.dtype(jax.numpy.bfloat16)}
     assert int(state.step) == 0
+    assert state.model.blocks.remat_policy == "full"
 
 
 # ------------------------------------------------------------------------------------------

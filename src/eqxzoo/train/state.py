@@ -236,10 +236,15 @@ def init_train_state_from(
     """
     target = abstract_train_state(make_model, config=config, mesh=mesh)
     axes = train_state_axes(make_model, config=config)
-    source_leaves, source_tree = jax.tree.flatten(source)
-    target_leaves, target_tree = jax.tree.flatten(target.model)
-    if source_tree != target_tree:
-        raise ValueError("the source model's structure differs from the model the run builds")
+    # Arrays are matched by where they sit: how the run runs the model (its static options,
+    # such as remat or the kernels) may differ from the source's.
+    source_paths, source_leaves = zip(*jax.tree_util.tree_leaves_with_path(source), strict=True)
+    target_paths, target_leaves = zip(
+        *jax.tree_util.tree_leaves_with_path(target.model), strict=True
+    )
+    target_tree = jax.tree.structure(target.model)
+    if source_paths != target_paths:
+        raise ValueError("the source model's arrays differ from those of the model the run builds")
     arrays = []
     for source_leaf, goal, leaf_axes in zip(
         source_leaves, target_leaves, jax.tree.leaves(axes.model), strict=True
