@@ -104,6 +104,7 @@ FAMILY = Family(
     # scale) and no low-rank query.
     tiny=dict(
         first_dense_layers=1,
+        n_kv_heads=None,
         moe=dataclasses.replace(
             TINY_MOE,
             scoring="softmax",

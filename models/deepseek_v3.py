@@ -323,7 +323,7 @@ FAMILY = Family(
     model_class=DecoderLM,
     # One dense prefix layer, latent attention, group-limited sigmoid routing with the
     # balancing bias.
-    tiny=dict(first_dense_layers=1, moe=TINY_MOE, latent_attention=TINY_LATENT),
+    tiny=dict(first_dense_layers=1, n_kv_heads=None, moe=TINY_MOE, latent_attention=TINY_LATENT),
     hf=llama_like_mapping(
         architecture=ARCHITECTURE,
         model_type="deepseek_v3",

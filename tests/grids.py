@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from models.registry import families, tiny_config
+
 FULL_GRIDS = os.environ.get("EQXZOO_FULL_GRIDS", "") not in ("", "0")
 
 Case = dict[str, Any]
@@ -90,3 +92,19 @@ def dense_and_one_moe(configs: Mapping[str, Any], moe: str = "mixtral") -> list:
 def case_id(case: Case) -> str:
     """A test id naming every level of the case."""
     return "-".join(str(level) for level in case.values())
+
+
+def every_family(
+    variants: Mapping[str, Any], *, hf_only: bool = False, **tiny_fields: Any
+) -> dict[str, Any]:
+    """``variants`` (name -> model config) and, for each registered family that none of them
+    is of, its tiny example (`models.registry.tiny_config` with ``tiny_fields``): a test
+    parametrized by the result covers a new family with no edit to the test. ``hf_only``
+    keeps to the families that have a Hugging Face mapping."""
+    covered = {type(config) for config in variants.values()}
+    added = {
+        name: tiny_config(name, **tiny_fields)
+        for name, family in families().items()
+        if family.config_class not in covered and (family.hf is not None or not hf_only)
+    }
+    return {**variants, **added}

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from grids import dense_and_one_moe, slow_except
+from grids import dense_and_one_moe, every_family, slow_except
 
 import models
 from eqxzoo.data import load_tokenizer
@@ -25,64 +25,69 @@ LATENT = models.LatentAttentionConfig(
     q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6
 )
 
-CONFIGS = {
-    "llama_gqa": models.LlamaConfig(**SMALL, n_kv_heads=2),
-    "mixtral": models.MixtralConfig(**SMALL, n_kv_heads=1, moe=MOE),
-    "qwen_moe_shared": models.QwenMoeConfig(
-        **SMALL,
-        n_kv_heads=2,
-        qk_norm=True,
-        moe=dataclasses.replace(MOE, normalize_topk=False, shared_mlp_dim=40, shared_gate=True),
-    ),
-    # Every layer windowed: a ring cache of 3 slots for 11 positions (the second prefill
-    # chunk, 4 tokens, is longer than the ring).
-    "mistral_window": models.MistralConfig(**SMALL, n_kv_heads=2, sliding_window=3),
-    "gemma2_local_global_softcapped": models.Gemma2Config(
-        **SMALL, n_kv_heads=2, sliding_window=3, attention_softcap=1.5, final_softcap=2.0
-    ),
-    "gemma3_local_rope": models.Gemma3Config(
-        **SMALL, layer_types=("full_attention", "sliding_attention"), sliding_window=4
-    ),
-    "qwen3_moe_llama3_rope": models.Qwen3MoeConfig(
-        **SMALL,
-        head_dim=16,
-        rope_scaling=models.RopeScaling("llama3", 4.0, original_max_positions=16),
-        moe=MOE,
-    ),
-    "olmo2": models.Olmo2Config(**SMALL),
-    "olmoe_clipped": models.OlmoeConfig(**SMALL, clip_qkv=1.0, moe=MOE),
-    "gpt2": models.GPT2Config(**SMALL, max_positions=16),
-    # Latent attention (the cache holds the latent and the RoPE key), a dense prefix layer,
-    # YaRN past its original context; V2-Lite without query compression.
-    "deepseek_v3_yarn": models.DeepseekV3Config(
-        **{**SMALL, "n_layers": 3},
-        moe=dataclasses.replace(
-            MOE,
-            shared_mlp_dim=24,
-            scoring="sigmoid",
-            n_groups=2,
-            topk_groups=1,
-            routed_scaling=2.5,
-            selection_bias=True,
+CONFIGS = every_family(
+    {
+        "llama_gqa": models.LlamaConfig(**SMALL, n_kv_heads=2),
+        "mixtral": models.MixtralConfig(**SMALL, n_kv_heads=1, moe=MOE),
+        "qwen_moe_shared": models.QwenMoeConfig(
+            **SMALL,
+            n_kv_heads=2,
+            qk_norm=True,
+            moe=dataclasses.replace(MOE, normalize_topk=False, shared_mlp_dim=40, shared_gate=True),
         ),
-        latent_attention=LATENT,
-        rope_scaling=models.RopeScaling(
-            "yarn", 4.0, original_max_positions=4, mscale=1.0, mscale_all_dim=1.0
+        # Every layer windowed: a ring cache of 3 slots for 11 positions (the second prefill
+        # chunk, 4 tokens, is longer than the ring).
+        "mistral_window": models.MistralConfig(**SMALL, n_kv_heads=2, sliding_window=3),
+        "gemma2_local_global_softcapped": models.Gemma2Config(
+            **SMALL, n_kv_heads=2, sliding_window=3, attention_softcap=1.5, final_softcap=2.0
         ),
-    ),
-    "deepseek_v2_lite": models.DeepseekV2Config(
-        **{**SMALL, "n_layers": 3},
-        moe=dataclasses.replace(MOE, normalize_topk=False, shared_mlp_dim=48),
-        latent_attention=dataclasses.replace(LATENT, q_lora_rank=None),
-    ),
-    # Sliding and full layers alternating, attention sinks, biased clamped experts.
-    "gpt_oss": models.GptOssConfig(
-        **SMALL,
-        n_kv_heads=2,
-        sliding_window=3,
-        moe=dataclasses.replace(models.GptOssConfig().moe, n_experts=4, top_k=2, expert_mlp_dim=24),
-    ),
-}
+        "gemma3_local_rope": models.Gemma3Config(
+            **SMALL, layer_types=("full_attention", "sliding_attention"), sliding_window=4
+        ),
+        "qwen3_moe_llama3_rope": models.Qwen3MoeConfig(
+            **SMALL,
+            head_dim=16,
+            rope_scaling=models.RopeScaling("llama3", 4.0, original_max_positions=16),
+            moe=MOE,
+        ),
+        "olmo2": models.Olmo2Config(**SMALL),
+        "olmoe_clipped": models.OlmoeConfig(**SMALL, clip_qkv=1.0, moe=MOE),
+        "gpt2": models.GPT2Config(**SMALL, max_positions=16),
+        # Latent attention (the cache holds the latent and the RoPE key), a dense prefix layer,
+        # YaRN past its original context; V2-Lite without query compression.
+        "deepseek_v3_yarn": models.DeepseekV3Config(
+            **{**SMALL, "n_layers": 3},
+            moe=dataclasses.replace(
+                MOE,
+                shared_mlp_dim=24,
+                scoring="sigmoid",
+                n_groups=2,
+                topk_groups=1,
+                routed_scaling=2.5,
+                selection_bias=True,
+            ),
+            latent_attention=LATENT,
+            rope_scaling=models.RopeScaling(
+                "yarn", 4.0, original_max_positions=4, mscale=1.0, mscale_all_dim=1.0
+            ),
+        ),
+        "deepseek_v2_lite": models.DeepseekV2Config(
+            **{**SMALL, "n_layers": 3},
+            moe=dataclasses.replace(MOE, normalize_topk=False, shared_mlp_dim=48),
+            latent_attention=dataclasses.replace(LATENT, q_lora_rank=None),
+        ),
+        # Sliding and full layers alternating, attention sinks, biased clamped experts.
+        "gpt_oss": models.GptOssConfig(
+            **SMALL,
+            n_kv_heads=2,
+            sliding_window=3,
+            moe=dataclasses.replace(
+                models.GptOssConfig().moe, n_experts=4, top_k=2, expert_mlp_dim=24
+            ),
+        ),
+    },
+    vocab_size=SMALL["vocab_size"],
+)
 
 PROMPT_LEN, NEW = 6, 5
 SAMPLING = {"max_new_tokens": 6, "temperature": 1.0, "top_k": 50, "top_p": 0.95}

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from grids import dense_and_one_moe
+from grids import dense_and_one_moe, every_family
 
 import models
 from eqxzoo.nn import Axes, logical_axes
@@ -16,58 +16,68 @@ from eqxzoo.parallel import DEFAULT_RULES, MeshConfig, make_mesh, tree_shardings
 SMALL = dict(vocab_size=97, d_model=32, n_layers=3, n_heads=4, mlp_dim=48)
 MOE = models.MoEConfig(n_experts=4, top_k=2, expert_mlp_dim=24)
 
-CONFIGS = {
-    "llama": models.LlamaConfig(**SMALL, n_kv_heads=2),
-    "llama_tied_qknorm": models.LlamaConfig(**SMALL, tie_embeddings=True, qk_norm=True),
-    "llama_gelu_layernorm": models.LlamaConfig(**SMALL, activation="gelu", norm="layer"),
-    "mixtral": models.MixtralConfig(**SMALL, n_kv_heads=1, moe=MOE),
-    "qwen_moe": models.QwenMoeConfig(
-        **SMALL,
-        n_kv_heads=2,
-        moe=dataclasses.replace(MOE, normalize_topk=False, shared_mlp_dim=40, shared_gate=True),
-    ),
-    "mixtral_capacity": models.MixtralConfig(
-        **SMALL, moe=dataclasses.replace(MOE, routing="capacity", capacity_factor=1.0)
-    ),
-    "llama3_rope": models.LlamaConfig(
-        **SMALL, rope_scaling=models.RopeScaling("llama3", 8.0, original_max_positions=32)
-    ),
-    "mistral_window": models.MistralConfig(**SMALL, sliding_window=4),
-    "qwen3_sliding": models.Qwen3Config(
-        **SMALL,
-        head_dim=16,
-        sliding_window=3,
-        layer_types=("full_attention", "sliding_attention", "sliding_attention"),
-    ),
-    "qwen3_moe": models.Qwen3MoeConfig(**SMALL, moe=MOE),
-    "gemma2": models.Gemma2Config(**SMALL, sliding_window=5, attention_softcap=5.0),
-    "gemma3": models.Gemma3Config(**SMALL, n_kv_heads=1, sliding_window=4),
-    "olmo2": models.Olmo2Config(**SMALL, n_kv_heads=2),
-    "olmoe": models.OlmoeConfig(**SMALL, clip_qkv=2.0, moe=MOE),
-    "gpt2": models.GPT2Config(**SMALL, max_positions=16),
-    "gpt_oss": models.GptOssConfig(
-        **SMALL,
-        n_kv_heads=2,
-        sliding_window=4,
-        moe=dataclasses.replace(models.GptOssConfig().moe, n_experts=4, top_k=2, expert_mlp_dim=24),
-    ),
-    "deepseek_v3": models.DeepseekV3Config(
-        **{**SMALL, "n_layers": 3},
-        moe=dataclasses.replace(
-            MOE, shared_mlp_dim=24, scoring="sigmoid", n_groups=2, selection_bias=True
+CONFIGS = every_family(
+    {
+        "llama": models.LlamaConfig(**SMALL, n_kv_heads=2),
+        "llama_tied_qknorm": models.LlamaConfig(**SMALL, tie_embeddings=True, qk_norm=True),
+        "llama_gelu_layernorm": models.LlamaConfig(**SMALL, activation="gelu", norm="layer"),
+        "mixtral": models.MixtralConfig(**SMALL, n_kv_heads=1, moe=MOE),
+        "qwen_moe": models.QwenMoeConfig(
+            **SMALL,
+            n_kv_heads=2,
+            moe=dataclasses.replace(MOE, normalize_topk=False, shared_mlp_dim=40, shared_gate=True),
         ),
-        latent_attention=models.LatentAttentionConfig(
-            q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8
+        "mixtral_capacity": models.MixtralConfig(
+            **SMALL, moe=dataclasses.replace(MOE, routing="capacity", capacity_factor=1.0)
         ),
-    ),
-    "deepseek_v2_lite": models.DeepseekV2Config(
-        **{**SMALL, "n_layers": 3},
-        moe=dataclasses.replace(MOE, normalize_topk=False, shared_mlp_dim=48),
-        latent_attention=models.LatentAttentionConfig(
-            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8
+        "llama3_rope": models.LlamaConfig(
+            **SMALL, rope_scaling=models.RopeScaling("llama3", 8.0, original_max_positions=32)
         ),
-    ),
-}
+        "mistral_window": models.MistralConfig(**SMALL, sliding_window=4),
+        "qwen3_sliding": models.Qwen3Config(
+            **SMALL,
+            head_dim=16,
+            sliding_window=3,
+            layer_types=("full_attention", "sliding_attention", "sliding_attention"),
+        ),
+        "qwen3_moe": models.Qwen3MoeConfig(**SMALL, moe=MOE),
+        "gemma2": models.Gemma2Config(**SMALL, sliding_window=5, attention_softcap=5.0),
+        "gemma3": models.Gemma3Config(**SMALL, n_kv_heads=1, sliding_window=4),
+        "olmo2": models.Olmo2Config(**SMALL, n_kv_heads=2),
+        "olmoe": models.OlmoeConfig(**SMALL, clip_qkv=2.0, moe=MOE),
+        "gpt2": models.GPT2Config(**SMALL, max_positions=16),
+        "gpt_oss": models.GptOssConfig(
+            **SMALL,
+            n_kv_heads=2,
+            sliding_window=4,
+            moe=dataclasses.replace(
+                models.GptOssConfig().moe, n_experts=4, top_k=2, expert_mlp_dim=24
+            ),
+        ),
+        "deepseek_v3": models.DeepseekV3Config(
+            **{**SMALL, "n_layers": 3},
+            moe=dataclasses.replace(
+                MOE, shared_mlp_dim=24, scoring="sigmoid", n_groups=2, selection_bias=True
+            ),
+            latent_attention=models.LatentAttentionConfig(
+                q_lora_rank=16,
+                kv_lora_rank=16,
+                qk_nope_head_dim=8,
+                qk_rope_head_dim=4,
+                v_head_dim=8,
+            ),
+        ),
+        "deepseek_v2_lite": models.DeepseekV2Config(
+            **{**SMALL, "n_layers": 3},
+            moe=dataclasses.replace(MOE, normalize_topk=False, shared_mlp_dim=48),
+            latent_attention=models.LatentAttentionConfig(
+                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8
+            ),
+        ),
+    },
+    n_layers=3,
+    vocab_size=SMALL["vocab_size"],
+)
 
 
 def build(config):
