@@ -64,8 +64,9 @@ class MoEConfig:
     ``routing``: ``"dropless"`` (every assignment computed), ``"capacity"`` (at most
     ``capacity_factor`` times the mean load per expert, the rest dropped) or ``"dense"``
     (every expert on every token: the reference); ``dropless_kernel`` how the dropless
-    routing runs (`eqxzoo.nn.Experts`: ``"auto"``, ``"sorted"`` or ``"slotted"``; a run whose
-    mesh splits pipeline stages over more axes runs ``"auto"`` as ``"sorted"``).
+    routing runs (`eqxzoo.nn.Experts`: ``"sorted"`` or ``"slotted"``). ``"auto"`` builds
+    ``"sorted"``, which runs in any program; a run (`eqxzoo.run.config.model_config_for_mesh`)
+    picks ``"slotted"`` instead where it is faster and its mesh allows it.
 
     The router (`eqxzoo.nn.Router`): ``scoring`` is ``"softmax"``, ``"sigmoid"``
     (DeepSeek-V3) or ``"softmax_topk"`` (GPT-OSS: softmax over the chosen logits);
@@ -99,7 +100,7 @@ class MoEConfig:
     swiglu_limit: float = architecture_field(7.0)
     routing: RoutingMode = runtime_field("dropless")
     capacity_factor: float = runtime_field(1.25)
-    dropless_kernel: DroplessKernel = runtime_field("auto")
+    dropless_kernel: Literal["auto"] | DroplessKernel = runtime_field("auto")
 
     @property
     def router_options(self) -> dict[str, Any]:
@@ -121,7 +122,7 @@ class MoEConfig:
             activation=self.expert_activation,
             alpha=self.swiglu_alpha,
             limit=self.swiglu_limit,
-            dropless_kernel=self.dropless_kernel,
+            dropless_kernel="sorted" if self.dropless_kernel == "auto" else self.dropless_kernel,
         )
 
     def __post_init__(self):

@@ -58,11 +58,13 @@ def _routing(kind: str) -> Routing:
     return Routing(logits=logits, probs=jax.nn.softmax(logits), weights=weights, experts=experts)
 
 
-def _experts() -> Experts:
-    return Experts(D_MODEL, 12, N_EXPERTS, init_std=0.3, key=jax.random.key(2))
+def _experts(kernel: str = "slotted") -> Experts:
+    return Experts(
+        D_MODEL, 12, N_EXPERTS, dropless_kernel=kernel, init_std=0.3, key=jax.random.key(2)
+    )
 
 
-def _gpt_oss_experts() -> Experts:
+def _gpt_oss_experts(kernel: str = "slotted") -> Experts:
     """GPT-OSS's experts: biases drawn nonzero, the clamped SwiGLU at a limit the projections
     often pass."""
     experts = Experts(
@@ -73,6 +75,7 @@ def _gpt_oss_experts() -> Experts:
         activation="clamped_swiglu",
         alpha=1.5,
         limit=0.5,
+        dropless_kernel=kernel,
         init_std=0.3,
         key=jax.random.key(2),
     )
@@ -198,10 +201,10 @@ def test_overflow_past_the_few_rows_branch_is_exact():
 
 @pytest.mark.parametrize("make_experts", [_experts, _gpt_oss_experts])
 def test_sorted_dropless_equals_dense_reference(make_experts):
-    """The sorted-rows path that `jax.lax.ragged_dot` platforms take."""
-    experts, routing = make_experts(), _routing("random")
+    """The sorted kernel: assignments sorted by expert, one `jax.lax.ragged_dot` per weight."""
+    experts, routing = make_experts("sorted"), _routing("random")
     x = jax.random.normal(jax.random.key(5), (N_TOKENS, D_MODEL))
-    output, padding = experts._sorted_dropless(x, routing)
+    output, padding = experts.dropless(x, routing)
     np.testing.assert_allclose(output, experts.dense(x, routing), rtol=1e-6, atol=1e-6)
     assert 0.0 <= float(padding) < 1.0
 

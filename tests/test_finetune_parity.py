@@ -52,7 +52,6 @@ from hf_models import VOCAB, hf_config, randomize  # noqa: E402
 
 from eqxzoo.optim import OptimizerConfig  # noqa: E402
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh  # noqa: E402
-from eqxzoo.run.config import model_config_for_mesh  # noqa: E402
 from eqxzoo.train.layout import from_pipeline_layout  # noqa: E402
 from eqxzoo.train.loss_terms import LossConfig  # noqa: E402
 from eqxzoo.train.settings import StepConfig  # noqa: E402
@@ -182,10 +181,10 @@ def zoo_finetune(directory, schedule, batches, config):
         loss=LossConfig(load_balance_weight=0.0, router_z_weight=0.0),
         remat_stages=True,
     )
-    mesh_config = MeshConfig(dp=2, pp=2, tp=2)
-    mesh = make_mesh(mesh_config)
-    make_model = model_factory(model_config_for_mesh(checkpoint.config, mesh_config))
-    state = init_train_state_from(make_model, checkpoint.model, config=step_config, mesh=mesh)
+    mesh = make_mesh(MeshConfig(dp=2, pp=2, tp=2))
+    state = init_train_state_from(
+        model_factory(checkpoint.config), checkpoint.model, config=step_config, mesh=mesh
+    )
     train_step = make_train_step(step_config, mesh)
     losses, grad_norms = [], []
     for tokens, targets in batches:

@@ -24,7 +24,6 @@ from grids import case_id, cover, covering, levels_of, pairs_of
 import models
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh
 from eqxzoo.parallel.schedule import ScheduleError
-from eqxzoo.run.config import model_config_for_mesh
 from eqxzoo.train.layout import from_pipeline_layout, to_pipeline_layout
 from eqxzoo.train.loss import pipelined_loss, pipelined_loss_and_grad, sequential_loss
 from eqxzoo.train.loss_terms import LossConfig
@@ -143,7 +142,6 @@ def loss_and_grads(tiny_config, random_batch, case: dict):
     mesh = make_mesh(mesh_config, jax.devices()[: mesh_config.size])
     model_config = tiny_config(case["family"], n_layers=N_LAYERS)
     model_config = dataclasses.replace(model_config, **model_fields)
-    model_config = model_config_for_mesh(model_config, mesh_config)
     model = models.DecoderLM(model_config, key=jax.random.key(0))
     data = random_batch((schedule.microbatches, BATCH, SEQ))
     if case["variant"] == "chunked-z":  # the plain loss of the whole logits as the reference

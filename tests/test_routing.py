@@ -182,7 +182,7 @@ def run_balancing(config, mesh_config, stages, n_steps, random_batch, *, rate, s
         loss=LossConfig(bias_update_rate=rate),
     )
     state = init_train_state(
-        models.model_factory(model_config_for_mesh(config, mesh_config)),
+        lambda key: models.DecoderLM(config, key=key),
         jax.random.key(0),
         config=step_config,
         mesh=mesh,
@@ -235,9 +235,8 @@ def test_stages_compute_through_bubbles_where_xla_cpu_cannot_skip_them(tiny_conf
     mesh axes by collective-permutes inside the pipeline's stage branch, which XLA:CPU
     cannot run while another stage idles: the step is refused (one line naming the way
     out), and `compile_train_step_for` compiles the stages without the branch instead."""
-    mesh_config = MeshConfig(dp=2, pp=2, ep=2)
-    config = model_config_for_mesh(tiny_config("deepseek_v3", n_layers=N_LAYERS), mesh_config)
-    mesh = make_mesh(mesh_config)
+    config = tiny_config("deepseek_v3", n_layers=N_LAYERS)
+    mesh = make_mesh(MeshConfig(dp=2, pp=2, ep=2))
     step_config = StepConfig(schedule=Schedule("gpipe", 2, SHAPE[1], 1))
     target = abstract_train_state(
         lambda key: models.DecoderLM(config, key=key), config=step_config, mesh=mesh
@@ -257,21 +256,28 @@ def test_stages_compute_through_bubbles_where_xla_cpu_cannot_skip_them(tiny_conf
     assert compiled is not None
 
 
-def test_stages_split_over_more_axes_run_the_experts_without_data_dependent_loops(tiny_config):
-    """The slotted dropless kernel loops as often as the routing overflows: stages holding
-    different layers would reach the collectives the partitioner puts in that loop different
-    numbers of times (a hang on XLA:CPU). The run builds ``"auto"`` as ``"sorted"`` on a mesh
-    that splits stages over more axes and leaves it elsewhere; ``"slotted"`` there is refused
-    in one line before anything compiles."""
+def test_a_run_picks_the_dropless_kernel_its_mesh_allows(tiny_config):
+    """The slotted dropless kernel (faster on CPU) loops as often as the routing overflows:
+    stages holding different layers would reach the collectives the partitioner puts in that
+    loop different numbers of times (a hang on XLA:CPU). A model built as it is runs
+    ``"auto"`` sorted; a run picks slotted on CPU unless its mesh splits stages over more
+    axes; ``"slotted"`` on such a mesh is refused in one line before anything compiles."""
     config = tiny_config("mixtral", n_layers=N_LAYERS)
+    assert (
+        models.DecoderLM(config, key=jax.random.key(0)).blocks.layers.mlp.experts.dropless_kernel
+        == "sorted"
+    )
+
+    def kernel_on(mesh_config, model=config):
+        return model_config_for_mesh(model, mesh_config).moe.dropless_kernel
+
+    assert kernel_on(MeshConfig(pp=2)) == kernel_on(MeshConfig(dp=2, ep=2)) == "slotted"
     split = MeshConfig(dp=2, pp=2, ep=2)
-    for mesh_config in (MeshConfig(pp=2), MeshConfig(dp=2, ep=2)):
-        assert model_config_for_mesh(config, mesh_config) == config
-    assert model_config_for_mesh(config, split).moe.dropless_kernel == "sorted"
+    assert kernel_on(split) == "sorted"
     slotted = dataclasses.replace(
         config, moe=dataclasses.replace(config.moe, dropless_kernel="slotted")
     )
-    assert model_config_for_mesh(slotted, split) == slotted
+    assert kernel_on(split, slotted) == "slotted"
     mesh = make_mesh(split)
     step_config = StepConfig(schedule=Schedule("gpipe", 2, SHAPE[1], 1))
     target = abstract_train_state(models.model_factory(slotted), config=step_config, mesh=mesh)

@@ -187,6 +187,7 @@ def test_every_config_field_declares_its_role():
     assert RUNTIME_KEYS == (
         "moe.routing",
         "moe.capacity_factor",
+        "moe.dropless_kernel",
         "scan_layers",
         "remat",
         "attention_kernel",

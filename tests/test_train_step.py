@@ -31,7 +31,6 @@ from eqxzoo.parallel import (
     check_model_fits,
     make_mesh,
 )
-from eqxzoo.run.config import model_config_for_mesh
 from eqxzoo.train.layout import from_pipeline_layout
 from eqxzoo.train.loss import sequential_loss
 from eqxzoo.train.settings import Precision, StepConfig
@@ -69,7 +68,7 @@ def run_steps(make_batch):
 
     def run(make_model, mesh_config, stages, optimizer, n_steps, repeats=1):
         if isinstance(make_model, models.DecoderConfig):
-            make_model = models.model_factory(model_config_for_mesh(make_model, mesh_config))
+            make_model = functools.partial(models.DecoderLM, make_model)
         mesh = make_mesh(mesh_config, jax.devices()[: mesh_config.size])
         config = step_config(stages, optimizer, repeats)
         state = init_train_state(make_model, jax.random.key(0), config=config, mesh=mesh)

@@ -20,14 +20,14 @@ from eqxzoo.nn.dispatch import (
     slot_layout,
 )
 from eqxzoo.nn.dispatch import padding_fraction as padding_fraction_of_rows
-from eqxzoo.nn.grouped import grouped_matmul, padding_fraction, resolve_implementation
+from eqxzoo.nn.grouped import grouped_matmul, padding_fraction
 from eqxzoo.nn.linear import normal_init
 from eqxzoo.nn.router import Routing
 from eqxzoo.nn.varying import cotangent_for
 from eqxzoo.typed_config import refuse
 
 ExpertActivation = Literal["swiglu", "clamped_swiglu"]
-DroplessKernel = Literal["auto", "sorted", "slotted"]
+DroplessKernel = Literal["sorted", "slotted"]
 
 
 class Experts(AbstractAxesOwner):
@@ -41,11 +41,10 @@ class Experts(AbstractAxesOwner):
     `dropless`) runs the experts through `_apply`, so they compute the same function.
 
     ``dropless_kernel`` is how `dropless` runs them: ``"sorted"`` (assignments sorted by
-    expert, one `jax.lax.ragged_dot` per weight), ``"slotted"`` (each expert's slots as
-    batched matmuls, the overflow a block loop: faster where ``ragged_dot`` is not native) or
-    ``"auto"``, sorted where it is native (`eqxzoo.nn.grouped.resolve_implementation`).
-    Only ``"sorted"`` is free of data-dependent loops, which a pipeline stage partitioned
-    over more axes needs (`has_data_dependent_loops`).
+    expert, one `jax.lax.ragged_dot` per weight: no data-dependent loop, so it runs inside any
+    partitioned program) or ``"slotted"`` (each expert's slots as batched matmuls, the
+    overflow a block loop of as many iterations as the routing overflows: faster where
+    ``ragged_dot`` is not native, `eqxzoo.nn.grouped.resolve_implementation`).
     """
 
     gate: Float[Array, "experts embed mlp"]
@@ -69,7 +68,7 @@ class Experts(AbstractAxesOwner):
         activation: ExpertActivation = "swiglu",
         alpha: float = 1.702,
         limit: float = 7.0,
-        dropless_kernel: DroplessKernel = "auto",
+        dropless_kernel: DroplessKernel = "sorted",
         init_std: float = 0.02,
         key: PRNGKeyArray,
     ):
@@ -120,19 +119,12 @@ class Experts(AbstractAxesOwner):
         out = matmul(hidden, self.down)
         return out if self.down_bias is None else out + row_bias(self.down_bias)
 
-    @property
-    def resolved_dropless_kernel(self) -> Literal["sorted", "slotted"]:
-        """``dropless_kernel`` with ``"auto"`` resolved for the default backend."""
-        if self.dropless_kernel != "auto":
-            return self.dropless_kernel
-        return "sorted" if resolve_implementation("auto") == "ragged_dot" else "slotted"
-
     def dropless(
         self, x: Float[Array, "tokens embed"], routing: Routing
     ) -> tuple[Float[Array, "tokens embed"], Float[Array, ""]]:
         """Every assignment computed, by ``dropless_kernel``; returns the output and the
         fraction of the computed rows that are padding."""
-        if self.resolved_dropless_kernel == "sorted":
+        if self.dropless_kernel == "sorted":
             return self._sorted_dropless(x, routing)
         output, rows = self.slotted_dropless(x, routing.weights, routing.experts)
         return output, padding_fraction_of_rows(rows)
@@ -294,8 +286,8 @@ permute_rows.defvjp(_permute_rows_forward, _permute_rows_backward)
 
 def check_dropless_kernel(kernel: str) -> None:
     """Refuse a ``dropless_kernel`` that is not one of `DroplessKernel`'s."""
-    if kernel not in ("auto", "sorted", "slotted"):
-        refuse("dropless_kernel", f"must be 'auto', 'sorted' or 'slotted', got {kernel!r}")
+    if kernel not in ("sorted", "slotted"):
+        refuse("dropless_kernel", f"must be 'sorted' or 'slotted', got {kernel!r}")
 
 
 def overflow_rows(n_assignments: int) -> int:

@@ -161,7 +161,7 @@ def has_data_dependent_loops(tree: PyTree) -> bool:
     of as many iterations as the routing overflows (`Experts`' ``dropless_kernel``)."""
     layers = jax.tree.leaves(tree, is_leaf=lambda node: isinstance(node, MoE))
     return any(
-        layer.routing_mode == "dropless" and layer.experts.resolved_dropless_kernel == "slotted"
+        layer.routing_mode == "dropless" and layer.experts.dropless_kernel == "slotted"
         for layer in layers
         if isinstance(layer, MoE)
     )

@@ -90,8 +90,8 @@ def run_pipeline(
     collective of the stage (XLA:CPU needs it when the partitioner puts collective-permutes
     in the stage; `eqxzoo.train.step.compile_train_step_for`).
     """
-    assert mesh.shape["pp"] == schedule.stages, (mesh.shape, schedule)
-    check_stage_loops(layers, mesh)  # checked by the state
+    assert mesh.shape["pp"] == schedule.stages, (mesh.shape, schedule)  # checked by the state
+    check_stage_loops(layers, mesh)
     schedule = schedule.forward_only
     # With one stage there is nothing to shift: run the same table without shard_map (XLA's
     # partitioner rejects the autodiff all-reduce over a size-1 manual pp axis next to dp).

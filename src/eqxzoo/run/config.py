@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from eqxzoo.data.tokenizer import DEFAULT_VOCAB_SIZE, MIN_VOCAB_SIZE
+from eqxzoo.nn.grouped import resolve_implementation
 from eqxzoo.optim import OptimizerConfig
 from eqxzoo.parallel.mesh import (
     MESH_AXES,
@@ -418,16 +419,16 @@ def step_config(config: RunConfig) -> StepConfig:
 
 
 def model_config_for_mesh(model: DecoderConfig, mesh: MeshConfig) -> DecoderConfig:
-    """``model`` as a run builds it on ``mesh``: where the mesh splits pipeline stages over
-    more axes (`eqxzoo.parallel.mesh.partitions_stages`), MoE experts whose
-    ``dropless_kernel`` is ``"auto"`` run ``"sorted"``, the kernel without data-dependent
-    loops (`eqxzoo.parallel.mesh.check_stage_loops`)."""
-    mesh_shape = dict(zip(MESH_AXES, mesh.shape, strict=True))
+    """``model`` as a run builds it on ``mesh``: MoE experts whose ``dropless_kernel`` is
+    ``"auto"`` run ``"slotted"`` where `jax.lax.ragged_dot` is not native and the mesh does
+    not split pipeline stages over more axes (`eqxzoo.parallel.mesh.partitions_stages`: the
+    slotted kernel's data-dependent loop cannot run there), else ``"sorted"``."""
     if model.moe is None or model.moe.dropless_kernel != "auto":
         return model
-    if not partitions_stages(mesh_shape):
-        return model
-    return dataclasses.replace(model, moe=dataclasses.replace(model.moe, dropless_kernel="sorted"))
+    mesh_shape = dict(zip(MESH_AXES, mesh.shape, strict=True))
+    native = resolve_implementation("auto") == "ragged_dot"
+    kernel = "sorted" if native or partitions_stages(mesh_shape) else "slotted"
+    return dataclasses.replace(model, moe=dataclasses.replace(model.moe, dropless_kernel=kernel))
 
 
 def document_key(key: str) -> str:
