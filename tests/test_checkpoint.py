@@ -2,15 +2,18 @@
 checkpoints, non-finite refusal, data iterator state across process counts, SIGTERM, saves
 that cannot be written."""
 
+import contextlib
 import errno
 import functools
 import gc
 import json
 import logging
 import os
+import re
 import resource
 import shutil
 import signal
+import tempfile
 import types
 import warnings
 from collections.abc import Callable
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from damaging import array_files, delete_array_files, flip_a_byte, truncate_array_files
 from jax.sharding import SingleDeviceSharding
 from orbax.checkpoint._src.multihost import multihost
 from orbax.checkpoint._src.path import async_path
@@ -36,6 +40,7 @@ from eqxzoo.train import checkpoint
 from eqxzoo.train.checkpoint import (
     Checkpointer,
     CheckpointError,
+    CheckpointUnreadable,
     CheckpointWarning,
     checksums,
     data_state,
@@ -139,7 +144,7 @@ def test_round_trip_is_bitwise_on_the_same_mesh(tmp_path, mesh_state):
     resumed_iterator = data_iterator()
     with Checkpointer(tmp_path, every=3, keep=2) as checkpointer:
         restored = checkpointer.restore_latest(target, resumed_iterator)
-    assert (restored.step, restored.meta, restored.skipped) == (3, META, ())
+    assert (restored.step, restored.meta, restored.damaged) == (3, META, ())
     assert isinstance(restored.state, TrainState)
     assert_bitwise_equal(restored.state, expected)
     for leaf, sharding in zip(
@@ -196,22 +201,16 @@ def test_saves_every_n_steps_and_keeps_the_last_n(tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir() if path.name.isdigit()) == ["8", "9"]
 
 
-def _truncate_array_files(step_dir):
-    for path in (step_dir / "state").rglob("d/*"):
-        if path.stat().st_size > 4096:
-            with open(path, "r+b") as file:
-                file.truncate(path.stat().st_size // 2)
-
-
-def _delete_array_files(step_dir):
-    for path in (step_dir / "state").rglob("d/*"):
-        if path.stat().st_size > 4096:
-            path.unlink()
+def _edit_data_state(step_dir):
+    path = step_dir / "data" / "process_0-of-1.json"
+    state = json.loads(path.read_text())
+    state["next_index"] = state.get("next_index", 0) + 1
+    path.write_text(json.dumps(state, indent=4))
 
 
 DAMAGES = {
-    "truncated-array": (_truncate_array_files, r"state: OUT_OF_RANGE: Error reading \"w/0\.0\""),
-    "deleted-array": (_delete_array_files, r"state: .*w/0\.0"),
+    "truncated-array": (truncate_array_files, r"state: OUT_OF_RANGE: Error reading \"w/0\.0\""),
+    "deleted-array": (delete_array_files, r"state: FAILED_PRECONDITION: .*w/0\.0"),
     "missing-metadata": (
         lambda d: (d / "_CHECKPOINT_METADATA").unlink(),
         r"its metadata file _CHECKPOINT_METADATA is missing",
@@ -224,39 +223,159 @@ DAMAGES = {
         lambda d: (d / "data" / "process_0-of-1.json").unlink(),
         r"data: no data iterator state",
     ),
+    "flipped-bit": (
+        flip_a_byte,
+        r"state: \S+ does not match its checksum: the files were damaged after they were "
+        r"written",
+    ),
+    "data-state-not-an-object": (
+        lambda d: (d / "data" / "process_0-of-1.json").write_text("[]"),
+        r"data: the iterator state is not a JSON object",
+    ),
+    "edited-data-state": (
+        _edit_data_state,
+        r"data: the iterator state does not match its checksum: the file was changed after it "
+        r"was written",
+    ),
 }
+
+
+def listing(directory: Path) -> list[str]:
+    return sorted(path.name for path in directory.iterdir())
 
 
 # When one array cannot be read, orbax leaves the other reads' exceptions unretrieved.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", DAMAGES, ids=list(DAMAGES))
-def test_unusable_latest_falls_back_to_the_previous(tmp_path, damage):
+def test_a_damaged_latest_is_moved_aside_and_the_previous_restored(tmp_path, damage):
     damage_fn, reason = DAMAGES[damage]
     save_steps(tmp_path, [1, 2])
     damage_fn(tmp_path / "2")
+    damaged_files = snapshot(tmp_path / "2")
 
     iterator = data_iterator()
-    checkpointer = Checkpointer(tmp_path, every=1, keep=5)
+    checkpointer = Checkpointer(tmp_path, every=1, keep=2)
     with pytest.warns(
         CheckpointWarning,
-        match=rf"^checkpoint at step 2 is unusable \({reason}.*\); trying an older one$",
+        match=rf"^checkpoint at step 2 is damaged \({reason}.*\); moved to "
+        rf"{tmp_path}/damaged-2; trying an older one$",
     ):
         restored = checkpointer.restore_latest(small_abstract(), iterator)
-    assert restored.step == 1 and [u.step for u in restored.skipped] == [2]
+    assert restored.step == 1 and [d.step for d in restored.damaged] == [2]
     assert_bitwise_equal(restored.state, small_state(1))
     assert restored.meta == {"step": 1} and next(iterator) == 10
+    assert listing(tmp_path) == ["1", "damaged-2"]
+    assert snapshot(tmp_path / "damaged-2") == damaged_files  # moved, not changed
 
-    # The run goes on from step 1: its next checkpoint replaces the unusable step 2.
-    assert checkpointer.save(2, small_state(2), data_iterator(20), {"step": 2})
+    # The run goes on from step 1; keep=2 removes only the oldest, never what was moved aside.
+    for step in (2, 3):
+        assert checkpointer.save(step, small_state(step), data_iterator(10 * step), {"step": step})
     checkpointer.close()
+    assert listing(tmp_path) == ["2", "3", "damaged-2"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert (
-            Checkpointer(tmp_path, every=1, keep=5)
-            .restore_latest(small_abstract(), data_iterator())
-            .step
-            == 2
+        restored = Checkpointer(tmp_path, every=1, keep=2).restore_latest(
+            small_abstract(), data_iterator()
         )
+    assert restored.step == 3
+
+
+def state_restore_raises(monkeypatch, error: BaseException) -> None:
+    """Reading the ``state`` item raises ``error`` (until monkeypatch undoes it)."""
+    restore = ocp.CheckpointManager.restore
+
+    def failing(self, step, args=None, **kwargs):
+        if args is not None and "state" in args:
+            raise error
+        return restore(self, step, args=args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", failing)
+
+
+@contextlib.contextmanager
+def as_another_user():
+    """Run the body without root's right to read every file (tests may run as root)."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.seteuid(65534)  # nobody
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
+def open_to_everyone(directory: Path) -> None:
+    for path in [directory, *directory.rglob("*")]:
+        path.chmod(0o777 if path.is_dir() else 0o666)
+
+
+def unreadable_array_file(monkeypatch, directory: Path) -> None:
+    """One array file of step 2 loses its read permission."""
+    (path,) = array_files(directory / "2")[:1]
+    path.chmod(0)
+
+
+READ_FAILURES = {
+    "io-error": (
+        lambda monkeypatch, _: state_restore_raises(
+            monkeypatch, OSError(errno.EIO, "Input/output error", "/nfs/ckpt/2/state/d/0")
+        ),
+        r"state: \[Errno 5\] Input/output error: '/nfs/ckpt/2/state/d/0'",
+    ),
+    "memory": (
+        lambda monkeypatch, _: state_restore_raises(monkeypatch, MemoryError()),
+        r"state: MemoryError",
+    ),
+    "our-bug": (
+        lambda monkeypatch, _: state_restore_raises(monkeypatch, KeyError("a bug of ours")),
+        r"state: 'a bug of ours'",
+    ),
+    "permission-denied": (
+        unreadable_array_file,
+        r"\S+/2/state/ocdbt\.process_0/d/\w+: Permission denied",
+    ),
+}
+
+
+@pytest.mark.parametrize("failure", READ_FAILURES, ids=list(READ_FAILURES))
+def test_a_checkpoint_that_cannot_be_read_stops_the_restore_and_nothing_is_touched(
+    monkeypatch, failure
+):
+    """An I/O error, memory, a bug or a permission is not damage: the checkpoint may be good.
+    The restore stops in one line naming the step, the file and the error; nothing is moved or
+    deleted, and once the cause is gone the same newest checkpoint restores."""
+    inject, reason = READ_FAILURES[failure]
+    directory = Path(tempfile.mkdtemp(prefix="eqxzoo-unreadable-"))  # readable by another user
+    try:
+        save_steps(directory, [1, 2])
+        open_to_everyone(directory)
+        before = snapshot(directory)
+        with monkeypatch.context() as patched:
+            inject(patched, directory)
+            with (
+                as_another_user(),
+                warnings.catch_warnings(),
+                pytest.raises(CheckpointUnreadable) as stopped,
+            ):
+                warnings.simplefilter("error", CheckpointWarning)
+                Checkpointer(directory, every=1, keep=5).restore_latest(
+                    small_abstract(), data_iterator()
+                )
+        assert re.fullmatch(
+            rf"cannot read the checkpoint of step 2: {reason}; nothing was moved or deleted: "
+            r"rerun once the cause is fixed",
+            str(stopped.value),
+        ), str(stopped.value)
+        open_to_everyone(directory)
+        assert snapshot(directory) == before
+        restored = Checkpointer(directory, every=1, keep=5).restore_latest(
+            small_abstract(), data_iterator()
+        )
+        assert restored.step == 2 and restored.damaged == ()
+        assert_bitwise_equal(restored.state, small_state(2))
+    finally:
+        shutil.rmtree(directory)
 
 
 def test_no_usable_checkpoint_is_an_error(tmp_path):
@@ -265,10 +384,12 @@ def test_no_usable_checkpoint_is_an_error(tmp_path):
     (tmp_path / "1" / "meta" / "metadata").write_text("")
     message = (
         rf"^no usable checkpoint in {tmp_path}: step 2: its metadata file _CHECKPOINT_METADATA is missing; "
-        r"step 1: meta: Expecting value: line 1 column 1 \(char 0\)$"
+        r"step 1: meta: Expecting value: line 1 column 1 \(char 0\) \(each moved aside to "
+        r"damaged-STEP\)$"
     )
     with pytest.warns(CheckpointWarning), pytest.raises(CheckpointError, match=message):
         Checkpointer(tmp_path, every=1, keep=5).restore_latest(small_abstract(), data_iterator())
+    assert listing(tmp_path) == ["damaged-1", "damaged-2"]
 
 
 def test_no_checkpoint_restores_nothing(tmp_path):
@@ -284,13 +405,13 @@ def test_half_written_checkpoint_is_never_picked(tmp_path):
     save_steps(tmp_path, [1])
     killed_save = tmp_path / "2.orbax-checkpoint-tmp-1700000000000000"
     shutil.copytree(tmp_path / "1", killed_save)
-    _truncate_array_files(killed_save)
+    truncate_array_files(killed_save)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         restored = Checkpointer(tmp_path, every=1, keep=5).restore_latest(
             small_abstract(), data_iterator()
         )
-    assert restored.step == 1 and restored.skipped == ()
+    assert restored.step == 1 and restored.damaged == ()
 
 
 def test_refuses_to_save_non_finite_values(tmp_path):
@@ -342,7 +463,8 @@ def test_data_state_of_this_process_missing_with_the_same_count(tmp_path, monkey
         pytest.warns(CheckpointWarning),
         pytest.raises(
             CheckpointError,
-            match=r"step 1: data: data iterator state process_1-of-2\.json is missing$",
+            match=r"step 1: data: data iterator state process_1-of-2\.json is missing \(each "
+            r"moved aside to damaged-STEP\)$",
         ),
     ):
         Checkpointer(tmp_path, every=1, keep=1).restore_latest(small_abstract(), data_iterator())
@@ -547,48 +669,6 @@ def test_a_save_that_fails_for_another_reason_keeps_its_traceback(tmp_path, monk
     with Checkpointer(tmp_path, every=1, keep=5, async_save=False) as checkpointer:
         with pytest.raises(TypeError, match="a bug in a handler"):
             checkpointer.save(1, small_state(1), data_iterator(10), {"step": 1})
-
-
-def flip_a_byte(step_directory) -> None:
-    """Flip one bit in the middle of the largest file of the step's ``state`` item (array
-    data): the size and every file name stay as they were."""
-    data = max(
-        (p for p in (step_directory / "state").rglob("*") if p.is_file()), key=os.path.getsize
-    )
-    content = bytearray(data.read_bytes())
-    content[len(content) // 2] ^= 0x10
-    data.write_bytes(bytes(content))
-
-
-def test_a_checkpoint_damaged_after_it_was_written_falls_back_to_the_one_before(tmp_path):
-    save_steps(tmp_path, [1, 2])
-    flip_a_byte(tmp_path / "2")
-    warned = []
-    restored = Checkpointer(tmp_path, every=1, keep=5, warn=warned.append).restore_latest(
-        small_abstract(), data_iterator()
-    )
-    assert restored.step == 1
-    assert_bitwise_equal(restored.state, small_state(1))
-    assert len(warned) == 1
-    assert warned[0].startswith("checkpoint at step 2 is unusable (state: "), warned[0]
-    assert warned[0].endswith(
-        "does not match its checksum: the files were damaged after they were written); "
-        "trying an older one"
-    ), warned[0]
-
-
-def test_an_iterator_state_of_the_wrong_type_falls_back_to_the_one_before(tmp_path):
-    save_steps(tmp_path, [1, 2])
-    (tmp_path / "2" / "data" / "process_0-of-1.json").write_text("[]")
-    warned = []
-    restored = Checkpointer(tmp_path, every=1, keep=5, warn=warned.append).restore_latest(
-        small_abstract(), data_iterator()
-    )
-    assert restored.step == 1
-    assert warned == [
-        "checkpoint at step 2 is unusable (data: the iterator state is not a JSON object); "
-        "trying an older one"
-    ]
 
 
 def test_checksums_never_gather_a_sharded_array():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from damaging import flip_a_byte
 from runs import (
     child_pids,
     command,
@@ -32,15 +33,6 @@ from eqxzoo.train.checkpoint import STEP_METADATA_FILE
 pytestmark = pytest.mark.slow
 
 
-def flip_a_byte(step_directory: Path) -> None:
-    """Flip one bit in the middle of the largest file of the step's ``state`` item."""
-    files = [path for path in (step_directory / "state").rglob("*") if path.is_file()]
-    data = max(files, key=os.path.getsize)
-    content = bytearray(data.read_bytes())
-    content[len(content) // 2] ^= 0x10
-    data.write_bytes(bytes(content))
-
-
 def test_a_damaged_newest_checkpoint_falls_back_and_the_run_goes_on_exactly(
     tmp_path: Path, cache_dir: Path, reference_dir: Path, reference: list[dict]
 ):
@@ -48,8 +40,11 @@ def test_a_damaged_newest_checkpoint_falls_back_and_the_run_goes_on_exactly(
     shutil.copytree(reference_dir, run_dir, ignore=shutil.ignore_patterns("profile"))
     flip_a_byte(run_dir / "checkpoints" / "6")
     result = run(run_dir, cache_dir)
-    assert "warning: checkpoint at step 6 is unusable (state: " in result.stdout
-    assert "does not match its checksum" in result.stdout
+    assert "warning: checkpoint at step 6 is damaged (state: " in result.stdout
+    assert (
+        f"does not match its checksum: the files were damaged after they were written); moved to {run_dir}/checkpoints/damaged-6; trying an older one"
+        in result.stdout
+    )
     assert "resumed from the checkpoint at step 4" in result.stdout
     assert losses(run_dir) == reference_losses(reference)
     assert [r["step"] for r in records(run_dir) if "loss" in r] == list(range(1, 7))

@@ -9,10 +9,13 @@ Every checkpoint holds three items:
   (grain's format), read back even when the number of processes changed;
 - ``meta``: a JSON dict (run config, seed, counters such as skipped updates).
 
-Restoring walks back from the newest checkpoint: one that cannot be read (a file truncated
-or deleted, its metadata missing) is reported in one line and skipped for the one before.
-orbax writes a step under a temporary name and renames it when complete, so a save killed
-half-way is never listed as a checkpoint.
+Restoring walks back from the newest checkpoint, telling damage from a failure to read
+(`damage`): a damaged one (arrays or data state that do not match their checksums, a file
+truncated or deleted, its metadata missing) is moved aside to ``damaged-STEP``, reported in
+one line, and the one before is tried; any other failure (an I/O error, a permission,
+memory) stops the restore in one line and moves or deletes nothing. The run never deletes a
+checkpoint: ``keep`` only removes the oldest. orbax writes a step under a temporary name and
+renames it when complete, so a save killed half-way is never listed as a checkpoint.
 
 A save that cannot be written (no space left, a quota, an I/O error) is one
 `CheckpointError` naming the step, the cause and the newest good checkpoint, raised once the
@@ -22,12 +25,18 @@ size is warned about. orbax's own reports of a failed write (its threads' error 
 silenced: the failure reaches the caller as that one error.
 
 The parts: `manager` (the `Checkpointer`), `data_state` (the iterator item), `checksums`
-(what a restored array must be), `orbax_failures` (a failed write in one line), `errors`.
+(what a restored array and data state must be), `damage` (damage or a failure to read),
+`orbax_failures` (a failed write in one line), `errors`.
 """
 
 from eqxzoo.train.checkpoint.checksums import CHECKSUMS, Inspection, inspect_arrays, verify_arrays
 from eqxzoo.train.checkpoint.data_state import DataStateHandler
-from eqxzoo.train.checkpoint.errors import CheckpointError, CheckpointWarning
+from eqxzoo.train.checkpoint.errors import (
+    CheckpointDamaged,
+    CheckpointError,
+    CheckpointUnreadable,
+    CheckpointWarning,
+)
 from eqxzoo.train.checkpoint.manager import (
     ASYNC_SAVE_GB,
     ITEMS,
@@ -35,8 +44,8 @@ from eqxzoo.train.checkpoint.manager import (
     SYNC_SAVE_GB,
     TMP_SUFFIX,
     Checkpointer,
+    Damaged,
     Restored,
-    Unusable,
     check_complete,
     finished_steps,
     saves_asynchronously,
@@ -51,13 +60,15 @@ __all__ = [
     "STEP_METADATA_FILE",
     "SYNC_SAVE_GB",
     "TMP_SUFFIX",
+    "CheckpointDamaged",
     "CheckpointError",
+    "CheckpointUnreadable",
     "CheckpointWarning",
     "Checkpointer",
+    "Damaged",
     "DataStateHandler",
     "Inspection",
     "Restored",
-    "Unusable",
     "check_complete",
     "finished_steps",
     "inspect_arrays",

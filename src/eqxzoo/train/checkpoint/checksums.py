@@ -2,19 +2,39 @@
 per array, independent of how it is sharded)."""
 
 import dataclasses
+import hashlib
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from eqxzoo.train.checkpoint.errors import CheckpointError
+from eqxzoo.train.checkpoint.errors import CheckpointDamaged
 
 CHECKSUMS = "checksums"  # the key of the arrays' checksums in the meta item
+DATA_CHECKSUM = "data_checksum"  # and of the data iterator state's
+
+
+def data_state_checksum(data_state: dict) -> str:
+    """The SHA-256 of the iterator state's canonical JSON (the same on every process: the
+    state is the global position in the example order)."""
+    text = json.dumps(data_state, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def verify_data_state(data_state: dict, checksum: str | None) -> None:
+    """Raise `CheckpointDamaged` if a restored iterator state is not the one saved (those
+    written before the checksum existed have none to compare)."""
+    if checksum is not None and data_state_checksum(data_state) != checksum:
+        raise CheckpointDamaged(
+            "data: the iterator state does not match its checksum: the file was changed after "
+            "it was written"
+        )
 
 
 def verify_arrays(state: PyTree, checksums: dict[str, list[int]] | None) -> None:
-    """Raise `CheckpointError` if a restored array is not what was saved (its checksum differs;
+    """Raise `CheckpointDamaged` if a restored array is not what was saved (its checksum differs;
     checkpoints written before checksums existed have none to compare) or holds NaN/Inf."""
     inspection = inspect_arrays(state)
     if checksums is not None:
@@ -23,12 +43,12 @@ def verify_arrays(state: PyTree, checksums: dict[str, list[int]] | None) -> None
         ]
         if damaged:
             more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
-            raise CheckpointError(
+            raise CheckpointDamaged(
                 f"state: {damaged[0]}{more} does not match its checksum: the files were "
                 "damaged after they were written"
             )
     if inspection.non_finite:
-        raise CheckpointError(f"state: non-finite values in {inspection.non_finite[0]}")
+        raise CheckpointDamaged(f"state: non-finite values in {inspection.non_finite[0]}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from eqxzoo.train.checkpoint.errors import CheckpointError
+from eqxzoo.train.checkpoint.errors import CheckpointDamaged
 
 _DATA_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
@@ -48,13 +48,15 @@ class DataStateHandler(ocp.CheckpointHandler):
             if (match := _DATA_FILE.fullmatch(path.name))
         }
         if not counts:
-            raise CheckpointError("no data iterator state (process_*-of-*.json) in the checkpoint")
+            raise CheckpointDamaged(
+                "no data iterator state (process_*-of-*.json) in the checkpoint"
+            )
         if count in counts or len(counts) > 1:
-            raise CheckpointError(f"data iterator state {own.name} is missing")
+            raise CheckpointDamaged(f"data iterator state {own.name} is missing")
         (saved_count,) = counts
         first = directory / data_state_file(0, saved_count)
         if not first.exists():
-            raise CheckpointError(f"data iterator state {first.name} is missing")
+            raise CheckpointDamaged(f"data iterator state {first.name} is missing")
         return _read_data_state(first)
 
     def metadata(self, directory: epath.Path) -> None:
@@ -67,7 +69,7 @@ class DataStateHandler(ocp.CheckpointHandler):
 def _read_data_state(path: epath.Path) -> dict:
     state = json.loads(path.read_text())
     if not isinstance(state, dict):
-        raise CheckpointError("the iterator state is not a JSON object")
+        raise CheckpointDamaged("the iterator state is not a JSON object")
     return state
 
 

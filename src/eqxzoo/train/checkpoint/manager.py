@@ -17,9 +17,22 @@ from grain import DatasetIterator
 from jaxtyping import PyTree
 
 from eqxzoo.runtime import on_every_process
-from eqxzoo.train.checkpoint.checksums import CHECKSUMS, inspect_arrays, verify_arrays
+from eqxzoo.train.checkpoint.checksums import (
+    CHECKSUMS,
+    DATA_CHECKSUM,
+    data_state_checksum,
+    inspect_arrays,
+    verify_arrays,
+    verify_data_state,
+)
+from eqxzoo.train.checkpoint.damage import check_readable, is_damage
 from eqxzoo.train.checkpoint.data_state import DataStateHandler, DataStateRestore, DataStateSave
-from eqxzoo.train.checkpoint.errors import CheckpointError, CheckpointWarning
+from eqxzoo.train.checkpoint.errors import (
+    CheckpointDamaged,
+    CheckpointError,
+    CheckpointUnreadable,
+    CheckpointWarning,
+)
 from eqxzoo.train.checkpoint.orbax_failures import (
     settle_failed_writes,
     short_reason,
@@ -35,21 +48,22 @@ STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
-# --- the data iterator item --------------------------------------------------------------
-
-
 # --- checkpointer ------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
-class Unusable:
-    """A checkpoint that was skipped on restore, and why."""
+class Damaged:
+    """A damaged checkpoint found on restore: why, and where it was moved."""
 
     step: int
     reason: str
+    moved_to: str
 
     def __str__(self) -> str:
-        return f"checkpoint at step {self.step} is unusable ({self.reason}); trying an older one"
+        return (
+            f"checkpoint at step {self.step} is damaged ({self.reason}); moved to "
+            f"{self.moved_to}; trying an older one"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +73,7 @@ class Restored:
     step: int
     state: PyTree
     meta: dict
-    skipped: tuple[Unusable, ...]
+    damaged: tuple[Damaged, ...]
 
 
 class Checkpointer:
@@ -113,7 +127,6 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_handlers=handlers
         )
-        self._stale_steps: tuple[int, ...] = ()
 
     def is_due(self, step: int, *, force: bool) -> bool:
         """Whether step ``step`` gets a checkpoint: a multiple of ``every``, or ``force``
@@ -136,7 +149,6 @@ class Checkpointer:
         one before it) cannot be written.
         """
         self.wait()
-        self._drop_stale_steps()
         if step in self._manager.all_steps():
             return False
         inspection = inspect_arrays(state)
@@ -152,7 +164,13 @@ class Checkpointer:
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=DataStateSave(data_state),
-            meta=ocp.args.JsonSave({**meta, CHECKSUMS: inspection.checksums}),
+            meta=ocp.args.JsonSave(
+                {
+                    **meta,
+                    CHECKSUMS: inspection.checksums,
+                    DATA_CHECKSUM: data_state_checksum(data_state),
+                }
+            ),
         )
         self._warn_if_space_is_short(step)
         with self._writing(step):
@@ -165,38 +183,65 @@ class Checkpointer:
         abstract_state: PyTree[jax.ShapeDtypeStruct],
         data_iterator: DatasetIterator | None,
     ) -> Restored | None:
-        """Restore the newest usable checkpoint onto the shardings in ``abstract_state``.
+        """Restore the newest checkpoint that is not damaged onto the shardings in
+        ``abstract_state``; the data iterator (if any: generation needs none) is set to the
+        saved position in place.
 
-        The data iterator (if any: generation needs none) is set to the saved position in
-        place. Unusable checkpoints are
-        skipped with a `CheckpointWarning` each (also listed in `Restored.skipped`); they are
-        deleted when the next checkpoint is saved. Returns None when there is no
-        checkpoint; raises `CheckpointError` when there are some but none is usable.
+        A damaged checkpoint (`eqxzoo.train.checkpoint.damage`) is moved aside to
+        ``damaged-STEP`` with a `CheckpointWarning` (listed in `Restored.damaged`) and the one
+        before it is tried. A checkpoint that cannot be read for any other reason stops the
+        restore with `CheckpointUnreadable` naming the step, the file and the error, moving
+        and deleting nothing. Returns None when there is no checkpoint; raises
+        `CheckpointError` when every one is damaged.
         """
         self.wait()
         self._manager.reload()
-        skipped = []
+        damaged = []
         for step in sorted(self._manager.all_steps(), reverse=True):
+            restored, failure = None, None
             try:
-                state, data_state, meta = self._restore_step(step, abstract_state)
+                restored = self._restore_step(step, abstract_state)
                 if data_iterator is not None:
-                    data_iterator.set_state(data_state)
-                failure = None
-            except Exception as error:  # noqa: BLE001 - any read failure makes it unusable
-                failure = short_reason(error)
+                    data_iterator.set_state(restored[1])
+            except Exception as error:  # noqa: BLE001 - told apart just below
+                failure = error
+            damage = failure is not None and is_damage(failure)
+            if not on_every_process(damage or failure is None):
+                if failure is not None and not damage:
+                    raise _unreadable(step, failure) from failure
+                raise _unreadable(step, RuntimeError("it could not be read on another process"))
             if not on_every_process(failure is None):
-                unusable = Unusable(step, failure or "unreadable on another process")
-                self._warn(str(unusable))
-                skipped.append(unusable)
+                reason = short_reason(failure) if failure else "damaged on another process"
+                found = Damaged(step, reason, self._move_aside(step))
+                self._warn(str(found))
+                damaged.append(found)
                 continue
             if data_iterator is not None:
                 data_iterator.start_prefetch()
-            self._stale_steps = tuple(unusable.step for unusable in skipped)
-            return Restored(step=step, state=state, meta=meta, skipped=tuple(skipped))
-        if skipped:
-            reasons = "; ".join(f"step {u.step}: {u.reason}" for u in skipped)
-            raise CheckpointError(f"no usable checkpoint in {self.directory}: {reasons}")
+            state, _, meta = restored
+            return Restored(step=step, state=state, meta=meta, damaged=tuple(damaged))
+        if damaged:
+            reasons = "; ".join(f"step {d.step}: {d.reason}" for d in damaged)
+            raise CheckpointError(
+                f"no usable checkpoint in {self.directory}: {reasons} (each moved aside to "
+                "damaged-STEP)"
+            )
         return None
+
+    def _move_aside(self, step: int) -> str:
+        """Rename a damaged step's directory to ``damaged-STEP`` (``damaged-STEP.N`` if that
+        exists already), out of the run's list of checkpoints; return the new path."""
+        source = self.directory / str(step)
+        target = self.directory / f"damaged-{step}"
+        count = 1
+        while target.exists():
+            count += 1
+            target = self.directory / f"damaged-{step}.{count}"
+        if jax.process_index() == 0:
+            source.rename(target)
+        on_every_process(True)  # every process waits for the rename
+        self._manager.reload()
+        return str(target)
 
     def latest_step(self) -> int | None:
         """The newest step saved or being saved, None if there is none."""
@@ -282,8 +327,11 @@ class Checkpointer:
         self.close()
 
     def _restore_step(self, step: int, abstract_state: PyTree) -> tuple[PyTree, dict, dict]:
-        """Read one step item by item, so that a failure names the item."""
-        check_complete(self.directory / str(step))
+        """Read one step item by item, so that a failure names the item, and verify the
+        arrays and the data state against the checksums saved with them."""
+        step_directory = self.directory / str(step)
+        check_readable(step_directory)
+        check_complete(step_directory)
         targets = {
             "meta": ocp.args.JsonRestore(),
             "data": DataStateRestore(),
@@ -296,23 +344,14 @@ class Checkpointer:
                     step, args=ocp.args.Composite(**{item: target})
                 )[item]
             except Exception as error:
-                raise CheckpointError(f"{item}: {short_reason(error)}") from error
+                kind = CheckpointDamaged if is_damage(error) else CheckpointError
+                raise kind(f"{item}: {short_reason(error)}") from error
         meta = restored["meta"]
-        verify_arrays(
-            restored["state"], meta.pop(CHECKSUMS, None) if isinstance(meta, dict) else None
-        )
+        if not isinstance(meta, dict):
+            raise CheckpointDamaged("meta: not a JSON object")
+        verify_data_state(restored["data"], meta.pop(DATA_CHECKSUM, None))
+        verify_arrays(restored["state"], meta.pop(CHECKSUMS, None))
         return restored["state"], restored["data"], meta
-
-    def _drop_stale_steps(self) -> None:
-        """Delete the unusable checkpoints newer than the one this run resumed from.
-
-        They are kept until the run writes its next checkpoint, so that a restore alone
-        never deletes anything; from then on the run's history replaces them.
-        """
-        for step in self._stale_steps:
-            if step in self._manager.all_steps():
-                self._manager.delete(step)
-        self._stale_steps = ()
 
 
 def finished_steps(directory: epath.Path | os.PathLike) -> list[int]:
@@ -334,23 +373,31 @@ def saves_asynchronously(requested: bool, platform: str) -> bool:
 
 
 def check_complete(step_directory: epath.Path) -> None:
-    """Raise `CheckpointError` if the step's metadata or one of its items is missing.
+    """Raise `CheckpointDamaged` if the step's metadata or one of its items is missing.
 
     orbax restores some checkpoints whose metadata file was lost; we do not trust them.
     """
     metadata_file = step_directory / STEP_METADATA_FILE
     if not metadata_file.exists():
-        raise CheckpointError(f"its metadata file {STEP_METADATA_FILE} is missing")
+        raise CheckpointDamaged(f"its metadata file {STEP_METADATA_FILE} is missing")
     try:
         json.loads(metadata_file.read_text())
     except ValueError as error:
-        raise CheckpointError(f"its metadata file {STEP_METADATA_FILE} is corrupt") from error
+        raise CheckpointDamaged(f"its metadata file {STEP_METADATA_FILE} is corrupt") from error
     for item in ITEMS:
         if not (step_directory / item).is_dir():
-            raise CheckpointError(f"item {item!r} is missing")
+            raise CheckpointDamaged(f"item {item!r} is missing")
 
 
 # --- helpers -----------------------------------------------------------------------------
+
+
+def _unreadable(step: int, error: BaseException) -> CheckpointUnreadable:
+    """The one line that stops a restore which failed for a reason other than damage."""
+    return CheckpointUnreadable(
+        f"cannot read the checkpoint of step {step}: {short_reason(error)}; nothing was moved "
+        "or deleted: rerun once the cause is fixed"
+    )
 
 
 def _warn_checkpoint(message: str) -> None:
