@@ -86,7 +86,7 @@ def export(args: argparse.Namespace) -> int:
     run_dir, out = Path(args.run_dir), Path(args.out)
     if not (args.max_shard_size > 0 and math.isfinite(args.max_shard_size)):
         raise UserError(f"--max-shard-size must be a number of GB > 0, got {args.max_shard_size}")
-    config = read_run_config(run_dir)
+    config = read_run_config(run_dir, args.step)
     from models.hf import config_to_hf
 
     dtype = args.dtype or config.precision.params

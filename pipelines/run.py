@@ -56,7 +56,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m pipelines.run", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("config", type=Path, help="TOML run config (see configs/)")
+    parser.add_argument(
+        "config",
+        type=Path,
+        nargs="?",
+        help="TOML run config (see configs/); not with --repair-config",
+    )
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -71,7 +76,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--dry-run", action="store_true", help="plan the run, do not train")
     parser.add_argument("--profile", type=parse_profile, metavar="START:STOP")
+    parser.add_argument(
+        "--repair-config",
+        action="store_true",
+        help="rewrite --run-dir's config.toml from its newest checkpoint's config, then exit",
+    )
     args = parser.parse_args(argv)
+    if args.repair_config:
+        if args.run_dir is None or args.config is not None:
+            parser.error("--repair-config takes --run-dir RUN_DIR and no config")
+    elif args.config is None:
+        parser.error("a config is needed (or --repair-config with --run-dir)")
     if args.steps is not None and args.steps < 0:
         parser.error(f"--steps must be >= 0, got {args.steps}")
     return args
@@ -83,6 +98,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.repair_config:
+        from eqxzoo.run.rundir import CONFIG_FILE, repair_run_config
+
+        step = repair_run_config(args.run_dir)
+        print(
+            f"wrote {args.run_dir / CONFIG_FILE} from the config of the checkpoint of step {step}"
+        )
+        return EXIT_OK
     # Config errors are reported before any JAX work (no backend is started yet).
     from eqxzoo.run.config import devices_needed, load_config
 

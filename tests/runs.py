@@ -39,9 +39,11 @@ SMALL = (
 GPIPE = ("pipeline.schedule=gpipe", "pipeline.repeats=1")
 
 
-def command(run_dir: Path, cache_dir: Path, overrides=(), extra=()) -> list[str]:
+def command(
+    run_dir: Path, cache_dir: Path, overrides=(), extra=(), config: str | Path = TINY
+) -> list[str]:
     sets = [f"run.compilation_cache_dir={cache_dir}", *SMALL, *overrides]
-    args = [sys.executable, "-m", "pipelines.run", TINY, "--run-dir", str(run_dir)]
+    args = [sys.executable, "-m", "pipelines.run", str(config), "--run-dir", str(run_dir)]
     return args + [part for item in sets for part in ("--set", item)] + list(extra)
 
 
@@ -59,9 +61,9 @@ def run_command(args: list[str], expect: int = 0) -> subprocess.CompletedProcess
 
 
 def run(
-    run_dir: Path, cache_dir: Path, overrides=(), extra=(), expect: int = 0
+    run_dir: Path, cache_dir: Path, overrides=(), extra=(), expect: int = 0, config=TINY
 ) -> subprocess.CompletedProcess:
-    return run_command(command(run_dir, cache_dir, overrides, extra), expect)
+    return run_command(command(run_dir, cache_dir, overrides, extra, config), expect)
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -87,21 +87,52 @@ def test_a_resume_that_changes_what_the_run_is_is_refused(
     checkpoints that cannot be read (an error once the checkpointer is open) exit with one
     line too."""
     tmp_path = stopped_copy(reference_dir, tmp_path / "run", last_step=4)
-    saved = (tmp_path / "config.toml").read_text()
+    config_file = tmp_path / "config.toml"
+    saved = config_file.read_text()
+
+    def refusal(changes: str) -> str:
+        return (
+            f"error: --run-dir {tmp_path} holds another run (its checkpoint of step 4): "
+            f"{changes}. Resume it with its own config ({config_file}; if that was edited or "
+            f"lost, rewrite it with python -m pipelines.run --run-dir {tmp_path} "
+            "--repair-config), or start this one in a new --run-dir\n"
+        )
+
     for overrides, changes in REFUSED_RESUMES.values():
         refused = run(tmp_path, cache_dir, overrides=overrides, expect=2)
-        assert refused.stderr == (
-            f"error: --run-dir {tmp_path} holds another run: {changes}. Resume it with its own "
-            f"config ({tmp_path / 'config.toml'}), or start this one in a new --run-dir\n"
-        )
-        assert (tmp_path / "config.toml").read_text() == saved
+        assert refused.stderr == refusal(changes)
+        assert config_file.read_text() == saved
         assert_no_traceback(refused.stdout, refused.stderr)
+
+    # The checkpoint is the truth, whatever config.toml says or whether it exists.
+    config_file.write_text(saved.replace("rope_theta = 10000.0", "rope_theta = 50.0"))
+    rope_change = "model.rope_theta = 10000.0 in the run, 50.0 now"
+    edited = run(tmp_path, cache_dir, config=config_file, expect=2)
+    assert edited.stderr == refusal(rope_change)
+    sampled = run_command(
+        [sys.executable, "-m", "pipelines.generate", str(tmp_path), "--prompt", "a"], expect=2
+    )
+    assert sampled.stderr == (
+        f"error: {config_file} is not the config of the checkpoint of step 4: {rope_change}. "
+        f"Rewrite it from the checkpoint with python -m pipelines.run --run-dir {tmp_path} "
+        "--repair-config\n"
+    )
+    config_file.unlink()
+    lost = run(tmp_path, cache_dir, overrides=REFUSED_RESUMES["architecture"][0], expect=2)
+    assert lost.stderr == refusal(REFUSED_RESUMES["architecture"][1])
+    assert not config_file.exists(), "a refused run writes no config.toml"
+    repaired = run_command(
+        [sys.executable, "-m", "pipelines.run", "--run-dir", str(tmp_path), "--repair-config"]
+    )
+    assert repaired.stdout == (f"wrote {config_file} from the config of the checkpoint of step 4\n")
+    assert config_file.read_text() == saved
 
     for checkpoint in (tmp_path / "checkpoints").iterdir():
         (checkpoint / "state" / "_METADATA").unlink()
     result = run(tmp_path, cache_dir, expect=2)
-    assert result.stderr.splitlines()[-1].startswith(
-        f"error: no usable checkpoint in {tmp_path / 'checkpoints'}: step 4: state: "
+    assert result.stderr.splitlines()[-1] == (
+        f"error: no usable checkpoint in {tmp_path / 'checkpoints'}: step 4: state: its index "
+        "file _METADATA is missing (each moved aside to damaged-STEP)"
     ), result.stderr
     assert_no_traceback(result.stdout, result.stderr)
 

@@ -3,6 +3,7 @@ of a plan, in process; `tests/test_run_safety.py` shows them through `pipelines.
 
 import dataclasses
 import fnmatch
+import json
 import os
 import re
 from pathlib import Path
@@ -26,6 +27,7 @@ from eqxzoo.run.rundir import (
     is_resumable,
     prepare_run_dir,
     refused_changes,
+    write_run_config,
 )
 from eqxzoo.train.checkpoint import STEP_METADATA_FILE
 from eqxzoo.train.memory import (
@@ -39,15 +41,19 @@ from eqxzoo.train.memory import (
 from eqxzoo.typed_config import config_leaves, field_role, flatten
 from models.config import RUNTIME_KEYS, DecoderConfig
 from models.registry import families
+from pipelines.run import main as run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
 
 
-def finished_checkpoint(run_dir: Path, step: int) -> None:
-    """A directory as a finished save leaves it (enough for the run directory's checks)."""
-    (run_dir / "checkpoints" / str(step)).mkdir(parents=True)
+def finished_checkpoint(run_dir: Path, step: int, config: RunConfig) -> None:
+    """A directory as a finished save of ``config``'s run leaves it (enough for the run
+    directory's checks: the step's metadata file and its meta item holding the config)."""
+    (run_dir / "checkpoints" / str(step) / "meta").mkdir(parents=True)
     (run_dir / "checkpoints" / str(step) / STEP_METADATA_FILE).write_text("{}")
+    meta = {"config": config_to_dict(config)}
+    (run_dir / "checkpoints" / str(step) / "meta" / "metadata").write_text(json.dumps(meta))
 
 
 def test_a_second_lock_names_the_holder_and_a_released_lock_is_free(tmp_path: Path):
@@ -72,7 +78,9 @@ def test_a_refused_resume_keeps_the_saved_config_and_releases_its_lock(
 ):
     config = load_config(TINY)
     prepare_run_dir(tmp_path, config, lock=True).release()
-    finished_checkpoint(tmp_path, 4)
+    assert not (tmp_path / "config.toml").exists(), "written once the run's state is open"
+    write_run_config(tmp_path, config)
+    finished_checkpoint(tmp_path, 4, config)
     saved = (tmp_path / "config.toml").read_text()
     other = load_config(TINY, ["model.d_model=128"])
     with pytest.raises(NotTheSameRun):
@@ -82,15 +90,16 @@ def test_a_refused_resume_keeps_the_saved_config_and_releases_its_lock(
 
 
 def test_another_architecture_or_data_order_is_refused_naming_every_key(tmp_path: Path):
-    prepare_run_dir(tmp_path, load_config(TINY), lock=False)
-    finished_checkpoint(tmp_path, 100)
+    finished_checkpoint(tmp_path, 100, load_config(TINY))
     changed = load_config(TINY, ["model.d_model=128", "data.seed=7", "run.steps=400"])
     with pytest.raises(NotTheSameRun) as refused:
         check_same_run(tmp_path, changed)
     assert str(refused.value) == (
-        f"--run-dir {tmp_path} holds another run: data.seed = 0 in the run, 7 now; "
-        "model.d_model = 96 in the run, 128 now. Resume it with its own config "
-        f"({tmp_path / 'config.toml'}), or start this one in a new --run-dir"
+        f"--run-dir {tmp_path} holds another run (its checkpoint of step 100): data.seed = 0 "
+        "in the run, 7 now; model.d_model = 96 in the run, 128 now. Resume it with its own "
+        f"config ({tmp_path / 'config.toml'}; if that was edited or lost, rewrite it with "
+        f"python -m pipelines.run --run-dir {tmp_path} --repair-config), or start this one in "
+        "a new --run-dir"
     )
 
 
@@ -229,3 +238,34 @@ def test_turning_clipping_or_weight_decay_on_or_off_is_refused(key: str):
         assert [change.key for change in refused_changes(saved, new)] == ([key] if refused else [])
     off = config_to_dict(load_config(TINY, [f"{key}=0"]))
     assert [change.key for change in refused_changes(off, saved)] == [key]
+
+
+def test_repair_config_rewrites_config_toml_from_the_newest_checkpoint(tmp_path: Path, capsys):
+    """``pipelines.run --run-dir RUN --repair-config``: config.toml edited or lost is rewritten
+    from the config the newest checkpoint holds; without a checkpoint, or with a config
+    argument, it is refused in one line."""
+    assert run_main(["--run-dir", str(tmp_path), "--repair-config"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --run-dir {tmp_path}: no checkpoint holds a config to repair from\n"
+    )
+    config = load_config(TINY, ["model.d_model=64"])
+    finished_checkpoint(tmp_path, 2, load_config(TINY))
+    finished_checkpoint(tmp_path, 3, config)
+    (tmp_path / "config.toml").write_text("edited by hand")
+    assert run_main(["--run-dir", str(tmp_path), "--repair-config"]) == 0
+    assert capsys.readouterr().out == (
+        f"wrote {tmp_path / 'config.toml'} from the config of the checkpoint of step 3\n"
+    )
+    assert load_config(tmp_path / "config.toml") == config
+    for argv in (["--repair-config"], [str(TINY), "--run-dir", str(tmp_path), "--repair-config"]):
+        with pytest.raises(SystemExit) as refused:
+            run_main(argv)
+        assert refused.value.code == 2
+        assert capsys.readouterr().err.endswith(
+            "error: --repair-config takes --run-dir RUN_DIR and no config\n"
+        )
+    with pytest.raises(SystemExit):
+        run_main([])
+    assert capsys.readouterr().err.endswith(
+        "error: a config is needed (or --repair-config with --run-dir)\n"
+    )

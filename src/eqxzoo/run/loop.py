@@ -34,7 +34,12 @@ from eqxzoo.data.prepare import default_stdlib_cache_dir, prepare_stdlib_corpus
 from eqxzoo.errors import EXIT_STOPPED, UserError
 from eqxzoo.parallel import make_mesh
 from eqxzoo.run.config import RunConfig, config_to_dict, model_config_for_mesh, step_config
-from eqxzoo.run.rundir import CHECKPOINT_DIR, has_checkpoints, prepare_run_dir
+from eqxzoo.run.rundir import (
+    CHECKPOINT_DIR,
+    has_checkpoints,
+    prepare_run_dir,
+    write_run_config,
+)
 from eqxzoo.runtime import counts_of_every_process, on_every_process
 from eqxzoo.train.checkpoint import Checkpointer, saves_asynchronously
 from eqxzoo.train.layout import (
@@ -191,6 +196,8 @@ class _Trainer:
             self.open_data(opened)
             self.compile_steps()
             self.open_state(opened)
+            if self.is_main:  # every check passed and the state is open
+                write_run_config(self.run_dir, self.config)
             first_step = self.step
             self.open_reports(opened)
             with StopSignal() as stop:
@@ -199,9 +206,8 @@ class _Trainer:
         return self.summary(first_step)
 
     def open_run_dir(self, opened: contextlib.ExitStack) -> None:
-        """Process 0 locks the run directory, checks that this config may resume what it
-        holds and writes the config into it (`eqxzoo.run.rundir`); the other processes
-        follow its verdict."""
+        """Process 0 locks the run directory and checks that this config may resume what it
+        holds (`eqxzoo.run.rundir`); the other processes follow its verdict."""
         refusal = None
         if self.is_main:
             try:

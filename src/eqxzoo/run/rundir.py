@@ -10,12 +10,20 @@ locks, and the others follow its verdict. Readers (``--dry-run``, ``pipelines.ge
 take no lock.
 
 **The same run.** A directory with checkpoints is resumed only by a config that differs
-from its ``config.toml`` in `RESUMABLE_KEYS` alone (the fields declared `runtime_field`):
+from the run's own in `RESUMABLE_KEYS` alone (the fields declared `runtime_field`):
 what changes how the same run is carried out (steps, mesh and schedule, batch shape, logging, checkpoint cadence, the learning-rate
 schedule, ...), never what it is (the architecture, its parameters' dtype, the optimizer's
 state, the data and its order, the seeds). Any other change, or turning gradient clipping or
 weight decay on or off (which adds or removes optimizer state), is refused in one line naming
 every changed key with both values.
+
+**The checkpoint is the truth.** The run's own config is the one saved in its newest
+checkpoint (`checkpoint_config`), whatever ``config.toml`` says or whether it exists: a
+resume, ``pipelines.generate`` and ``pipelines.export`` compare against it. ``config.toml``
+is a copy for people, written by a run only once every check has passed and its state is
+open (`write_run_config`); one that was edited or deleted is rewritten from the checkpoint
+by ``python -m pipelines.run --run-dir RUN --repair-config`` (`repair_run_config`), and the
+commands that only read a run use the checkpoint's config when ``config.toml`` is missing.
 """
 
 import dataclasses
@@ -44,6 +52,7 @@ from eqxzoo.typed_config import flatten, read_toml
 
 CONFIG_FILE = "config.toml"
 CHECKPOINT_DIR = "checkpoints"
+META_FILE = Path("meta") / "metadata"  # a checkpoint's meta item, which holds its config
 LOCK_FILE = "run.lock"
 
 
@@ -161,28 +170,70 @@ def refused_changes(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[Ch
     ]
 
 
+def checkpoint_config(run_dir: Path, step: int | None = None) -> tuple[int, dict] | None:
+    """``(step, config document)`` saved in the checkpoint of ``step``, by default the newest
+    whose meta item can be read; None when there is none (a damaged one is the restore's to
+    report)."""
+    directory = run_dir / CHECKPOINT_DIR
+    if not directory.is_dir():
+        return None
+    steps = [step] if step is not None else sorted(finished_steps(directory), reverse=True)
+    for candidate in steps:
+        try:
+            meta = json.loads((directory / str(candidate) / META_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and isinstance(meta.get("config"), dict):
+            return candidate, meta["config"]
+    return None
+
+
+def _the_runs_config(run_dir: Path) -> tuple[str, dict] | None:
+    """Where the run's own config comes from and its document with defaults filled in:
+    its newest checkpoint, or (a checkpoint written before configs were saved in them)
+    its ``config.toml``; None for a directory without checkpoints."""
+    if not has_checkpoints(run_dir):
+        return None
+    stored = checkpoint_config(run_dir)
+    if stored is not None:
+        where, saved = f"its checkpoint of step {stored[0]}", stored[1]
+    elif (run_dir / CONFIG_FILE).is_file():
+        where, saved = str(run_dir / CONFIG_FILE), read_toml(run_dir / CONFIG_FILE)
+    else:
+        return None
+    return where, _with_defaults(saved)
+
+
+def _with_defaults(document: dict) -> dict:
+    """A saved config document with the defaults filled in, as `config_to_dict` gives a new
+    one (one written by another version is compared as written)."""
+    try:
+        return config_to_dict(config_from_dict(document))
+    except ConfigError:
+        return document
+
+
 def check_same_run(run_dir: Path, config: RunConfig) -> None:
     """Raise `NotTheSameRun` if ``run_dir`` has checkpoints and ``config`` changes a key of
-    its ``config.toml`` that `RESUMABLE_KEYS` does not list."""
-    saved_file = run_dir / CONFIG_FILE
-    if not (has_checkpoints(run_dir) and saved_file.is_file()):
+    the run's own config (`checkpoint_config`) that `RESUMABLE_KEYS` does not list."""
+    own = _the_runs_config(run_dir)
+    if own is None:
         return
-    saved = read_toml(saved_file)
-    try:
-        saved = config_to_dict(config_from_dict(saved))  # defaults filled in, as `config`'s
-    except ConfigError:
-        pass  # written by another version: compare the keys as written
+    where, saved = own
     refused = refused_changes(saved, config_to_dict(config))
     if refused:
         raise NotTheSameRun(
-            f"--run-dir {run_dir} holds another run: {'; '.join(map(str, refused))}. Resume it "
-            f"with its own config ({saved_file}), or start this one in a new --run-dir"
+            f"--run-dir {run_dir} holds another run ({where}): "
+            f"{'; '.join(map(str, refused))}. Resume it with its own config "
+            f"({run_dir / CONFIG_FILE}; if that was edited or lost, rewrite it with python -m "
+            f"pipelines.run --run-dir {run_dir} --repair-config), or start this one in a new "
+            "--run-dir"
         )
 
 
 def prepare_run_dir(run_dir: Path, config: RunConfig, *, lock: bool, warn=print) -> RunDirLock:
-    """Create ``run_dir``, lock it (if ``lock``), check that ``config`` may resume what it
-    holds, and write ``config`` as its ``config.toml``. Returns the lock (held or not)."""
+    """Create ``run_dir``, lock it (if ``lock``) and check that ``config`` may resume what it
+    holds. Returns the lock (held or not). The config is written later (`write_run_config`)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir {run_dir}: exists and is not a directory")
     if (run_dir / CHECKPOINT_DIR).exists() and not (run_dir / CHECKPOINT_DIR).is_dir():
@@ -193,28 +244,63 @@ def prepare_run_dir(run_dir: Path, config: RunConfig, *, lock: bool, warn=print)
         run_lock.acquire(warn)
     try:
         check_same_run(run_dir, config)
-        replace_text(run_dir / CONFIG_FILE, config_to_toml(config))
     except BaseException:
         run_lock.release()
         raise
     return run_lock
 
 
+def write_run_config(run_dir: Path, config: RunConfig) -> None:
+    """Write ``config`` as the run's ``config.toml`` (atomically)."""
+    replace_text(run_dir / CONFIG_FILE, config_to_toml(config))
+
+
+def repair_run_config(run_dir: Path) -> int:
+    """Rewrite ``run_dir``'s ``config.toml`` from its newest checkpoint's config, under the
+    run directory's lock; returns the checkpoint's step."""
+    stored = checkpoint_config(run_dir)
+    if stored is None:
+        raise UserError(f"--run-dir {run_dir}: no checkpoint holds a config to repair from")
+    run_lock = RunDirLock(run_dir)
+    run_lock.acquire()
+    try:
+        write_run_config(run_dir, config_from_dict(stored[1]))
+    finally:
+        run_lock.release()
+    return stored[0]
+
+
 def _show(value: Any) -> str:
     return "(unset)" if value is None else json.dumps(value)
 
 
-def read_run_config(run_dir: Path) -> RunConfig:
-    """The config of the ``pipelines.run`` directory ``run_dir``, as its ``config.toml`` holds
-    it, for the commands that open a run (export, generate): the run's own config holds its
-    whole architecture, so the Hugging Face directory it may have started from is not
-    needed (``init_from_hf`` is cleared). A `UserError` names what is missing."""
+def read_run_config(run_dir: Path, step: int | None = None) -> RunConfig:
+    """The config of the ``pipelines.run`` directory ``run_dir`` for the commands that open a
+    run (export, generate): its ``config.toml``, checked against the config saved in the
+    checkpoint of ``step`` (default: the newest) that they will read, or that one when
+    ``config.toml`` is missing. The run's own config holds its whole architecture, so the
+    Hugging Face directory it may have started from is not needed (``init_from_hf`` is
+    cleared). A `UserError` names what is missing or differs."""
     if not run_dir.is_dir():
         raise UserError(f"{run_dir}: no such run directory")
     config_file = run_dir / CONFIG_FILE
+    stored = checkpoint_config(run_dir, step)
     if not config_file.is_file():
-        raise UserError(f"{run_dir} has no {CONFIG_FILE}: not a pipelines.run directory")
+        if stored is None:
+            raise UserError(f"{run_dir} has no {CONFIG_FILE}: not a pipelines.run directory")
+        return dataclasses.replace(config_from_dict(stored[1]), init_from_hf="")
     try:
-        return load_config(config_file, ["model.init_from_hf="])
+        config = load_config(config_file, ["model.init_from_hf="])
     except ConfigError as error:
         raise ConfigError(f"{config_file}: {error}") from None
+    if stored is not None:
+        refused = refused_changes(
+            config_to_dict(config_from_dict(stored[1])), config_to_dict(config)
+        )
+        if refused:
+            raise NotTheSameRun(
+                f"{config_file} is not the config of the checkpoint of step {stored[0]}: "
+                f"{'; '.join(map(str, refused))}. Rewrite it from the checkpoint with python -m "
+                f"pipelines.run --run-dir {run_dir} --repair-config"
+            )
+    return config

@@ -42,6 +42,9 @@ from eqxzoo.train.checkpoint.orbax_failures import (
 )
 
 ITEMS = ("state", "data", "meta")
+# The files that say what an item holds; orbax reads some checkpoints without them and
+# fails later with errors that do not say a file is missing.
+ITEM_INDEX_FILES = (("state", "_METADATA"), ("meta", "metadata"))
 ASYNC_SAVE_GB = 96  # orbax's default
 SYNC_SAVE_GB = 1
 STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
@@ -387,6 +390,9 @@ def check_complete(step_directory: epath.Path) -> None:
     for item in ITEMS:
         if not (step_directory / item).is_dir():
             raise CheckpointDamaged(f"item {item!r} is missing")
+    for item, name in ITEM_INDEX_FILES:
+        if not (step_directory / item / name).is_file():
+            raise CheckpointDamaged(f"{item}: its index file {name} is missing")
 
 
 # --- helpers -----------------------------------------------------------------------------
