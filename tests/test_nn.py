@@ -281,12 +281,15 @@ def test_embedding_lookup_gradient_scatter_adds_repeated_tokens():
 
 
 def _moe(routing_mode="dropless", **kwargs):
-    kwargs = {"normalize_topk": True, **kwargs}
+    """A MoE layer whose dropless path is the slotted kernel (slots, overflow blocks)."""
+    kwargs = {"normalize_topk": True, "experts": {"dropless_kernel": "slotted"}, **kwargs}
     return MoE(16, 24, 6, 2, routing_mode=routing_mode, key=jax.random.key(9), **kwargs)
 
 
 # GPT-OSS's experts with a gain and a limit the tests' activations reach.
-GPT_OSS_EXPERTS = dict(bias=True, activation="clamped_swiglu", alpha=1.5, limit=0.25)
+GPT_OSS_EXPERTS = dict(
+    bias=True, activation="clamped_swiglu", alpha=1.5, limit=0.25, dropless_kernel="slotted"
+)
 
 
 def _gpt_oss_moe(routing_mode="dropless", **kwargs):

@@ -5,6 +5,7 @@ Ctrl-C saves and exits 0 under the launcher, and the values that used to fail la
 silently are refused up front."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,7 +29,7 @@ from runs import (
     wait_for_step,
 )
 
-from eqxzoo.train.checkpoint import STEP_METADATA_FILE
+from eqxzoo.train.checkpoint import STEP_METADATA_FILE, finished_steps
 
 pytestmark = pytest.mark.slow
 
@@ -93,9 +94,23 @@ def test_ctrl_c_under_the_launcher_saves_exits_0_and_resumes_exactly(
         kill_all([launcher.pid, *workers])
         launcher.wait()
     output = log.read_text()
-    assert "stopped by a signal: checkpoint saved at step" in output, output[-3000:]
+    stopped = re.findall(r"stopped by a signal: checkpoint saved at step (\d+)", output)
+    assert len(stopped) == 1, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
-    run(run_dir, cache_dir, endless, extra=("--steps", "6"))
+    step = int(stopped[0])
+    # Every process saved that step: each wrote its own data state there, at one position,
+    # and no process got further.
+    checkpoints = run_dir / "checkpoints"
+    assert max(finished_steps(checkpoints)) == step
+    data_states = sorted((checkpoints / str(step) / "data").glob("process_*-of-2.json"))
+    assert [path.name for path in data_states] == ["process_0-of-2.json", "process_1-of-2.json"]
+    assert data_states[0].read_text() == data_states[1].read_text()
+    assert [r["step"] for r in records(run_dir) if "loss" in r] == list(range(1, step + 1))
+    assert step < 6, "stopped before the rerun's last step"
+
+    rerun = run(run_dir, cache_dir, endless, extra=("--steps", "6"))
+    assert f"resumed from the checkpoint at step {step}\n" in rerun.stdout
+    assert [r["step"] for r in records(run_dir) if "loss" in r] == list(range(1, 7))
     np.testing.assert_allclose(losses(run_dir), reference_losses(reference), rtol=1e-5)
 
 
