@@ -1,11 +1,12 @@
-"""Fine-tuning parity with PyTorch: five steps of our pipelined trainer on a Hugging Face
-checkpoint are the same computation as five steps of ``torch.optim.AdamW`` on the same
-transformers model.
+"""Fine-tuning parity with PyTorch: eight steps of our pipelined trainer on a Hugging Face
+checkpoint are the same computation as eight steps of ``torch.optim.AdamW`` on the same
+transformers model, for a forward-table schedule (GPipe, circular) and a fused-backward one
+(1F1B, ZB-H1) each, on data, tensor and expert parallel meshes.
 
 `test_hf.py` shows that a checkpoint's forward pass matches transformers'; this file shows
 that the whole road of a fine-tune does: `open_hf` into the staged, sharded train state
-(`init_train_state_from`), gradients through the pipeline (``pp=2``, with data and tensor
-parallelism, gradient accumulation and stage remat), the global-norm clip, the
+(`init_train_state_from`), gradients through the pipeline (``pp=2``, with data, tensor or
+expert parallelism, gradient accumulation and stage remat), the global-norm clip, the
 warmup-cosine schedule, AdamW with its decay mask, and `write_hf` back out. An error in any
 of them (a schedule off by one step, a norm that gets weight decay, a clip on one device's
 share of the gradient) changes the losses or the final parameters.
@@ -24,7 +25,8 @@ The PyTorch side is written from the documented semantics, not from our code, an
 - learning rate: `warmup_cosine` (below) rises linearly from 0 to the peak over
   ``warmup_steps``, then follows a cosine to ``peak * final_lr_fraction`` at
   ``decay_steps``. Update ``k`` (0-based) uses ``warmup_cosine(k)``, as optax's schedule
-  counter does: the first update has learning rate 0 (the moments still move).
+  counter does. Here ``warmup_steps = 0``: the first update already moves the parameters
+  at the peak rate, so an error in it cannot hide behind a zero learning rate.
 - AdamW: the same ``b1, b2, eps`` with ``eps`` outside the square root and bias correction
   in both; decoupled weight decay ``p -= lr * weight_decay * p`` in both (torch applies it
   before the Adam step, optax adds it to the step; neither reads the other). Decay applies
@@ -60,7 +62,7 @@ from eqxzoo.train.step import make_train_step  # noqa: E402
 from models import model_factory  # noqa: E402
 from models.hf import open_hf, write_hf  # noqa: E402
 
-STEPS = 5
+STEPS = 8
 # (G, M, B, T): gradient accumulation, pipeline microbatches, batch, sequence length.
 BATCH_SHAPE = (2, 2, 2, 8)
 TOLERANCE = 1e-4
@@ -68,40 +70,45 @@ TOLERANCE = 1e-4
 OPTIMIZER = OptimizerConfig(
     name="adamw",
     learning_rate=1e-2,
-    warmup_steps=2,
-    decay_steps=5,
+    warmup_steps=0,
+    decay_steps=STEPS,
     final_lr_fraction=0.1,
     b1=0.9,
     b2=0.95,
-    eps=1e-8,
+    # Adam divides each moment by sqrt(v) + eps: with eps far below the rounding noise of a
+    # near-zero gradient, that noise (1e-9 between two correct programs) would move a
+    # parameter by up to the learning rate in either direction.
+    eps=1e-6,
     weight_decay=0.1,
-    # Between the steps' gradient norms (1.6 to 4.2 here): some steps are clipped, some not.
-    clip_norm=2.1,
+    # Between the steps' gradient norms (1.3 to 2.5 here): some steps are clipped, some not.
+    clip_norm=1.75,
 )
 
-# name -> (architecture, config fields, pipeline schedule); four layers each, so that both
-# schedules split them over two stages.
+LLAMA = (
+    "LlamaForCausalLM",
+    dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2),
+)
+QWEN_MOE = (
+    "Qwen2MoeForCausalLM",
+    dict(
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=40,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+    ),
+)
+# name -> (architecture, config fields, pipeline schedule, mesh); four layers each, so that
+# every schedule splits them over two stages.
 CASES = {
-    "llama": (
-        "LlamaForCausalLM",
-        dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2),
-        Schedule("circular", stages=2, microbatches=2, repeats=2),
-    ),
-    "qwen_moe": (
-        "Qwen2MoeForCausalLM",
-        dict(
-            hidden_size=32,
-            intermediate_size=48,
-            moe_intermediate_size=16,
-            shared_expert_intermediate_size=40,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_experts=4,
-            num_experts_per_tok=2,
-            norm_topk_prob=False,
-        ),
-        Schedule("gpipe", stages=2, microbatches=2, repeats=1),
-    ),
+    "llama-circular": (*LLAMA, Schedule("circular", 2, 2, 2), MeshConfig(dp=2, pp=2, tp=2)),
+    "llama-1f1b": (*LLAMA, Schedule("1f1b", 2, 2, 1), MeshConfig(dp=2, pp=2, tp=2)),
+    "qwen_moe-gpipe": (*QWEN_MOE, Schedule("gpipe", 2, 2, 1), MeshConfig(dp=2, pp=2, tp=2)),
+    "qwen_moe-zb_h1-ep2": (*QWEN_MOE, Schedule("zb_h1", 2, 2, 1), MeshConfig(dp=2, pp=2, ep=2)),
 }
 
 
@@ -170,10 +177,9 @@ def torch_finetune(hf_model, batches, config):
     return np.array(losses), np.array(grad_norms)
 
 
-def zoo_finetune(directory, schedule, batches, config):
-    """Fine-tune the checkpoint in ``directory`` with our pipelined step on a dp=2, pp=2,
-    tp=2 mesh; returns each step's loss and gradient norm and the trained model (plain
-    layout)."""
+def zoo_finetune(directory, schedule, mesh_config, batches, config):
+    """Fine-tune the checkpoint in ``directory`` with our pipelined step on ``mesh_config``;
+    returns each step's loss and gradient norm and the trained model (plain layout)."""
     checkpoint = open_hf(directory)
     step_config = StepConfig(
         schedule=schedule,
@@ -181,7 +187,7 @@ def zoo_finetune(directory, schedule, batches, config):
         loss=LossConfig(load_balance_weight=0.0, router_z_weight=0.0),
         remat_stages=True,
     )
-    mesh = make_mesh(MeshConfig(dp=2, pp=2, tp=2))
+    mesh = make_mesh(mesh_config)
     state = init_train_state_from(
         model_factory(checkpoint.config), checkpoint.model, config=step_config, mesh=mesh
     )
@@ -204,13 +210,13 @@ def read_tensors(directory):
 def test_finetune_matches_torch(case, tmp_path):
     """Same losses and gradient norms at every step, same parameters after the last, and
     the parameters moved far beyond the tolerance with the clip acting on some steps only."""
-    architecture, fields, schedule = CASES[case]
+    architecture, fields, schedule, mesh_config = CASES[case]
     hf_model = make_hf_model(architecture, fields)
     hf_model.save_pretrained(tmp_path / "initial")
     batches = token_batches()
 
     zoo_losses, zoo_grad_norms, zoo_model = zoo_finetune(
-        tmp_path / "initial", schedule, batches, OPTIMIZER
+        tmp_path / "initial", schedule, mesh_config, batches, OPTIMIZER
     )
     torch_losses, torch_grad_norms = torch_finetune(hf_model, batches, OPTIMIZER)
 
