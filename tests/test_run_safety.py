@@ -112,11 +112,17 @@ def test_a_resume_that_changes_what_the_run_is_is_refused(
     sampled = run_command(
         [sys.executable, "-m", "pipelines.generate", str(tmp_path), "--prompt", "a"], expect=2
     )
-    assert sampled.stderr == (
-        f"error: {config_file} is not the config of the checkpoint of step 4: {rope_change}. "
-        f"Rewrite it from the checkpoint with python -m pipelines.run --run-dir {tmp_path} "
-        "--repair-config\n"
+    exported = run_command(
+        [sys.executable, "-m", "pipelines.export", str(tmp_path), "--out", str(tmp_path / "hf")],
+        expect=2,
     )
+    for refused in (sampled, exported):
+        assert refused.stderr == (
+            f"error: {config_file} is not the config of the checkpoint of step 4: "
+            f"{rope_change}. Rewrite it from the checkpoint with python -m pipelines.run "
+            f"--run-dir {tmp_path} --repair-config\n"
+        )
+    assert not (tmp_path / "hf").exists()
     config_file.unlink()
     lost = run(tmp_path, cache_dir, overrides=REFUSED_RESUMES["architecture"][0], expect=2)
     assert lost.stderr == refusal(REFUSED_RESUMES["architecture"][1])
