@@ -127,7 +127,7 @@ def test_pp_1_2_4_give_the_same_losses(reference: list[dict], tmp_path: Path, ca
         np.testing.assert_allclose(losses(run_dir), expected, rtol=1e-5)
 
 
-def test_the_1f1b_family_gives_the_reference_losses(
+def test_zero_bubble_gives_the_reference_losses(
     reference: list[dict], tmp_path: Path, cache_dir: Path
 ):
     """The reference runs circular (R=2); zb_h1 on the same mesh and batches gives its
@@ -135,21 +135,11 @@ def test_the_1f1b_family_gives_the_reference_losses(
     schedules of the family run the same executor: `test_pipeline.py` compares each with
     the sequential model on many meshes, `test_finetune_parity.py` 1f1b with PyTorch.)"""
     expected = [r["loss"] for r in reference if "loss" in r][:3]
-    for name, repeats in (("zb_h1", 1),):
-        run_dir = tmp_path / name
-        overrides = (
-            f"pipeline.schedule={name}",
-            f"pipeline.repeats={repeats}",
-            "run.eval_every=0",
-        )
-        run(run_dir, cache_dir, overrides=overrides, extra=("--steps", "3"))
-        np.testing.assert_allclose(losses(run_dir), expected, rtol=1e-5, err_msg=name)
-    planned = run(
-        tmp_path / "dry",
-        cache_dir,
-        overrides=("pipeline.schedule=zb_h1", "pipeline.repeats=1"),
-        extra=("--dry-run",),
-    )
+    zero_bubble = ("pipeline.schedule=zb_h1", "pipeline.repeats=1")
+    run_dir = tmp_path / "zb_h1"
+    run(run_dir, cache_dir, overrides=(*zero_bubble, "run.eval_every=0"), extra=("--steps", "3"))
+    np.testing.assert_allclose(losses(run_dir), expected, rtol=1e-5)
+    planned = run(tmp_path / "dry", cache_dir, overrides=zero_bubble, extra=("--dry-run",))
     assert re.search(
         r"schedule zb_h1: P=2 stages, M=2 microbatches, R=1 repeats; modelled bubble "
         r"14\.3% .* at most 2 microbatch inputs in flight per stage; activation memory "
