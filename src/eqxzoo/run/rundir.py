@@ -294,9 +294,7 @@ def read_run_config(run_dir: Path, step: int | None = None) -> RunConfig:
     except ConfigError as error:
         raise ConfigError(f"{config_file}: {error}") from None
     if stored is not None:
-        refused = refused_changes(
-            config_to_dict(config_from_dict(stored[1])), config_to_dict(config)
-        )
+        refused = refused_changes(_with_defaults(stored[1]), config_to_dict(config))
         if refused:
             raise NotTheSameRun(
                 f"{config_file} is not the config of the checkpoint of step {stored[0]}: "
