@@ -64,9 +64,9 @@ def partitions_stages(mesh_shape: Mapping[str, int]) -> bool:
 
 def check_stage_loops(layers: PyTree, mesh: Mesh) -> None:
     """Refuse ``layers`` whose stage runs a data-dependent number of loop iterations
-    (`eqxzoo.nn.has_data_dependent_loops`) on a mesh that `partitions_stages`: stages holding
-    different layers would reach the loop's collectives different numbers of times, and
-    XLA:CPU deadlocks."""
+    (`eqxzoo.nn.moe.has_data_dependent_loops`) on a mesh that `partitions_stages`: stages
+    holding different layers would reach the loop's collectives different numbers of times,
+    and XLA:CPU deadlocks."""
     if partitions_stages(dict(mesh.shape)) and has_data_dependent_loops(layers):
         raise MeshError(
             f"mesh {dict(mesh.shape)} splits pipeline stages over more axes, which the slotted "
