@@ -1,6 +1,7 @@
-"""Checkpoints: bitwise round trips, resharding onto other meshes, keep-N, unusable
-checkpoints, non-finite refusal, data iterator state across process counts, SIGTERM, saves
-that cannot be written."""
+"""Checkpoints: bitwise round trips, resharding onto other meshes, keep-N, damaged
+checkpoints (moved aside) and ones that cannot be read (nothing touched), non-finite
+refusal, data iterator state across process counts, SIGTERM, saves that cannot be
+written."""
 
 import contextlib
 import errno
