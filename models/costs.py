@@ -12,7 +12,7 @@ import equinox as eqx
 import jax
 
 from eqxzoo.nn import logical_axes
-from eqxzoo.optim import trainable_mask
+from eqxzoo.nn.parameters import parameter_mask
 from models.config import DecoderConfig
 from models.registry import model_factory
 
@@ -28,11 +28,11 @@ class ParameterCounts:
 
 
 def parameter_counts(config: DecoderConfig) -> ParameterCounts:
-    """The parameters of ``config``'s model: what the optimizer trains (`eqxzoo.optim.
-    trainable_mask`: floating arrays, less the buffers a rule moves instead of a gradient),
-    not the per-layer integer data (sliding windows)."""
+    """The parameters of ``config``'s model (`eqxzoo.nn.parameters`: floating arrays, less
+    the buffers a rule moves instead of a gradient; what the optimizer trains), not the
+    per-layer integer data (sliding windows)."""
     shapes = eqx.filter_eval_shape(model_factory(config), key=jax.random.key(0))
-    shapes, _ = eqx.partition(shapes, trainable_mask(shapes))
+    shapes, _ = eqx.partition(shapes, parameter_mask(shapes))
     leaves = jax.tree.leaves(shapes)
     axes = jax.tree.leaves(logical_axes(shapes), is_leaf=lambda a: hasattr(a, "names"))
     total = sum(math.prod(leaf.shape) for leaf in leaves)

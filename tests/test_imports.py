@@ -100,7 +100,7 @@ def test_only_the_run_layer_reaches_the_zoo():
         above = sorted(
             m
             for m in reachable(graph, name)
-            if m.startswith(("pipelines", RUN_LAYER, "eqxzoo.train", "eqxzoo.data"))
+            if m.startswith(("pipelines", RUN_LAYER, "eqxzoo.train", "eqxzoo.data", "eqxzoo.optim"))
         )
         assert not above, f"{name} reaches {above}"
     assert any(m.startswith("models") for m in reachable(graph, "eqxzoo.run.config")), "it sees"

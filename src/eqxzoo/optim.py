@@ -9,13 +9,11 @@ import re
 from collections.abc import Sequence
 from typing import Literal
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 import optax
 from jaxtyping import PyTree
 
-from eqxzoo.nn import BUFFER_FIELDS
+from eqxzoo.nn.parameters import is_parameter
 from eqxzoo.typed_config import check_fields, identity_field, refuse, runtime_field
 
 
@@ -82,31 +80,15 @@ def decay_mask(params: PyTree) -> PyTree[bool]:
 
 
 def trainable_mask(model: PyTree, freeze: Sequence[str] = ()) -> PyTree[bool]:
-    """True for floating arrays whose path matches none of the ``freeze`` patterns and that
-    are not buffers (`is_buffer`)."""
+    """True for the parameters (`eqxzoo.nn.parameters.is_parameter`: floating arrays, less
+    the buffers) whose path matches none of the ``freeze`` patterns."""
     patterns = [re.compile(p) for p in freeze]
 
     def trainable(path, leaf):
         name = jax.tree_util.keystr(path)
-        return (
-            _is_inexact(leaf) and not is_buffer(path) and not any(p.search(name) for p in patterns)
-        )
+        return is_parameter(path, leaf) and not any(p.search(name) for p in patterns)
 
     return jax.tree_util.tree_map_with_path(trainable, model)
-
-
-def is_buffer(path: tuple) -> bool:
-    """Whether the array at ``path`` is a buffer: a floating array the trainer moves by a rule
-    after each step (`eqxzoo.nn.BUFFER_FIELDS`: DeepSeek-V3's balancing bias), which no
-    gradient or optimizer touches."""
-    return bool(path) and getattr(path[-1], "name", None) in BUFFER_FIELDS
-
-
-def _is_inexact(leaf) -> bool:
-    """A floating array, or the shape of one (so masks work on `jax.eval_shape` output too)."""
-    if isinstance(leaf, jax.ShapeDtypeStruct):
-        return jnp.issubdtype(leaf.dtype, jnp.inexact)
-    return eqx.is_inexact_array(leaf)
 
 
 def build_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:

@@ -19,7 +19,8 @@ from jaxtyping import Array, Float, Int, PyTree
 
 from eqxzoo.errors import UserError
 from eqxzoo.nn import LanguageModel, balance_selection_bias
-from eqxzoo.optim import build_optimizer, is_buffer, learning_rate_schedule, trainable_mask
+from eqxzoo.nn.parameters import is_buffer
+from eqxzoo.optim import build_optimizer, learning_rate_schedule, trainable_mask
 from eqxzoo.parallel import DEFAULT_RULES, MeshAxes, activation_sharding
 from eqxzoo.parallel.collectives import permutes_in_branches
 from eqxzoo.train.loss import pipelined_loss, pipelined_loss_and_grad
@@ -126,7 +127,7 @@ def train_step(
 def balance_buffers(
     model: PyTree, expert_fraction: Float[Array, "layers experts"], rate: float
 ) -> PyTree:
-    """``model`` with every balancing bias (`eqxzoo.optim.is_buffer`) moved by
+    """``model`` with every balancing bias (`eqxzoo.nn.parameters.is_buffer`) moved by
     `eqxzoo.nn.balance_selection_bias` from this step's per-layer expert load.
 
     The biases are stacked like the blocks (``(layers, experts)``, or staged
