@@ -239,10 +239,8 @@ def init_train_state_from(
     # Arrays are matched by where they sit: how the run runs the model (its static options,
     # such as remat or the kernels) may differ from the source's.
     source_paths, source_leaves = zip(*jax.tree_util.tree_leaves_with_path(source), strict=True)
-    target_paths, target_leaves = zip(
-        *jax.tree_util.tree_leaves_with_path(target.model), strict=True
-    )
-    target_tree = jax.tree.structure(target.model)
+    target_pairs, target_tree = jax.tree_util.tree_flatten_with_path(target.model)
+    target_paths, target_leaves = zip(*target_pairs, strict=True)
     if source_paths != target_paths:
         raise ValueError("the source model's arrays differ from those of the model the run builds")
     arrays = []

@@ -11,12 +11,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from grain import DatasetIterator
 from jaxtyping import PyTree
 
-from eqxzoo.runtime import on_every_process
+from eqxzoo.runtime import counts_of_every_process, on_every_process
 from eqxzoo.train.checkpoint.checksums import (
     CHECKSUMS,
     DATA_CHECKSUM,
@@ -48,6 +49,8 @@ ITEM_INDEX_FILES = (("state", "_METADATA"), ("meta", "metadata"))
 ASYNC_SAVE_GB = 96  # orbax's default
 SYNC_SAVE_GB = 1
 STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
+# How reading a step went on one process, ordered: every process follows the worst.
+READ, DAMAGED, UNREADABLE = 0, 1, 2
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
@@ -208,12 +211,13 @@ class Checkpointer:
                     data_iterator.set_state(restored[1])
             except Exception as error:  # noqa: BLE001 - told apart just below
                 failure = error
-            damage = failure is not None and is_damage(failure)
-            if not on_every_process(damage or failure is None):
-                if failure is not None and not damage:
+            outcome = READ if failure is None else DAMAGED if is_damage(failure) else UNREADABLE
+            worst = max(counts_of_every_process(np.array([outcome]))[:, 0])
+            if worst == UNREADABLE:
+                if outcome == UNREADABLE:
                     raise _unreadable(step, failure) from failure
                 raise _unreadable(step, RuntimeError("it could not be read on another process"))
-            if not on_every_process(failure is None):
+            if worst == DAMAGED:
                 reason = short_reason(failure) if failure else "damaged on another process"
                 found = Damaged(step, reason, self._move_aside(step))
                 self._warn(str(found))
