@@ -13,11 +13,15 @@ share of the gradient) changes the losses or the final parameters.
 
 The PyTorch side is written from the documented semantics, not from our code, and maps 1:1:
 
-- loss: token-mean cross-entropy of ``model(input_ids).logits`` over all ``G*M*B*T`` tokens of
-  a step. Ours averages the ``G`` accumulated means of equal-sized ``(M, B, T)`` batches:
-  the same mean, and the same gradient. No labels are passed and
-  ``output_router_logits=False``, so transformers adds no MoE auxiliary loss; ours has
-  ``load_balance_weight = router_z_weight = 0``.
+- loss: gradient accumulation over the step's ``G*M`` microbatches of ``B`` sequences, one
+  forward pass each: the token-mean cross-entropy of ``model(input_ids).logits`` plus, for
+  the MoE, ``router_aux_loss_coef * aux_loss`` with ``aux_loss`` transformers' own
+  ``load_balancing_loss_func`` of the pass (``output_router_logits=True``: every layer's
+  router logits pooled over the pass's tokens), each pass's loss divided by ``G*M``. Ours
+  runs the same ``(B, T)`` microbatches: the mean of equal-sized means is the step's
+  token-mean cross-entropy, and ``[loss] load_balance_pooling = "microbatch"`` with
+  ``load_balance_weight = router_aux_loss_coef`` is transformers' auxiliary loss per pass,
+  averaged (``router_z_weight = 0``: transformers has no router z-loss for these models).
 - clip: ``clip_grad_norm_(params, clip_norm)`` scales by ``clip_norm / (norm + 1e-6)`` when that
   is below 1; optax's ``clip_by_global_norm`` by ``clip_norm / norm``. The relative
   difference, ``1e-6 / norm``, is far below the tolerance (and AdamW is nearly invariant to
@@ -101,6 +105,9 @@ QWEN_MOE = (
         num_experts=4,
         num_experts_per_tok=2,
         norm_topk_prob=False,
+        # Far above transformers' default (0.001), so that the auxiliary loss moves the
+        # router by much more than the tolerance.
+        router_aux_loss_coef=0.1,
     ),
 )
 # name -> (architecture, config fields, pipeline schedule, mesh); four layers each, so that
@@ -153,6 +160,7 @@ def torch_finetune(hf_model, batches, config, compute_dtype=None):
     With a ``compute_dtype`` (``torch.bfloat16``), mixed precision as ours does it: the
     float32 parameters are the master copy, cast into a ``compute_dtype`` model for each
     forward and backward pass, the logits taken in float32, the gradients cast back."""
+    aux_coef = getattr(hf_model.config, "router_aux_loss_coef", None)
     worker = hf_model if compute_dtype is None else copy.deepcopy(hf_model).to(compute_dtype)
     named = list(hf_model.named_parameters())
     decay = [parameter for name, parameter in named if gets_weight_decay(name)]
@@ -168,17 +176,26 @@ def torch_finetune(hf_model, batches, config, compute_dtype=None):
     )
     losses, grad_norms = [], []
     for step, (tokens, targets) in enumerate(batches):
-        tokens = torch.from_numpy(tokens.reshape(-1, tokens.shape[-1]).astype(np.int64))
-        targets = torch.from_numpy(targets.reshape(-1).astype(np.int64))
+        microbatches = zip(
+            torch.from_numpy(tokens.reshape(-1, *tokens.shape[-2:]).astype(np.int64)),
+            torch.from_numpy(targets.reshape(-1, *targets.shape[-2:]).astype(np.int64)),
+        )
+        n_passes = math.prod(tokens.shape[:-2])
         if worker is not hf_model:
             with torch.no_grad():
                 for low, master in zip(worker.parameters(), hf_model.parameters(), strict=True):
                     low.copy_(master)
-        logits = worker(input_ids=tokens, output_router_logits=False).logits.float()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
         optimizer.zero_grad()
         worker.zero_grad()
-        loss.backward()
+        loss = 0.0
+        for tokens_m, targets_m in microbatches:
+            outputs = worker(input_ids=tokens_m, output_router_logits=aux_coef is not None)
+            logits = outputs.logits.float().reshape(-1, outputs.logits.shape[-1])
+            loss_m = torch.nn.functional.cross_entropy(logits, targets_m.reshape(-1))
+            if aux_coef is not None:
+                loss_m = loss_m + aux_coef * outputs.aux_loss.float()
+            (loss_m / n_passes).backward()
+            loss += loss_m.item() / n_passes
         if worker is not hf_model:
             for low, master in zip(worker.parameters(), hf_model.parameters(), strict=True):
                 master.grad = low.grad.float()
@@ -186,21 +203,23 @@ def torch_finetune(hf_model, batches, config, compute_dtype=None):
         for group in optimizer.param_groups:
             group["lr"] = warmup_cosine(step, config)
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(loss)
         grad_norms.append(grad_norm.item())
     return np.array(losses), np.array(grad_norms)
 
 
-def zoo_finetune(directory, schedule, mesh_config, batches, config, precision=Precision()):
-    """Fine-tune the checkpoint in ``directory`` with our pipelined step on ``mesh_config``;
-    returns each step's loss and gradient norm and the trained model (plain layout)."""
+def zoo_finetune(
+    directory, schedule, mesh_config, batches, config, precision=Precision(), aux_coef=0.0
+):
+    """Fine-tune the checkpoint in ``directory`` with our pipelined step on ``mesh_config``,
+    with transformers' load-balance loss weighted ``aux_coef``; returns each step's loss and
+    gradient norm and the trained model (plain layout)."""
     checkpoint = open_hf(directory)
+    loss = LossConfig(
+        load_balance_weight=aux_coef, load_balance_pooling="microbatch", router_z_weight=0.0
+    )
     step_config = StepConfig(
-        schedule=schedule,
-        optimizer=config,
-        precision=precision,
-        loss=LossConfig(load_balance_weight=0.0, router_z_weight=0.0),
-        remat_stages=True,
+        schedule=schedule, optimizer=config, precision=precision, loss=loss, remat_stages=True
     )
     mesh = make_mesh(mesh_config)
     state = init_train_state_from(
@@ -231,7 +250,12 @@ def test_finetune_matches_torch(case, tmp_path):
     batches = token_batches()
 
     zoo_losses, zoo_grad_norms, zoo_model = zoo_finetune(
-        tmp_path / "initial", schedule, mesh_config, batches, OPTIMIZER
+        tmp_path / "initial",
+        schedule,
+        mesh_config,
+        batches,
+        OPTIMIZER,
+        aux_coef=fields.get("router_aux_loss_coef", 0.0),
     )
     torch_losses, torch_grad_norms = torch_finetune(hf_model, batches, OPTIMIZER)
 

@@ -101,14 +101,19 @@ def test_shapes_dtypes_and_aux(name):
             "load_balance_loss",
             "router_z_loss",
             "expert_fraction",
+            "expert_assignments",
+            "router_probability",
             "dropped_fraction",
             "padding_fraction",
         }
         n_blocks = model.config.n_blocks  # the MoE layers (DeepSeek's dense prefix has none)
-        assert aux["expert_fraction"].shape == (n_blocks, 4)
-        np.testing.assert_allclose(
-            jnp.sum(aux["expert_fraction"], -1), np.ones(n_blocks), rtol=1e-6
-        )
+        for name, total in [
+            ("expert_fraction", 1),
+            ("expert_assignments", model.config.moe.top_k),
+            ("router_probability", 1),
+        ]:
+            assert aux[name].shape == (n_blocks, 4)
+            np.testing.assert_allclose(jnp.sum(aux[name], -1), np.full(n_blocks, total), rtol=1e-6)
         assert aux["load_balance_loss"].shape == ()
     assert (model.unembedding is None) == model.config.tie_embeddings
 

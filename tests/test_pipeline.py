@@ -3,8 +3,8 @@
 One grid covers every schedule with every family, every schedule on every mesh, every family
 on each of the dp, tp and ep axes, cut into 1, 2, 4 and 8 stages, and with each microbatch
 count (M = P, M = 2P + 1 not a multiple of P, M = 4P), and each variant of the stage (no
-stage rematerialisation, the blockwise attention kernel, the chunked loss with the z-loss,
-stages computing through their bubbles) with every family, schedule and mesh: each of those
+stage rematerialisation, the blockwise attention kernel, the chunked loss with the z-loss
+and the load-balance loss pooled over layers, stages computing through their bubbles) with every family, schedule and mesh: each of those
 pairs appears together at least once (`grids.covering`), in under a hundred cases instead of
 the product's 7,965 (``EQXZOO_FULL_GRIDS=1`` runs the product). Every case fills the
 pipeline's bubbles (its idle ticks' inputs, and what idle stages send) with NaN: they must
@@ -52,7 +52,10 @@ VARIANTS = {
     "plain": ({}, {}),
     "no-remat": ({"remat_stages": False}, {}),
     "blockwise": ({}, {"attention_kernel": "blockwise", "attention_block_size": 3}),
-    "chunked-z": ({"loss": {"chunk_size": 16, "z_loss_weight": 0.01}}, {"vocab_size": 64}),
+    "chunked-z-pooled": (
+        {"loss": {"chunk_size": 16, "z_loss_weight": 0.01, "load_balance_pooling": "microbatch"}},
+        {"vocab_size": 64},
+    ),
     "compute-bubbles": ({"skip_bubbles": False}, {}),
 }
 FAMILIES = list(models.families())
@@ -144,7 +147,7 @@ def loss_and_grads(tiny_config, random_batch, case: dict):
     model_config = dataclasses.replace(model_config, **model_fields)
     model = models.DecoderLM(model_config, key=jax.random.key(0))
     data = random_batch((schedule.microbatches, BATCH, SEQ))
-    if case["variant"] == "chunked-z":  # the plain loss of the whole logits as the reference
+    if case["variant"] == "chunked-z-pooled":  # the plain loss of the whole logits as the reference
         config = dataclasses.replace(config, loss=dataclasses.replace(loss, chunk_size=0))
 
     def sequential(model):
@@ -186,7 +189,7 @@ def test_pipelined_loss_and_gradients_equal_sequential(
     if case["family"] == "gpt2":
         grads, pp_grads = (without_key_bias_gradient(g) for g in (grads, pp_grads))
     assert_trees_close(pp_grads, grads)
-    if case["variant"] == "chunked-z":
+    if case["variant"] == "chunked-z-pooled":
         assert aux["z_loss"] > 1.0  # the log-sum-exp of 64 logits near zero is ~log(64)
     weighted = {"z_loss": 0.01, "load_balance_loss": 0.1, "router_z_loss": 0.01}
     parts = [aux["cross_entropy"]] + [w * aux[name] for name, w in weighted.items() if name in aux]

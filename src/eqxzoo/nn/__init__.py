@@ -6,6 +6,7 @@ from eqxzoo.nn.blockwise import blockwise_attend
 from eqxzoo.nn.contract import (
     HeadInputs,
     LanguageModel,
+    layer_means,
     make_layers_for_keys,
     summarize_layer_aux,
 )
@@ -75,5 +76,6 @@ __all__ = [
     "remat",
     "rope_frequencies",
     "router_losses",
+    "layer_means",
     "summarize_layer_aux",
 ]

@@ -87,10 +87,20 @@ def make_layers_for_keys(make_layer, layer_keys: Key[Array, "*stack"]) -> PyTree
 def summarize_layer_aux(layer_aux: dict[str, Array]) -> dict[str, Array]:
     """Reduce per-layer aux values (leading ``layers`` axis) to the model's ``aux``.
 
-    Losses and the dropped and padding fractions are averaged over layers; ``expert_fraction`` keeps its
-    ``(layers, experts)`` shape as the per-layer expert load.
+    Losses and the dropped and padding fractions are averaged over layers; the per-expert
+    values (``expert_fraction``, ``expert_assignments``, ``router_probability``) keep their
+    ``(layers, experts)`` shape.
     """
     return {
-        name: values if name == "expert_fraction" else jnp.mean(values, axis=0)
+        name: values if values.ndim > 1 else jnp.mean(values, axis=0)
         for name, values in layer_aux.items()
+    }
+
+
+def layer_means(aux: dict[str, Array]) -> dict[str, Array]:
+    """The model's ``aux`` (`summarize_layer_aux`) with every value averaged over layers,
+    the per-expert ones too."""
+    return {
+        name: values if values.ndim < 2 else jnp.mean(values, axis=0)
+        for name, values in aux.items()
     }

@@ -55,6 +55,9 @@ class MoE(eqx.Module):
       perfectly balanced;
     - ``router_z_loss``: mean over tokens of ``logsumexp(logits)^2`` (ST-MoE);
     - ``expert_fraction``: ``f``, shape ``(experts,)``;
+    - ``expert_assignments``: ``top_k * f``, each expert's mean number of a token's choices;
+    - ``router_probability``: ``p``, shape ``(experts,)`` (with ``expert_assignments``, what
+      a load-balance loss pooled over layers needs: `eqxzoo.train.loss_terms`);
     - ``dropped_fraction``: assignments dropped by the capacity path (0 otherwise);
     - ``padding_fraction``: the fraction of the rows the dropless path computes that hold
       no assignment (empty slots, the overflow's last blocks; 0 otherwise).

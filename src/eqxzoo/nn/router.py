@@ -180,13 +180,19 @@ def balance_selection_bias(
 
 
 def router_losses(routing: Routing) -> dict[str, Array]:
-    """Switch load-balance loss, router z-loss and per-expert assignment fractions of one sequence."""
+    """Switch load-balance loss, router z-loss and the per-expert statistics of one sequence:
+    each expert's share of the assignments (``expert_fraction``, sums to 1), its mean number
+    of a token's top-k choices (``expert_assignments``, sums to k) and its mean router
+    probability (``router_probability``)."""
     n_experts = routing.probs.shape[-1]
     assignments = jax.nn.one_hot(routing.experts, n_experts, dtype=jnp.float32)
-    expert_fraction = jnp.mean(jnp.sum(assignments, axis=1), axis=0) / routing.experts.shape[1]
+    expert_assignments = jnp.mean(jnp.sum(assignments, axis=1), axis=0)
+    expert_fraction = expert_assignments / routing.experts.shape[1]
     mean_probs = jnp.mean(routing.probs, axis=0)
     return {
         "load_balance_loss": n_experts * jnp.sum(expert_fraction * mean_probs),
         "router_z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(routing.logits, axis=-1))),
         "expert_fraction": expert_fraction,
+        "expert_assignments": expert_assignments,
+        "router_probability": mean_probs,
     }

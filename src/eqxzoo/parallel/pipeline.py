@@ -77,8 +77,8 @@ def run_pipeline(
     ``layer(h, key=None) -> (h, aux)`` on a whole microbatch ``(batch, seq, embed)`` (the zoo's
     layers treat leading axes as independent sequences and average their aux values).
 
-    Returns the outputs (same shape as ``microbatches``) and every layer's aux values summed
-    over the microbatches, shape ``(L, ...)`` in layer order. With one stage (no shard_map)
+    Returns the outputs (same shape as ``microbatches``) and every layer's aux values for
+    every microbatch, shape ``(microbatches, L, ...)`` in layer order. With one stage (no shard_map)
     the stage's input and output are constrained to the ``batch`` rule of ``rules``, so that the
     compiler keeps data parallelism instead of gathering the batch to match FSDP-sharded
     weights (inside shard_map the batch split propagates from the inputs; a constraint there
@@ -167,7 +167,7 @@ def run_pipeline(
             if remat_stages:
                 stage_or_bubble = jax.checkpoint(stage_or_bubble, prevent_cse=False)
             h_out, aux = stage_or_bubble(stage_params, repeat, h_in)
-            aux_sums = jax.tree.map(lambda acc, v: acc.at[repeat].add(v), aux_sums, aux)
+            aux_sums = jax.tree.map(lambda acc, v: acc.at[microbatch, repeat].add(v), aux_sums, aux)
             is_output = active & (stage == last_stage) & (repeat == n_repeats - 1)
             outputs = outputs.at[microbatch].set(jnp.where(is_output, h_out, outputs[microbatch]))
             received = jax.lax.ppermute(h_out, "pp", shift) if manual else h_out
@@ -189,7 +189,9 @@ def run_pipeline(
             _varying_over_pp(zeros if n_repeats > 1 else jnp.zeros((), inputs.dtype), manual),
             _varying_over_pp(zeros, manual),
             jax.tree.map(
-                lambda s: _varying_over_pp(jnp.zeros((n_repeats, *s.shape), s.dtype), manual),
+                lambda s: _varying_over_pp(
+                    jnp.zeros((len(inputs), n_repeats, *s.shape), s.dtype), manual
+                ),
                 aux_shapes,
             ),
         )
@@ -215,7 +217,9 @@ def run_pipeline(
             axis_names={"pp"},
             check_vma=True,
         )(params, microbatches)
-    layer_aux = jax.tree.map(lambda v: einops.rearrange(v, "p r k ... -> (r p k) ..."), aux_sums)
+    layer_aux = jax.tree.map(
+        lambda v: einops.rearrange(v, "p m r k ... -> m (r p k) ..."), aux_sums
+    )
     return outputs[last_stage].astype(compute_dtype), layer_aux
 
 

@@ -20,8 +20,11 @@ The two `jax.lax.ppermute` (activations one stage on, cotangents one stage back,
 the ring so repeats wrap) run every tick outside the switch; what arrives is written into the
 slot the table names. Weight gradients accumulate stage-locally in the staged layout (sharded
 over ``pp`` like the weights); the embedding/head gradients accumulate on every stage and are
-summed over stages once at the end, outside the `shard_map`. MoE aux values are summed per
-microbatch on its F only; their loss terms enter each BW as a constant cotangent. Nothing of
+summed over stages once at the end, outside the `shard_map`. MoE aux values are kept per
+microbatch and layer from its F; their sum over the layers travels on with the activation,
+so the last virtual stage has the microbatch's totals, differentiates the aux loss there,
+and sends that gradient back with the cotangent: a loss that pools the aux values of all
+layers (transformers' load-balance loss) is then exact in every stage's backward. Nothing of
 this is differentiated by autodiff: `pipeline_value_and_grad` returns values and gradients.
 """
 
@@ -29,6 +32,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import einops
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -64,7 +68,7 @@ def pipeline_value_and_grad(
     first: FirstFn,
     last: LastFn,
     part_weights: Sequence[float],
-    aux_scales: Mapping[str, float],
+    aux_loss: Callable[[dict[str, Array]], Float[Array, ""]],
     schedule: Schedule,
     mesh: Mesh,
     remat_policy: RematPolicy = "none",
@@ -72,17 +76,20 @@ def pipeline_value_and_grad(
     rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
     bubble_fill: float = 0.0,
 ) -> tuple[Float[Array, "*parts"], dict[str, Array], PyTree, PyTree]:
-    """The loss's parts summed over microbatches (unweighted), every layer's aux values summed
-    over microbatches ``(L, ...)``, and the gradients of the weighted loss with respect to ``layers`` and ``outer``.
+    """The loss's parts summed over microbatches (unweighted), every layer's aux values for
+    every microbatch ``(microbatches, L, ...)``, and the gradients of the weighted loss with
+    respect to ``layers`` and ``outer``.
 
     ``layers`` are staged (`stage_layers`), ``outer`` is what the pipeline does not stage
     (embedding, head). ``first(outer, tokens)`` gives a microbatch's input to the blocks,
     ``last(outer, h, targets)`` its share of the loss (the caller divides by the tokens of the
     whole batch, so the shares sum to the loss's parts): a vector of the loss's per-token
     parts (cross-entropy, z-loss), differentiated as their sum weighted by ``part_weights``
-    and returned unweighted, summed over microbatches. ``aux_scales[name]`` is the loss's derivative
-    with respect to one layer's aux value ``name`` for one microbatch (absent names: 0).
-    Gradients are those of the summed loss plus the aux terms; layer gradients are staged.
+    and returned unweighted, summed over microbatches. ``aux_loss(totals)`` is one
+    microbatch's share of the loss from its aux values summed over all layers (weighted; its
+    value is the caller's to compute from the returned aux values, its gradient enters the
+    backward). Gradients are those of the summed loss plus the aux terms; layer gradients
+    are staged.
     ``bubble_fill`` is what an idle tick sends to its neighbours (tests send NaN to show that
     nothing an idle tick sends is ever read).
     """
@@ -124,10 +131,12 @@ def pipeline_value_and_grad(
     h_shape = jax.eval_shape(first_fn, outer_params, tokens[0])
     loss_shape = jax.eval_shape(last_fn, outer_params, h_shape, targets[0]).shape
     _, aux_shapes = jax.eval_shape(stage_fn, one_repeat, one_repeat_data, h_shape)
-    aux_cotangent = {
-        name: jnp.full(shape.shape, aux_scales.get(name, 0.0), shape.dtype)
+    # A microbatch's aux values summed over layers: what travels with its activation.
+    total_shapes = {
+        name: jax.ShapeDtypeStruct(shape.shape[1:], shape.dtype)
         for name, shape in aux_shapes.items()
     }
+    n_micro = tokens.shape[0]
 
     def zeros_like(shapes):
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
@@ -158,19 +167,25 @@ def pipeline_value_and_grad(
             _, pullback = jax.vjp(lambda o: first_fn(o, tokens_m), outer_params)
             return pullback(d_h)[0]
 
-        def vjp_of_stage(weights, data, h_in, h_grad, residuals):
-            """The stage's pullback, and the cotangent of its outputs: the item's gradient and
-            the aux losses' constant one, each varying over ``pp`` where its output is."""
+        def vjp_of_stage(weights, data, h_in, h_grad, aux_grad, residuals):
+            """The stage's pullback, and the cotangent of its outputs: the item's gradient,
+            and for every layer's aux values the aux loss's gradient at the microbatch's
+            totals (zero for an output that does not vary over ``pp``: a constant)."""
             if remat_stages:
                 outputs, pullback = jax.vjp(stage_with(data), weights, h_in)
             else:
                 outputs = jax.eval_shape(stage_with(data), weights, h_in)
                 pullback = layout.pullback_from(weights, residuals)
-            cotangent = (h_grad, aux_cotangent)
+            per_layer = {
+                name: jnp.broadcast_to(aux_grad[name], shape.shape).astype(shape.dtype)
+                for name, shape in aux_shapes.items()
+            }
             cotangent = jax.tree.map(
-                lambda output, value: varying(value) if _varies(output) else value,
+                lambda output, value: (
+                    varying(value) if _varies(output) else jnp.zeros(value.shape, value.dtype)
+                ),
                 outputs,
-                cotangent,
+                (h_grad, per_layer),
             )
             return pullback, cotangent
 
@@ -179,8 +194,11 @@ def pipeline_value_and_grad(
             return TickResult(
                 send=zeros,
                 send_back=zeros,
+                send_totals=zeros_like(total_shapes),
+                send_back_aux_grad=zeros_like(total_shapes),
                 input=zeros,
                 grad=zeros,
+                aux_grad=zeros_like(total_shapes),
                 write_grad=jnp.zeros((), bool),
                 residuals=varying(zeros_like(residual_shapes)),
                 d_layers=zeros_like(one_repeat_shapes),
@@ -199,6 +217,16 @@ def pipeline_value_and_grad(
             # What the neighbours sent at the tick before lands in the slot the table names.
             inputs = _write(inputs, row["arrive_input"], carry.received.astype(h_shape.dtype))
             grads = _write(grads, row["arrive_grad"], carry.received_grad.astype(h_shape.dtype))
+            input_totals = jax.tree.map(
+                lambda buffer, value: _write(buffer, row["arrive_input"], value),
+                carry.input_totals,
+                carry.received_totals,
+            )
+            aux_grads = jax.tree.map(
+                lambda buffer, value: _write(buffer, row["arrive_grad"], value),
+                carry.aux_grads,
+                carry.received_aux_grad,
+            )
             weights, data = jax.tree.map(lambda p: p[r], (layer_params, layer_data))
             is_first = (stage == 0) & (r == 0)
             is_last = (stage == last_stage) & (r == n_repeats - 1)
@@ -213,7 +241,17 @@ def pipeline_value_and_grad(
 
             def idle() -> TickResult:
                 fill = jnp.full(h_shape.shape, bubble_fill, h_shape.dtype)
-                return varying(nothing()._replace(send=fill, send_back=fill))
+                fill_totals = jax.tree.map(
+                    lambda s: jnp.full(s.shape, bubble_fill, s.dtype), total_shapes
+                )
+                return varying(
+                    nothing()._replace(
+                        send=fill,
+                        send_back=fill,
+                        send_totals=fill_totals,
+                        send_back_aux_grad=fill_totals,
+                    )
+                )
 
             def forward() -> TickResult:
                 h_in = stage_input()
@@ -222,6 +260,11 @@ def pipeline_value_and_grad(
                 else:
                     (h_out, aux), pullback = jax.vjp(stage_with(data), weights, h_in)
                     new_residuals = layout.stashable(pullback)
+                totals = jax.tree.map(
+                    lambda arrived, values: jnp.where(is_first, 0, arrived) + values.sum(axis=0),
+                    jax.tree.map(lambda buffer: buffer[slot], input_totals),
+                    aux,
+                )
 
                 def head():
                     loss, pullback = jax.vjp(
@@ -230,7 +273,8 @@ def pipeline_value_and_grad(
                     d_outer, d_h = pullback(
                         jnp.ones_like(loss) * jnp.asarray(part_weights, loss.dtype)
                     )
-                    return varying((loss.astype(jnp.float32), d_outer, d_h))
+                    aux_grad = jax.grad(aux_loss)(totals)
+                    return varying((loss.astype(jnp.float32), d_outer, d_h, aux_grad))
 
                 def no_head():
                     return varying(
@@ -238,14 +282,17 @@ def pipeline_value_and_grad(
                             jnp.zeros(loss_shape, jnp.float32),
                             zeros_like(outer_params),
                             jnp.zeros_like(h_out),
+                            zeros_like(total_shapes),
                         )
                     )
 
-                loss, d_outer, d_h = jax.lax.cond(is_last, head, no_head)
+                loss, d_outer, d_h, aux_grad = jax.lax.cond(is_last, head, no_head)
                 result = nothing()._replace(
                     send=h_out,
+                    send_totals=totals,
                     input=h_in,
                     grad=d_h,
+                    aux_grad=aux_grad,
                     write_grad=is_last,
                     residuals=new_residuals,
                     d_outer=d_outer,
@@ -256,8 +303,9 @@ def pipeline_value_and_grad(
 
             def backward(weight_grad: bool, input_grad: bool):
                 def run() -> TickResult:
+                    aux_grad = jax.tree.map(lambda buffer: buffer[slot], aux_grads)
                     pullback, cotangent = vjp_of_stage(
-                        weights, data, inputs[slot], grads[slot], stashed_residuals
+                        weights, data, inputs[slot], grads[slot], aux_grad, stashed_residuals
                     )
                     d_weights, d_h = pullback(cotangent)
                     result = nothing()
@@ -269,7 +317,9 @@ def pipeline_value_and_grad(
                             lambda: varying(embedding_grads(tokens_m, d_h)),
                             lambda: varying(zeros_like(outer_params)),
                         )
-                        result = result._replace(send_back=d_h, d_outer=d_outer)
+                        result = result._replace(
+                            send_back=d_h, send_back_aux_grad=aux_grad, d_outer=d_outer
+                        )
                     return varying(result)
 
                 return run
@@ -283,28 +333,38 @@ def pipeline_value_and_grad(
             }
             result = jax.lax.switch(kind, [branches[action] for action in sorted(branches)])
             # Across stages in float32: XLA:CPU fails to compile bfloat16 collectives.
-            send = result.send.astype(transport_dtype)
-            send_back = result.send_back.astype(transport_dtype)
+            send = (result.send.astype(transport_dtype), result.send_totals)
+            send_back = (result.send_back.astype(transport_dtype), result.send_back_aux_grad)
             if manual:
                 send = jax.lax.ppermute(send, "pp", forward_shift)
                 send_back = jax.lax.ppermute(send_back, "pp", backward_shift)
-            stash = carry._replace(inputs=inputs, grads=grads)
-            return _next_carry(stash, result, kind, slot, r, send, send_back), None
+            stash = carry._replace(
+                inputs=inputs, grads=grads, input_totals=input_totals, aux_grads=aux_grads
+            )
+            item = (kind, slot, row["microbatch"], r)
+            return _next_carry(stash, result, item, send, send_back), None
 
         slot_buffer = jnp.zeros((n_slots, *h_shape.shape), h_shape.dtype)
+        total_slots = jax.tree.map(lambda s: jnp.zeros((n_slots, *s.shape), s.dtype), total_shapes)
         init = varying(
             TickCarry(
                 received=jnp.zeros(h_shape.shape, transport_dtype),
                 received_grad=jnp.zeros(h_shape.shape, transport_dtype),
+                received_totals=zeros_like(total_shapes),
+                received_aux_grad=zeros_like(total_shapes),
                 inputs=slot_buffer,
                 grads=slot_buffer,
+                input_totals=total_slots,
+                aux_grads=total_slots,
                 residuals=jax.tree.map(
                     lambda s: jnp.zeros((n_slots, *s.shape), s.dtype), residual_shapes
                 ),
                 layer_grads=to_float32(jax.tree.map(jnp.zeros_like, layer_params)),
                 outer_grads=to_float32(jax.tree.map(jnp.zeros_like, outer_params)),
                 loss=jnp.zeros(loss_shape, jnp.float32),
-                aux=jax.tree.map(lambda s: jnp.zeros((n_repeats, *s.shape), s.dtype), aux_shapes),
+                aux=jax.tree.map(
+                    lambda s: jnp.zeros((n_micro, n_repeats, *s.shape), s.dtype), aux_shapes
+                ),
             )
         )
         ticks = (jnp.arange(table.ticks), tick_tokens[:, 0], tick_targets[:, 0])
@@ -353,23 +413,28 @@ def pipeline_value_and_grad(
     )
     outer_grads = jax.tree.map(lambda g: g.sum(axis=0), outer_grads)
     layer_aux = jax.tree.map(
-        lambda v: jnp.reshape(jnp.moveaxis(v, 0, 1), (-1, *v.shape[3:])), aux_sums
+        lambda v: einops.rearrange(v, "p m r k ... -> m (r p k) ..."), aux_sums
     )
     return loss_sums.sum(axis=0), layer_aux, layer_grads, outer_grads
 
 
 class TickResult(NamedTuple):
     """What one stage's action produces in one tick (zeros for what it does not): the
-    activation it sends on (``send``) and the cotangent it sends back (``send_back``); the
-    stage input and output cotangent it stashes (``input``, and ``grad`` when ``write_grad``)
-    with the residuals of its pullback (``residuals``, without stage remat); its share of
-    the weight gradient of the repeat it ran (``d_layers``), of the outer parameters
-    (``d_outer``), of the loss's parts (``loss``) and the layers' aux values (``aux``)."""
+    activation it sends on with the microbatch's aux totals so far (``send``,
+    ``send_totals``) and the cotangent it sends back with the aux loss's gradient
+    (``send_back``, ``send_back_aux_grad``); the stage input and output cotangent it stashes
+    (``input``, and ``grad`` with ``aux_grad`` when ``write_grad``) with the residuals of its
+    pullback (``residuals``, without stage remat); its share of the weight gradient of the
+    repeat it ran (``d_layers``), of the outer parameters (``d_outer``), of the loss's parts
+    (``loss``) and the layers' aux values (``aux``)."""
 
     send: Array
     send_back: Array
+    send_totals: dict[str, Array]
+    send_back_aux_grad: dict[str, Array]
     input: Array
     grad: Array
+    aux_grad: dict[str, Array]
     write_grad: Array
     residuals: list[Array]
     d_layers: PyTree
@@ -380,14 +445,19 @@ class TickResult(NamedTuple):
 
 class TickCarry(NamedTuple):
     """What a stage carries from tick to tick: what arrived from its neighbours
-    (``received``, ``received_grad``), its stash (``inputs``, ``grads``, ``residuals``: one
+    (``received`` with ``received_totals``, ``received_grad`` with ``received_aux_grad``),
+    its stash (``inputs``, ``grads``, ``input_totals``, ``aux_grads``, ``residuals``: one
     slot per item in flight) and its sums (``layer_grads`` per repeat, ``outer_grads``,
-    ``loss``, ``aux`` per repeat)."""
+    ``loss``, ``aux`` per microbatch and repeat)."""
 
     received: Array
     received_grad: Array
+    received_totals: dict[str, Array]
+    received_aux_grad: dict[str, Array]
     inputs: Array
     grads: Array
+    input_totals: dict[str, Array]
+    aux_grads: dict[str, Array]
     residuals: list[Array]
     layer_grads: PyTree
     outer_grads: PyTree
@@ -437,21 +507,30 @@ class _ResidualLayout:
 def _next_carry(
     carry: TickCarry,
     result: TickResult,
-    kind: Array,
-    slot: Array,
-    repeat: Array,
-    received: Array,
-    received_grad: Array,
+    item: tuple[Array, Array, Array, Array],
+    received: tuple[Array, dict[str, Array]],
+    received_grad: tuple[Array, dict[str, Array]],
 ) -> TickCarry:
     """The carry after a tick: what the neighbours sent, the item's stage input, output
     cotangent and residuals stashed in its slot (the input and residuals by its F), and the
-    result added to the sums (weight gradients and aux values of its repeat)."""
+    result added to the sums (weight gradients of its repeat, aux values of its microbatch
+    and repeat). ``item`` is the tick's action, slot, microbatch and repeat."""
+    kind, slot, microbatch, repeat = item
     forward_slot = jnp.where(kind == F, slot, -1)
+    grad_slot = jnp.where(result.write_grad, slot, -1)
     return TickCarry(
-        received=received,
-        received_grad=received_grad,
+        received=received[0],
+        received_grad=received_grad[0],
+        received_totals=received[1],
+        received_aux_grad=received_grad[1],
         inputs=_write(carry.inputs, forward_slot, result.input),
-        grads=_write(carry.grads, jnp.where(result.write_grad, slot, -1), result.grad),
+        grads=_write(carry.grads, grad_slot, result.grad),
+        input_totals=carry.input_totals,
+        aux_grads=jax.tree.map(
+            lambda buffer, value: _write(buffer, grad_slot, value),
+            carry.aux_grads,
+            result.aux_grad,
+        ),
         residuals=jax.tree.map(
             lambda buffer, value: _write(buffer, forward_slot, value),
             carry.residuals,
@@ -466,7 +545,7 @@ def _next_carry(
             lambda acc, d: acc + d.astype(acc.dtype), carry.outer_grads, result.d_outer
         ),
         loss=carry.loss + result.loss,
-        aux=jax.tree.map(lambda acc, v: acc.at[repeat].add(v), carry.aux, result.aux),
+        aux=jax.tree.map(lambda acc, v: acc.at[microbatch, repeat].add(v), carry.aux, result.aux),
     )
 
 

@@ -19,10 +19,10 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PyTree
 
-from eqxzoo.nn import LanguageModel, fused_cross_entropy, summarize_layer_aux
+from eqxzoo.nn import LanguageModel, fused_cross_entropy, layer_means, summarize_layer_aux
 from eqxzoo.parallel import activation_sharding, pipeline_value_and_grad, run_pipeline
 from eqxzoo.parallel.rules import MeshAxes, rule_axes
-from eqxzoo.train.loss_terms import layer_terms, token_terms, weighted_loss
+from eqxzoo.train.loss_terms import aux_terms, token_terms, weighted_aux_loss, weighted_loss
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import cast_floats
 
@@ -54,7 +54,7 @@ def pipelined_loss(
                 )
             h, _ = model.prefix(h)
     with jax.named_scope("pipeline"):
-        h, layer_aux_sums = run_pipeline(
+        h, layer_aux = run_pipeline(
             model.blocks.layers,
             h,
             schedule=config.schedule,
@@ -70,7 +70,7 @@ def pipelined_loss(
             h, activation_sharding(mesh, "microbatches", "batch", rules=config.rules)
         )
         token_losses, log_normalizers = token_cross_entropy(model, h, targets, config, mesh)
-    aux = summarize_layer_aux(jax.tree.map(lambda v: v / n_micro, layer_aux_sums))
+    aux = batch_aux_metrics(summarize_microbatches(layer_aux), config)
     return total_loss(token_losses, log_normalizers, aux, config)
 
 
@@ -84,11 +84,27 @@ def sequential_loss(
     """The same loss computed the plain way: the (unstaged) model vmapped over every sequence."""
     model = cast_floats(model, config.precision.compute)
     logits, aux = jax.vmap(jax.vmap(model))(tokens)
-    aux = jax.tree.map(lambda v: jnp.mean(v, axis=(0, 1)), aux)
+    aux = batch_aux_metrics(jax.tree.map(lambda v: jnp.mean(v, axis=1), aux), config)
     token_losses, log_normalizers = plain_cross_entropy(
         logits.astype(config.precision.output), targets
     )
     return total_loss(token_losses, log_normalizers, aux, config)
+
+
+def batch_aux_metrics(aux: dict[str, Array], config: StepConfig) -> dict[str, Array]:
+    """The batch's metrics of the model's aux values from each microbatch's (``aux`` in the
+    model's format with a leading ``microbatches`` axis): every value's mean over the
+    microbatches, and each aux loss term (`eqxzoo.train.loss_terms.aux_terms`) computed per
+    microbatch, then averaged."""
+    if not aux:
+        return {}
+    terms = jax.vmap(lambda one: aux_terms(layer_means(one), config.loss))(aux)
+    return jax.tree.map(lambda v: jnp.mean(v, axis=0), {**aux, **terms})
+
+
+def summarize_microbatches(layer_aux: dict[str, Array]) -> dict[str, Array]:
+    """`summarize_layer_aux` of each microbatch's per-layer aux values ``(microbatches, L, ...)``."""
+    return jax.vmap(summarize_layer_aux)(layer_aux) if layer_aux else {}
 
 
 def token_cross_entropy(
@@ -193,9 +209,11 @@ def pipelined_loss_and_grad(
         )
 
     terms = token_terms(config.loss)
-    aux_scales = {
-        term.name: term.weight(config.loss) / (n_micro * n_layers) for term in layer_terms()
-    }
+
+    def aux_loss(layer_sums):
+        means = {name: value / n_layers for name, value in layer_sums.items()}
+        return weighted_aux_loss(means, config.loss) / n_micro
+
     with jax.named_scope("pipeline"):
         loss_parts, layer_aux, layer_grads, outer_grads = pipeline_value_and_grad(
             model.blocks.layers,
@@ -205,7 +223,7 @@ def pipelined_loss_and_grad(
             first=first,
             last=last,
             part_weights=[term.weight(config.loss) for term in terms],
-            aux_scales=aux_scales,
+            aux_loss=aux_loss,
             schedule=config.schedule,
             mesh=mesh,
             remat_policy=model.blocks.remat_policy,
@@ -213,7 +231,7 @@ def pipelined_loss_and_grad(
             rules=config.rules,
             bubble_fill=config.bubble_fill,
         )
-    aux = summarize_layer_aux(jax.tree.map(lambda v: v / n_micro, layer_aux))
+    aux = batch_aux_metrics(summarize_microbatches(layer_aux), config)
     grads = eqx.tree_at(
         lambda m: m.blocks.layers, outer_grads, layer_grads, is_leaf=lambda x: x is None
     )
