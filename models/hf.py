@@ -411,11 +411,13 @@ def write_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     process_index: int = 0,
     process_count: int = 1,
+    write_config: bool = True,
 ) -> None:
     """Write ``model`` (a zoo model whose arrays are `Sliceable`: numpy or JAX arrays, or lazy
     readers of a checkpoint) as a Hugging Face checkpoint directory in ``dtype``:
-    ``config.json`` and safetensors in the Hub's canonical layout (torch ``(out, in)``
-    weights, one tensor per expert), sharded when larger than ``max_shard_bytes``.
+    ``config.json`` (unless not ``write_config``: `pipelines.export` writes its own) and
+    safetensors in the Hub's canonical layout (torch ``(out, in)`` weights, one tensor per
+    expert), sharded when larger than ``max_shard_bytes``.
 
     One layer of one array is read at a time and one shard is held in memory at a time;
     with ``process_count > 1`` each process writes every ``process_count``-th shard and
@@ -444,7 +446,7 @@ def write_hf(
 
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
-    if process_index == 0:
+    if process_index == 0 and write_config:
         (directory / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     write_safetensors(
         directory,

@@ -28,6 +28,7 @@ from eqxzoo.errors import UserError, run_command
 
 DTYPES = ("bfloat16", "float32")
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,6 +64,18 @@ def check_out(out: Path, force: bool) -> None:
         )
 
 
+def check_out_apart(out: Path, kept: dict[str, Path]) -> None:
+    """Refuse an ``--out`` inside one of the ``kept`` directories (the run's, its data's), or
+    holding one: an export never writes among the files it reads, nor replaces them."""
+    target = out.resolve()
+    for what, directory in kept.items():
+        directory = directory.resolve()
+        if target == directory or directory in target.parents:
+            raise UserError(f"--out {out} is inside {what} {directory}: export elsewhere")
+        if target in directory.parents:
+            raise UserError(f"--out {out} holds {what} {directory}: export elsewhere")
+
+
 def checkpoint_step(checkpoints: Path, step: int | None) -> int:
     """The step to export: ``step``, or the newest finished checkpoint."""
     from eqxzoo.train.checkpoint import finished_steps
@@ -79,6 +92,7 @@ def checkpoint_step(checkpoints: Path, step: int | None) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
+    from eqxzoo.run.provenance import data_directory, run_tokenizer_file
     from eqxzoo.run.rundir import CHECKPOINT_DIR, read_run_config
 
     if not args.run_dir:
@@ -93,11 +107,16 @@ def export(args: argparse.Namespace) -> int:
     config_to_hf(config.model, dtype)  # a family with no Hugging Face counterpart fails here
     step = checkpoint_step(run_dir / CHECKPOINT_DIR, args.step)
     check_out(out, args.force)
+    check_out_apart(
+        out,
+        {"the run directory": run_dir, "its data directory": data_directory(config, prepare=False)},
+    )
+    tokenizer = run_tokenizer_file(run_dir, config)
 
     from eqxzoo.runtime import join_processes
 
     join_processes()
-    written = write_checkpoint(config, run_dir / CHECKPOINT_DIR / str(step), out, args, dtype)
+    written = write_export(config, run_dir, step, tokenizer, out, args, dtype)
     import jax
 
     if jax.process_index() == 0:
@@ -105,15 +124,69 @@ def export(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_checkpoint(config, step_directory: Path, out: Path, args, dtype: str) -> str:
-    """Write the step's model to ``out``; a one-line summary of what was written."""
+def write_export(
+    config, run_dir: Path, step: int, tokenizer: Path, out: Path, args, dtype: str
+) -> str:
+    """Write the step's model, its configs and tokenizer into a staging directory beside
+    ``out``, and move them into ``out`` only once every array has been read and verified
+    against its checksums: any failure leaves ``out`` as it was. A one-line summary."""
+    import jax
+
+    from eqxzoo.run.rundir import CHECKPOINT_DIR
+    from eqxzoo.train.checkpoint.damage import is_damage
+
+    index = jax.process_index()
+    staging = out.parent / f".{out.name}.exporting"
+    if index == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    sync("export: staging directory ready")
+    try:
+        checked = write_model(config, run_dir / CHECKPOINT_DIR / str(step), staging, args, dtype)
+        if index == 0:
+            hf_config = exported_hf_config(config, run_dir, dtype, tokenizer)
+            write_configs(hf_config, run_dir, staging)
+            write_tokenizer(config, run_dir, tokenizer, hf_config, staging)
+        sync("export: every file staged")
+    except BaseException as error:
+        if index == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        if is_damage(error):
+            raise UserError(
+                f"step {step} of {run_dir} is damaged ({error}); nothing was written to "
+                f"{out}: export another --step"
+            ) from None
+        raise
+    shards = sorted(staging.glob("model*.safetensors"))
+    size = sum(shard.stat().st_size for shard in shards) if index == 0 else 0
+    if index == 0:
+        publish(staging, out)
+    sync("export: published")
+    return (
+        f"{len(shards)} safetensors file(s), {size / 1e6:,.1f} MB in {dtype}, "
+        f"{checked} arrays verified against their checksums"
+    )
+
+
+def sync(name: str) -> None:
+    """Wait for every process of a multi-process export."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def write_model(config, step_directory: Path, directory: Path, args, dtype: str) -> int:
+    """Write the step's model as safetensors shards (this process's share) into
+    ``directory``; how many arrays were verified against their checksums."""
     import equinox as eqx
     import jax
 
     from eqxzoo.train.saved_arrays import recorded_checksums, saved_arrays, verify_reads
     from models import model_factory
     from models.hf import write_hf
-    from models.tensor_files import WEIGHTS_INDEX_NAME
 
     arrays = saved_arrays(step_directory)
     skeleton = eqx.filter_eval_shape(model_factory(config.model), key=jax.random.key(0))
@@ -126,52 +199,101 @@ def write_checkpoint(config, step_directory: Path, out: Path, args, dtype: str) 
         return array
 
     model = jax.tree_util.tree_map_with_path(saved, skeleton)
-    index, count = jax.process_index(), jax.process_count()
-    out.mkdir(parents=True, exist_ok=True)
-    if index == 0:
-        for stale in [*out.glob("model*.safetensors"), out / WEIGHTS_INDEX_NAME]:
-            stale.unlink(missing_ok=True)
-    if count > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("export: --out cleared")
     write_hf(
         model,
-        out,
+        directory,
         dtype=dtype,
         max_shard_bytes=int(args.max_shard_size * 1e9),
-        process_index=index,
-        process_count=count,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        write_config=False,
     )
-    checked = verify_reads(arrays.values(), recorded_checksums(step_directory))
-    if index == 0:
-        copy_tokenizer(config, out)
-    shards = sorted(out.glob("model*.safetensors"))
-    size = sum(shard.stat().st_size for shard in shards) if index == 0 else 0
-    return (
-        f"{len(shards)} safetensors file(s), {size / 1e6:,.1f} MB in {dtype}, "
-        f"{checked} arrays verified against their checksums"
-    )
+    return verify_reads(arrays.values(), recorded_checksums(step_directory))
 
 
-def copy_tokenizer(config, out: Path) -> bool:
-    """Copy the run's ``tokenizer.json`` (if its prepared data has one) and write the
-    ``tokenizer_config.json`` that makes ``AutoTokenizer`` load it; whether it did."""
+def exported_hf_config(config, run_dir: Path, dtype: str, tokenizer: Path) -> dict:
+    """The exported ``config.json``: a run from a Hugging Face checkpoint gives back the
+    source's own (every field it had: positions, special token ids, rope scaling as
+    written) with the export's dtype, and the zoo's fields over it should the architecture
+    differ; a run from scratch the zoo's fields with the positions it trained on and its
+    end-of-document token as the start and end of a sequence."""
+    from eqxzoo.data import EOD_TOKEN, load_tokenizer
+    from eqxzoo.run.provenance import hf_source_dir
+    from models.hf import CONFIG_NAME, config_from_hf, config_to_hf
+
+    ours = config_to_hf(config.model, dtype)
+    source_dir = hf_source_dir(run_dir)
+    if source_dir is None:
+        eod = load_tokenizer(tokenizer).token_to_id(EOD_TOKEN)
+        used = {"max_position_embeddings": config.data.seq_len}
+        if eod is not None:
+            used |= {"bos_token_id": eod, "eos_token_id": eod}
+        return {**used, **ours}
+    source = json.loads((source_dir / CONFIG_NAME).read_text())
+    if config_to_hf(config_from_hf(source), dtype) != ours:
+        return {**source, **ours}
+    dtype_keys = [key for key in ("dtype", "torch_dtype") if key in source] or ["dtype"]
+    return {**source, **dict.fromkeys(dtype_keys, dtype)}
+
+
+def write_configs(hf_config: dict, run_dir: Path, directory: Path) -> None:
+    """``config.json`` and ``generation_config.json``: the source's generation config where
+    a run from Hugging Face kept one, else the special token ids of ``hf_config``."""
+    from eqxzoo.run.provenance import hf_source_dir
+    from models.hf import CONFIG_NAME
+
+    (directory / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    source_dir = hf_source_dir(run_dir)
+    if source_dir is not None and (source_dir / GENERATION_CONFIG_FILE).is_file():
+        shutil.copyfile(source_dir / GENERATION_CONFIG_FILE, directory / GENERATION_CONFIG_FILE)
+        return
+    ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+    generation = {name: hf_config[name] for name in ids if hf_config.get(name) is not None}
+    generation["_from_model_config"] = True
+    text = json.dumps(generation, indent=2, sort_keys=True) + "\n"
+    (directory / GENERATION_CONFIG_FILE).write_text(text)
+
+
+def write_tokenizer(
+    config, run_dir: Path, tokenizer: Path, hf_config: dict, directory: Path
+) -> None:
+    """The tokenizer files ``AutoTokenizer`` loads: the source checkpoint's own where a run
+    from Hugging Face kept them, else the run's ``tokenizer.json`` with a
+    ``tokenizer_config.json`` naming its end-of-document token."""
     from eqxzoo.data import EOD_TOKEN
     from eqxzoo.data.prepare import TOKENIZER_FILE
-    from eqxzoo.run.loop import data_directory
+    from eqxzoo.run.provenance import HF_SOURCE_FILES, hf_source_dir
 
-    tokenizer = data_directory(config, prepare=False) / TOKENIZER_FILE
-    if not tokenizer.is_file():
-        return False
-    shutil.copyfile(tokenizer, out / TOKENIZER_FILE)
+    source_dir = hf_source_dir(run_dir)
+    if source_dir is not None and (source_dir / TOKENIZER_FILE).is_file():
+        for name in HF_SOURCE_FILES:
+            if name.startswith("tokenizer") or name == "special_tokens_map.json":
+                if (source_dir / name).is_file():
+                    shutil.copyfile(source_dir / name, directory / name)
+        return
+    shutil.copyfile(tokenizer, directory / TOKENIZER_FILE)
     settings = {
         "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": EOD_TOKEN,
         "eos_token": EOD_TOKEN,
-        "model_max_length": config.data.seq_len,
+        "model_max_length": hf_config.get("max_position_embeddings", config.data.seq_len),
     }
-    (out / TOKENIZER_CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
-    return True
+    (directory / TOKENIZER_CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+
+
+def publish(staging: Path, out: Path) -> None:
+    """Move the staged export into ``out``: a rename where ``out`` does not exist; else
+    (``--force``) its old checkpoint files removed and each staged file renamed in."""
+    from models.tensor_files import WEIGHTS_INDEX_NAME
+
+    if not out.exists():
+        staging.rename(out)
+        return
+    for stale in [*out.glob("model*.safetensors"), out / WEIGHTS_INDEX_NAME]:
+        stale.unlink(missing_ok=True)
+    for staged in sorted(staging.iterdir()):
+        staged.replace(out / staged.name)
+    staging.rmdir()
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
     python -m pipelines.generate RUN_DIR --prompt TEXT [--max-new-tokens 64]
         [--temperature 0.8] [--top-k 50] [--top-p 0.95] [--seed 0] [--stop-at-eod]
 
-Reads ``RUN_DIR/config.toml`` (written by `pipelines.run`), the corpus tokenizer and the
-newest usable checkpoint, then decodes with a KV cache (`models.generate`) on one device.
+Reads ``RUN_DIR/config.toml`` (written by `pipelines.run`), the run's tokenizer
+(`eqxzoo.run.provenance`) and the newest usable checkpoint, then decodes with a KV cache (`models.generate`) on one device.
 Prints the prompt followed by the continuation. Problems are one ``error:`` line, exit 2.
 
 Every option is checked before anything is read (`check_options`), and the length asked for
@@ -110,6 +110,20 @@ def check_cache_fits(
         )
 
 
+def prompt_text(prompt: str) -> str:
+    """The prompt as text: the command line's bytes (which Python keeps as surrogate escapes
+    where they are not UTF-8) must be UTF-8, else a `UserError` naming the first bad byte."""
+    raw = prompt.encode("utf-8", "surrogateescape")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        bad = raw[error.start : error.start + 1].hex()
+        raise UserError(
+            f"--prompt is not UTF-8 text (byte 0x{bad} at byte {error.start}): give the prompt "
+            "in UTF-8"
+        ) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     return run_command(lambda: generate_from_run(args))
@@ -117,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def generate_from_run(args: argparse.Namespace) -> int:
     check_options(args)
+    text = prompt_text(args.prompt)
     from eqxzoo.run.rundir import CHECKPOINT_DIR, read_run_config
 
     run_dir = Path(args.run_dir)
@@ -126,17 +141,16 @@ def generate_from_run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from eqxzoo.data import EOD_TOKEN, load_tokenizer
-    from eqxzoo.data.prepare import TOKENIZER_FILE
     from eqxzoo.parallel import MeshConfig, make_mesh
     from eqxzoo.run.config import step_config
-    from eqxzoo.run.loop import data_directory
+    from eqxzoo.run.provenance import run_tokenizer_file
     from eqxzoo.train.checkpoint import Checkpointer
     from eqxzoo.train.layout import abstract_checkpoint_state
     from eqxzoo.train.memory import memory_available
     from models import generate, model_factory
 
-    tokenizer = load_tokenizer(data_directory(config) / TOKENIZER_FILE)
-    prompt = tokenizer.encode(args.prompt).ids
+    tokenizer = load_tokenizer(run_tokenizer_file(run_dir, config))
+    prompt = tokenizer.encode(text).ids
     if not prompt:
         raise UserError("--prompt encodes to no tokens")
     device = jax.devices()[0]
@@ -182,7 +196,7 @@ def generate_from_run(args: argparse.Namespace) -> int:
     new_tokens = [int(t) for t in jax.device_get(new_tokens)]
     if args.stop_at_eod and eod in new_tokens:
         new_tokens = new_tokens[: new_tokens.index(eod)]
-    print(f"(step {restored.step}) " + args.prompt + tokenizer.decode(new_tokens))
+    print(f"(step {restored.step}) " + text + tokenizer.decode(new_tokens))
     return 0
 
 

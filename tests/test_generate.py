@@ -338,6 +338,11 @@ BAD_OPTIONS = {
     "top-p 1.5": (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
     "top-p nan": (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
     "top-k 0": (["--top-k", "0"], "--top-k must be >= 1, got 0"),
+    # The shell's bytes as Python keeps them where they are not UTF-8 (Latin-1 "café!").
+    "prompt not UTF-8": (
+        ["--prompt", b"caf\xe9!".decode("utf-8", "surrogateescape")],
+        "--prompt is not UTF-8 text (byte 0xe9 at byte 3): give the prompt in UTF-8",
+    ),
     "max-new-tokens 0": (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
     "seed 2**64": (
         ["--seed", str(2**64)],

@@ -19,8 +19,11 @@ pytest.importorskip("safetensors")
 import grain  # noqa: E402
 import jax  # noqa: E402
 import safetensors.numpy  # noqa: E402
+from damaging import truncate_array_files  # noqa: E402
 from hf_models import HF_CASES, hf_config, randomize  # noqa: E402
 
+from eqxzoo.data.manifest import TOKENIZER_FILE  # noqa: E402
+from eqxzoo.data.tokenizer import train_byte_level_bpe  # noqa: E402
 from eqxzoo.parallel import MeshConfig, make_mesh  # noqa: E402
 from eqxzoo.run.config import (  # noqa: E402
     ConfigError,
@@ -32,7 +35,8 @@ from eqxzoo.run.config import (  # noqa: E402
     config_to_toml,
     step_config,
 )
-from eqxzoo.run.rundir import CHECKPOINT_DIR, CONFIG_FILE  # noqa: E402
+from eqxzoo.run.provenance import HF_SOURCE_DIR, HF_SOURCE_FILES, keep_run_sources  # noqa: E402
+from eqxzoo.run.rundir import CHECKPOINT_DIR, CONFIG_FILE, read_run_config  # noqa: E402
 from eqxzoo.train.checkpoint import Checkpointer  # noqa: E402
 from eqxzoo.train.layout import checkpoint_layout, from_pipeline_layout  # noqa: E402
 from eqxzoo.train.state import init_train_state_from, train_state_axes  # noqa: E402
@@ -126,6 +130,7 @@ def test_hf_to_sharded_state_to_export_is_bitwise(case: str, tmp_path: Path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / CONFIG_FILE).write_text(config_to_toml(config))
+    keep_run_sources(run_dir, config, tokenized_data(hf_dir, tmp_path / "data"), fresh=True)
     saved = checkpoint_layout(state, train_state_axes(make_model, config=settings), settings.rules)
     with Checkpointer(run_dir / CHECKPOINT_DIR, every=1, keep=1, async_save=False) as saver:
         saver.save(3, saved, data_iterator(), {})
@@ -139,7 +144,8 @@ def test_hf_to_sharded_state_to_export_is_bitwise(case: str, tmp_path: Path):
         assert exported[name].dtype == tensor.dtype, name
         np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
     exported_config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert exported_config["architectures"] == [HF_CASES[case][0]]
+    source_config = json.loads((run_dir / HF_SOURCE_DIR / "config.json").read_text())
+    assert exported_config == source_config, "the source's own config.json, every field"
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert type(model).__name__ == HF_CASES[case][0]
 
@@ -252,24 +258,44 @@ def test_a_checkpoint_missing_a_tensor_fails_before_any_training(llama_dir, tmp_
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def exported_run(tmp_path_factory, llama_dir: Path) -> Path:
-    """A run directory holding checkpoints of steps 2 and 5 of a model loaded from Llama."""
-    tmp_path = tmp_path_factory.mktemp("run")
-    config = hf_run_config(llama_dir, tmp_path)
+def tokenized_data(hf_dir: Path, data_dir: Path) -> Path:
+    """A data directory (of just a tokenizer) tokenized by ``hf_dir``'s tokenizer, or by one
+    trained here if it has none."""
+    data_dir.mkdir(parents=True)
+    if (hf_dir / TOKENIZER_FILE).is_file():
+        shutil.copy(hf_dir / TOKENIZER_FILE, data_dir / TOKENIZER_FILE)
+    else:
+        train_byte_level_bpe(["def main(): return 0\n"], 300).save(str(data_dir / TOKENIZER_FILE))
+    return data_dir
+
+
+def checkpointed_run(hf_dir: Path, tmp_path: Path, steps=(2, 5), **config_sections) -> Path:
+    """A run directory as a run from ``hf_dir`` leaves it: checkpoints of ``steps`` of the
+    model loaded from ``hf_dir``, and the sources it keeps (`keep_run_sources`) from a data
+    directory whose tokenizer is ``hf_dir``'s own (or one trained here if it has none)."""
+    data_dir = tokenized_data(hf_dir, tmp_path / "data")
+    config = hf_run_config(hf_dir, tmp_path, **config_sections)
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, path=str(data_dir)))
     settings = step_config(config)
     make_model = model_factory(config.model)
     state = init_train_state_from(
-        make_model, open_hf(llama_dir).model, config=settings, mesh=make_mesh(config.mesh)
+        make_model, open_hf(hf_dir).model, config=settings, mesh=make_mesh(config.mesh)
     )
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    run_dir.mkdir(parents=True)
     (run_dir / CONFIG_FILE).write_text(config_to_toml(config))
+    keep_run_sources(run_dir, config, data_dir, fresh=True)
     saved = checkpoint_layout(state, train_state_axes(make_model, config=settings), settings.rules)
     with Checkpointer(run_dir / CHECKPOINT_DIR, every=1, keep=2, async_save=False) as saver:
-        for step in (2, 5):
+        for step in steps:
             saver.save(step, saved, data_iterator(), {})
     return run_dir
+
+
+@pytest.fixture(scope="module")
+def exported_run(tmp_path_factory, llama_dir: Path) -> Path:
+    """A run directory holding checkpoints of steps 2 and 5 of a model loaded from Llama."""
+    return checkpointed_run(llama_dir, tmp_path_factory.mktemp("run"))
 
 
 def export_error(capsys, *argv: str) -> str:
@@ -351,6 +377,130 @@ def test_export_refuses_a_damaged_checkpoint(exported_run: Path, tmp_path: Path,
         "model.final_norm.weight does not match its checksum: the checkpoint's files were "
         "damaged after they were written"
     )
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["run"], "no --out, no staging"
+
+
+def test_an_export_that_fails_leaves_out_as_it_was(exported_run: Path, tmp_path: Path, capsys):
+    """Truncated array files: one line naming the step, and neither a new ``--out`` nor an
+    old one replaced with ``--force`` holds anything of the failed export."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(exported_run, run_dir)
+    truncate_array_files(run_dir / CHECKPOINT_DIR / "5")
+    message = export_error(capsys, str(run_dir), "--out", str(tmp_path / "new"))
+    assert message.startswith(f"step 5 of {run_dir} is damaged (")
+    assert message.endswith(f"nothing was written to {tmp_path / 'new'}: export another --step")
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "model.safetensors").write_text("an older export")
+    export_error(capsys, str(run_dir), "--out", str(old), "--force")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["old", "run"]
+    assert [path.name for path in old.iterdir()] == ["model.safetensors"]
+    assert (old / "model.safetensors").read_text() == "an older export"
+
+
+def test_export_never_writes_among_the_runs_files(exported_run: Path, tmp_path: Path, capsys):
+    config = read_run_config(exported_run)
+    data_dir = Path(config.data.path)
+    for out, where in [
+        (exported_run / "hf", f"the run directory {exported_run}"),
+        (data_dir, f"its data directory {data_dir}"),
+    ]:
+        assert export_error(capsys, str(exported_run), "--out", str(out), "--force") == (
+            f"--out {out} is inside {where}: export elsewhere"
+        )
+    parent = exported_run.parent
+    assert export_error(capsys, str(exported_run), "--out", str(parent), "--force") == (
+        f"--out {parent} holds the run directory {exported_run}: export elsewhere"
+    )
+
+
+def test_an_export_needs_the_runs_tokenizer(exported_run: Path, tmp_path: Path, capsys):
+    """A run that kept no tokenizer (older runs) exports its data's; with neither, nothing."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(exported_run, run_dir)
+    (run_dir / TOKENIZER_FILE).unlink()
+    data_tokenizer = Path(read_run_config(run_dir).data.path) / TOKENIZER_FILE
+    hidden = tmp_path / "hidden.json"
+    shutil.move(data_tokenizer, hidden)
+    try:
+        assert export_error(capsys, str(run_dir), "--out", str(tmp_path / "out")) == (
+            f"{run_dir} has no tokenizer: neither {run_dir / TOKENIZER_FILE} nor its data's "
+            f"{data_tokenizer} exists (restore the data directory, or copy the tokenizer it "
+            f"was prepared with to {run_dir / TOKENIZER_FILE})"
+        )
+    finally:
+        shutil.move(hidden, data_tokenizer)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_export_gives_back_the_sources_config_generation_config_and_tokenizer(
+    tmp_path: Path, capsys
+):
+    """A Llama-3-like source (131,072 positions, llama3 rope scaling, its own special token
+    ids, generation config and tokenizer): every field of its ``config.json`` comes back
+    equal, its generation config and tokenizer files too, and transformers loads it all."""
+    architecture, fields, _ = HF_CASES["llama3_rope"]
+    torch.manual_seed(0)
+    config = hf_config(
+        architecture,
+        n_layers=4,
+        **fields,
+        max_position_embeddings=131072,
+        bos_token_id=5,
+        eos_token_id=[6, 7],
+    )
+    source = tmp_path / "source"
+    model = randomize(getattr(transformers, architecture)(config))
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=5, eos_token_id=[6, 7], temperature=0.6, top_p=0.9, do_sample=True
+    )
+    model.save_pretrained(source)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=train_byte_level_bpe(["def main(): return 0\n"], 300),
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        model_max_length=131072,
+    )
+    tokenizer.save_pretrained(source)
+    run_dir = checkpointed_run(source, tmp_path / "work", steps=(3,))
+    assert sorted(path.name for path in (run_dir / HF_SOURCE_DIR).iterdir()) == sorted(
+        path.name for path in source.iterdir() if path.name in HF_SOURCE_FILES
+    )
+    shutil.rmtree(source)  # the export needs nothing of the source any more
+    out = tmp_path / "export"
+    assert export.main([str(run_dir), "--out", str(out)]) == 0, capsys.readouterr().err
+    exported = json.loads((out / "config.json").read_text())
+    original = json.loads((run_dir / HF_SOURCE_DIR / "config.json").read_text())
+    assert exported == original | {"dtype": "float32"}
+    assert exported["max_position_embeddings"] == 131072
+    assert exported["rope_parameters"]["rope_type"] == "llama3"
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (run_dir / HF_SOURCE_DIR / name).read_bytes(), name
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.config.max_position_embeddings == 131072
+    assert loaded.generation_config.eos_token_id == [6, 7]
+    text = "def main(): return 0"
+    assert transformers.AutoTokenizer.from_pretrained(out)(text) == tokenizer(text)
+
+
+def test_a_run_from_scratch_exports_what_it_used(tmp_path: Path, capsys):
+    """No source config: the positions the run trained on and its end-of-document token as
+    the start and end of a sequence, in ``config.json`` and ``generation_config.json``; the
+    run's tokenizer with a ``tokenizer_config.json`` that ``AutoTokenizer`` loads."""
+    run_dir = checkpointed_run(save_hf_model("llama_gqa", tmp_path / "hf"), tmp_path, steps=(1,))
+    shutil.rmtree(run_dir / HF_SOURCE_DIR)
+    out = tmp_path / "export"
+    assert export.main([str(run_dir), "--out", str(out)]) == 0, capsys.readouterr().err
+    exported = json.loads((out / "config.json").read_text())
+    eod = train_byte_level_bpe(["def main(): return 0\n"], 300).token_to_id("<|endoftext|>")
+    assert exported["max_position_embeddings"] == 8  # the run's data.seq_len
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (eod, eod)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (eod, eod)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer.eos_token_id == eod
+    assert tokenizer.decode(tokenizer("def main()")["input_ids"]) == "def main()"
+    assert transformers.AutoModelForCausalLM.from_pretrained(out).config.eos_token_id == eod
 
 
 def test_export_refuses_a_family_without_a_hugging_face_architecture(tmp_path: Path, capsys):

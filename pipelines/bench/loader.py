@@ -20,7 +20,8 @@ def loader_throughput(repeats: int, quick: bool) -> dict:
 
     from eqxzoo.data import TokenStream, open_split, train_batches
     from eqxzoo.run.config import load_config, step_config
-    from eqxzoo.run.loop import batch_shape, data_directory
+    from eqxzoo.run.loop import batch_shape
+    from eqxzoo.run.provenance import data_directory
 
     quick_overrides = (
         "model.d_model=32",

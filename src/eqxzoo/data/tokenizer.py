@@ -7,6 +7,7 @@ shards never contain it, and a document that happens to contain the literal stri
 ``<|endoftext|>`` is encoded as ordinary text (see `encode_documents`).
 """
 
+import json
 from collections.abc import Iterable, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -16,6 +17,8 @@ EOD_TOKEN = "<|endoftext|>"
 MIN_VOCAB_SIZE = 257
 # The byte-level BPE trained when nobody names a size (the built-in corpus, pipelines.prepare).
 DEFAULT_VOCAB_SIZE = 4096
+# The parts of a tokenizer.json that decide which ids a text becomes and which text ids are.
+TOKENIZATION_PARTS = ("normalizer", "pre_tokenizer", "model", "decoder")
 
 
 def train_byte_level_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
@@ -68,3 +71,24 @@ def encode_documents(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[in
 def decode_document(tokenizer: Tokenizer, token_ids: Sequence[int]) -> str:
     """The text of ``token_ids``, special tokens kept as their strings."""
     return tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+
+def tokenization_differences(tokenizer: Tokenizer, reference: Tokenizer) -> list[str]:
+    """What makes ``tokenizer`` turn text into other ids, or ids into other text, than
+    ``reference`` does: the parts of their serialised forms that differ (`TOKENIZATION_PARTS`:
+    the model's vocabulary and merges among them), and ``reference``'s added tokens that
+    ``tokenizer`` lacks or numbers differently. Empty when they tokenize alike; a token
+    ``reference`` lacks is no difference (preparing a corpus adds the end-of-document one).
+    Both are serialised by this ``tokenizers``, so a file written by another version compares
+    by content, not by format."""
+    ours, theirs = (json.loads(t.to_str()) for t in (tokenizer, reference))
+    differences = [part for part in TOKENIZATION_PARTS if ours.get(part) != theirs.get(part)]
+    numbered = {(token["content"], token["id"]) for token in ours.get("added_tokens", [])}
+    missing = [
+        token["content"]
+        for token in theirs.get("added_tokens", [])
+        if (token["content"], token["id"]) not in numbered
+    ]
+    if missing:
+        differences.append("added tokens " + ", ".join(repr(token) for token in missing[:3]))
+    return differences

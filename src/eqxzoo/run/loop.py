@@ -7,8 +7,9 @@ checkpoint saves (orbax copies the arrays off the devices, then writes in the ba
 and the end of the run.
 
 A run directory holds ``run.lock`` (see `eqxzoo.run.rundir`), ``config.toml`` (the
-resolved config), ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/``, ``loss.png`` and,
-with ``--profile``, ``profile/``. Before anything is initialised, the run locks its directory,
+resolved config), ``checkpoints/``, ``tokenizer.json`` and, for a run from a Hugging Face
+checkpoint, ``hf_source/`` (`eqxzoo.run.provenance`), ``metrics.jsonl``, ``tensorboard/``,
+``loss.png`` and, with ``--profile``, ``profile/``. Before anything is initialised, the run locks its directory,
 checks that a resume is the same run, and compiles the step to check that it fits in memory.
 Whatever a phase opens is closed on every way out.
 """
@@ -30,10 +31,15 @@ from eqxzoo.data import (
     train_batches,
     validation_batches,
 )
-from eqxzoo.data.prepare import default_stdlib_cache_dir, prepare_stdlib_corpus
 from eqxzoo.errors import EXIT_STOPPED, UserError
 from eqxzoo.parallel import make_mesh
 from eqxzoo.run.config import RunConfig, config_to_dict, model_config_for_mesh, step_config
+from eqxzoo.run.provenance import (
+    check_hf_tokenizer,
+    check_run_tokenizer,
+    data_directory,
+    keep_run_sources,
+)
 from eqxzoo.run.rundir import (
     CHECKPOINT_DIR,
     has_checkpoints,
@@ -101,16 +107,6 @@ class RunSummary:
     final_loss: float | None
     val_loss: float | None
     stopped_by_signal: bool
-
-
-def data_directory(config: RunConfig, *, prepare: bool = True) -> Path:
-    """The prepared corpus: ``data.path``, or the built-in stdlib corpus's directory, prepared
-    on first use (unless not ``prepare``: a command that only reads its tokenizer)."""
-    if not config.data.is_stdlib:
-        return Path(config.data.path).expanduser()
-    if prepare:
-        return prepare_stdlib_corpus(vocab_size=config.data.vocab_size)
-    return default_stdlib_cache_dir(config.data.vocab_size)
 
 
 def run_memory_checks(
@@ -198,6 +194,7 @@ class _Trainer:
             self.open_state(opened)
             if self.is_main:  # every check passed and the state is open
                 write_run_config(self.run_dir, self.config)
+                keep_run_sources(self.run_dir, self.config, self.data_dir, fresh=self.step == 0)
             first_step = self.step
             self.open_reports(opened)
             with StopSignal() as stop:
@@ -229,6 +226,9 @@ class _Trainer:
         self.hf_checkpoint = None
         if self.config.init_from_hf and not has_checkpoints(self.run_dir):
             self.hf_checkpoint = open_hf(self.config.init_from_hf)
+            warning = check_hf_tokenizer(self.config, data_directory(self.config))
+            if warning is not None:
+                self.say(f"warning: {warning}")
 
     def compile_steps(self) -> None:
         """Compile the train step from the state's shapes alone and refuse a plan whose
@@ -255,7 +255,9 @@ class _Trainer:
 
     def open_data(self, opened: contextlib.ExitStack) -> None:
         """Open the training batches and, when ``run.eval_every`` > 0, the validation batches."""
-        directory = data_directory(self.config)
+        directory = self.data_dir = data_directory(self.config)
+        if has_checkpoints(self.run_dir):
+            check_run_tokenizer(self.run_dir, directory)
         train_documents = open_split(directory, "train")
         check_vocab(train_documents, self.config.model.vocab_size)
         sharding = batch_sharding(self.mesh, self.step_config.rules)
