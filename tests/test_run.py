@@ -195,6 +195,7 @@ def test_generate_samples_from_the_latest_checkpoint(reference_dir: Path):
     options = ["--prompt", "def main(", "--max-new-tokens", "8", "--temperature", "0"]
     results = [run_command(command + options) for _ in range(2)]
     assert results[0].stdout.startswith("(step 6) def main(")
+    assert (reference_dir / "tokenizer.json").is_file(), "the run keeps its tokenizer"
     assert results[0].stdout == results[1].stdout, "greedy decoding is deterministic"
 
 
