@@ -11,10 +11,11 @@ transposed, reshaped, stacked stored tensor reads only the stored bytes it cover
 whole where a split axis needs them).
 
 `SafetensorsFiles` opens ``model.safetensors`` or ``model.safetensors.index.json`` and its
-shards: the header only, each tensor a `StoredTensor` read through ``np.memmap`` and
-counted in ``bytes_read``. `write_safetensors` writes ``{name: array}`` as one file or as
-shards of at most ``max_shard_bytes`` with the index Hugging Face reads, one shard in
-memory at a time, each process writing its share.
+shards: the header only, each tensor a `StoredTensor` read through ``np.memmap``, counted
+in ``bytes_read`` and, with ``refuse_non_finite``, checked for NaN and Inf.
+`write_safetensors` writes ``{name: array}`` as one file or as shards of at most
+``max_shard_bytes`` with the index Hugging Face reads, one shard in memory at a time, each
+process writing its share.
 """
 
 import json
@@ -47,12 +48,19 @@ DTYPES: Mapping[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
 }
 
+FLOAT_DTYPES = frozenset(DTYPES[name] for name in ("F64", "F32", "F16", "BF16"))
+
 Index = tuple[slice, ...]
 Bounds = tuple[tuple[int, int], ...]
 
 
 class HFCheckpointError(UserError, ValueError):
     """A Hugging Face checkpoint's files or tensors do not match what its config describes."""
+
+
+class NonFiniteTensor(HFCheckpointError):
+    """A stored tensor holds NaN or Inf where it was read: a model trained from it would skip
+    every step (its loss is not finite) and no checkpoint of it could be saved."""
 
 
 @runtime_checkable
@@ -143,11 +151,11 @@ class LazyArray:
 
 
 class StoredTensor(LazyArray):
-    """One tensor of a safetensors file, read through ``np.memmap``; every read adds its
-    bytes to ``files.bytes_read``."""
+    """The tensor ``name`` of a safetensors file, read through ``np.memmap``; every read adds
+    its bytes to ``files.bytes_read`` and, when ``files.refuse_non_finite``, is checked."""
 
-    def __init__(self, files: "SafetensorsFiles", path: Path, offset: int, shape, dtype):
-        self.files, self.path, self.offset = files, path, offset
+    def __init__(self, files: "SafetensorsFiles", name: str, path: Path, offset: int, shape, dtype):
+        self.files, self.name, self.path, self.offset = files, name, path, offset
         self.shape, self.dtype = tuple(shape), dtype
 
     def read(self, bounds: Bounds) -> np.ndarray:
@@ -163,7 +171,25 @@ class StoredTensor(LazyArray):
         stored = np.memmap(self.path, self.dtype, "r", self.offset, self.shape)
         array = np.array(stored[tuple(index)])
         self.files.bytes_read += array.nbytes
+        if self.files.refuse_non_finite and self.dtype in FLOAT_DTYPES:
+            self._check_finite(array, tuple(index))
         return array
+
+    def _check_finite(self, array: np.ndarray, index: Index) -> None:
+        """`NonFiniteTensor` naming this tensor and the first non-finite element of ``array``
+        (read at ``index``) by its position in the stored tensor."""
+        finite = np.isfinite(array)
+        if finite.all():
+            return
+        where = tuple(int(i) for i in np.argwhere(~finite)[0])
+        position = tuple(
+            part.start + i * (part.step or 1) for part, i in zip(index, where, strict=True)
+        )
+        raise NonFiniteTensor(
+            f"tensor {self.name} of {self.path} holds {float(array[where])} at {position}: "
+            "the checkpoint's weights are damaged (or saved from a diverged model); replace "
+            "the file or convert the weights again"
+        )
 
 
 class _Transposed(LazyArray):
@@ -319,7 +345,11 @@ class SafetensorsFiles:
     """The tensors of a checkpoint directory's safetensors file or shards, by name, lazily.
 
     Only headers are read on opening; `tensor` gives a `StoredTensor`. ``bytes_read``
-    counts the tensor bytes read so far, by every tensor of these files.
+    counts the tensor bytes read so far, by every tensor of these files. With
+    ``refuse_non_finite`` set, a read of a floating tensor that finds NaN or Inf raises
+    `NonFiniteTensor` naming it: a trainer that reads each slice once checks every weight
+    it loads at the cost of one vectorised `np.isfinite`, before any step. It is off by
+    default: a reader of arbitrary tensors (a cached mask of ``-inf``) must see them.
     """
 
     def __init__(self, directory: str | os.PathLike):
@@ -347,6 +377,7 @@ class SafetensorsFiles:
                 "(only safetensors checkpoints can be read; re-save with safe_serialization=True)"
             )
         self.bytes_read = 0
+        self.refuse_non_finite = False
         self.entries: dict[str, StoredTensor] = {}
         for file in files:
             header, data_start = _read_header(file)
@@ -372,7 +403,7 @@ class SafetensorsFiles:
             raise HFCheckpointError(
                 f"{file}: tensor {name} lies past the end of the file (truncated?)"
             )
-        return StoredTensor(self, file, data_start + start, shape, dtype)
+        return StoredTensor(self, name, file, data_start + start, shape, dtype)
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries

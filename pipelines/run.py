@@ -18,7 +18,10 @@ join one global mesh through `jax.distributed.initialize`. A config, data, mesh,
 memory or checkpoint problem (a busy run directory, a full disk) is one ``error:`` line and
 exit code 2; repeated non-finite steps stop
 the run with exit code 3; a process of a multi-process run that loses a peer exits with code
-4, naming the lost process.
+4, naming the lost process. SIGTERM or Ctrl-C stops the run with exit code 0: after a step,
+saving it; before the first step (while loading, compiling, initialising), at once with one
+line, nothing to save. A run already at the step it is asked to reach (``--steps``,
+``run.steps``) says so in one line and exits 0.
 """
 
 import argparse
@@ -28,6 +31,7 @@ import time
 from pathlib import Path
 
 from eqxzoo.errors import EXIT_LOST_PEER, EXIT_OK, UserError, fail, run_command
+from eqxzoo.train.stop_signal import StoppedBeforeFirstStep, stopping_before_first_step
 
 STARTED_AT = time.perf_counter()
 
@@ -93,8 +97,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    return run_command(lambda: run(args))
+    with stopping_before_first_step():
+        try:
+            args = parse_args(argv)
+            return run_command(lambda: run(args))
+        except StoppedBeforeFirstStep:
+            print(StoppedBeforeFirstStep.MESSAGE, flush=True)
+            return EXIT_OK
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,7 +153,10 @@ def run(args: argparse.Namespace) -> int:
 
         # Exit now: the interpreter's exit hooks (jax.distributed.shutdown's barrier) would
         # wait minutes for peers that are gone, stuck, or waiting for this one.
-        if isinstance(error, UserError):
+        if isinstance(error, StoppedBeforeFirstStep):
+            print(StoppedBeforeFirstStep.MESSAGE, flush=True)
+            code = EXIT_OK
+        elif isinstance(error, UserError):
             code = fail(str(error), error.exit_code)
         else:
             code = fail(lost_processes_message(error), EXIT_LOST_PEER)
@@ -152,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         os._exit(code)
     import jax
 
-    if jax.process_index() == 0:
+    if jax.process_index() == 0 and summary.trained:
         losses = f"final loss {summary.final_loss:.4f}" if summary.final_loss is not None else ""
         if summary.val_loss is not None:
             losses += f", validation loss {summary.val_loss:.4f}"

@@ -96,6 +96,24 @@ def choose_kernel(
     return "dense" if kv_seq <= block_size else "blockwise"
 
 
+CUDNN_PLATFORM = "gpu"
+CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+def cudnn_runs(*, dtype=None, platform: str | None = None) -> Literal[True] | str:
+    """True where cuDNN's fused attention runs at all: inputs of ``dtype`` on ``platform``'s
+    devices (either one None: not asked), else the reason it cannot (``"takes ..."``,
+    ``"runs ..."``).
+
+    What a run decides before its first step: the compute dtype in its config, the platform
+    once it has devices. `cudnn_supports` adds what the model's attention must be."""
+    if dtype is not None and jnp.dtype(dtype).name not in CUDNN_DTYPES:
+        return f"takes bfloat16 or float16, not {jnp.dtype(dtype).name}"
+    if platform is not None and platform != CUDNN_PLATFORM:
+        return f"runs only on an NVIDIA GPU, not on {platform}"
+    return True
+
+
 def cudnn_supports(
     *,
     dtype,
@@ -106,8 +124,9 @@ def cudnn_supports(
     positions_are_indices: bool,
 ) -> Literal[True] | str:
     """True where `cudnn_attend` computes the same attention, else the reason it cannot."""
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"it takes bfloat16 or float16, not {jnp.dtype(dtype).name}"
+    runs = cudnn_runs(dtype=dtype)
+    if runs is not True:
+        return f"it {runs}"
     reasons = {
         "a sliding window that is per-layer data": windowed,
         "a logit soft-cap": softcap is not None,

@@ -35,6 +35,7 @@ from typing import Any
 
 from eqxzoo.data.tokenizer import DEFAULT_VOCAB_SIZE, MIN_VOCAB_SIZE
 from eqxzoo.nn.grouped import resolve_implementation
+from eqxzoo.nn.kernels import cudnn_runs
 from eqxzoo.optim import OptimizerConfig
 from eqxzoo.parallel.mesh import (
     MESH_AXES,
@@ -77,6 +78,7 @@ __all__ = [
     "RunConfig",
     "RunSettings",
     "ShardingConfig",
+    "check_kernel_platform",
     "config_from_dict",
     "config_to_dict",
     "config_to_toml",
@@ -226,6 +228,7 @@ class RunConfig:
         self._check_schedule()
         self._check_model_fits_mesh()
         self._check_batch_and_vocab()
+        self._check_attention_kernel()
 
     @property
     def schedule(self) -> Schedule:
@@ -320,6 +323,35 @@ class RunConfig:
                 f"model.vocab_size={self.model.vocab_size}; set data.vocab_size <= "
                 f"{self.model.vocab_size} or model.vocab_size >= {data.vocab_size}",
             )
+
+    def _check_attention_kernel(self) -> None:
+        """``"cudnn"`` needs the compute dtype cuDNN's fused attention takes; the model's own
+        attention is its config's to check, the platform `check_kernel_platform`'s."""
+        if self.model.attention_kernel != "cudnn":
+            return
+        runs = cudnn_runs(dtype=self.precision.compute)
+        if runs is not True:
+            refuse(
+                "model.attention_kernel",
+                f"'cudnn' cannot run with precision.compute = {self.precision.compute!r}: "
+                f"cuDNN's fused attention {runs}, on an NVIDIA GPU; use 'auto', 'blockwise' or "
+                "'dense', or set precision.compute = 'bfloat16'",
+            )
+
+
+def check_kernel_platform(config: RunConfig, platform: str) -> None:
+    """Refuse ``model.attention_kernel = "cudnn"`` on devices of a ``platform`` cuDNN does not
+    run on (``"cpu"``): known only once the run has its devices, and checked then, before
+    anything compiles (the step would otherwise fail while tracing)."""
+    if config.model.attention_kernel != "cudnn":
+        return
+    runs = cudnn_runs(platform=platform)
+    if runs is not True:
+        refuse(
+            "model.attention_kernel",
+            f"'cudnn' cannot run here: cuDNN's fused attention {runs} (with bfloat16 or "
+            "float16 compute); use 'auto', 'blockwise' or 'dense'",
+        )
 
 
 # ----------------------------------------------------------------------------- reading

@@ -10,8 +10,8 @@ A run directory holds ``run.lock`` (see `eqxzoo.run.rundir`), ``config.toml`` (t
 resolved config), ``checkpoints/``, ``tokenizer.json`` and, for a run from a Hugging Face
 checkpoint, ``hf_source/`` (`eqxzoo.run.provenance`), ``metrics.jsonl``, ``tensorboard/``,
 ``loss.png`` and, with ``--profile``, ``profile/``. Before anything is initialised, the run locks its directory,
-checks that a resume is the same run, and compiles the step to check that it fits in memory.
-Whatever a phase opens is closed on every way out.
+checks that a resume is the same run and has steps left to train, and compiles the step to
+check that it fits in memory. Whatever a phase opens is closed on every way out.
 """
 
 import contextlib
@@ -33,7 +33,13 @@ from eqxzoo.data import (
 )
 from eqxzoo.errors import EXIT_STOPPED, UserError
 from eqxzoo.parallel import make_mesh
-from eqxzoo.run.config import RunConfig, config_to_dict, model_config_for_mesh, step_config
+from eqxzoo.run.config import (
+    RunConfig,
+    check_kernel_platform,
+    config_to_dict,
+    model_config_for_mesh,
+    step_config,
+)
 from eqxzoo.run.provenance import (
     check_hf_tokenizer,
     check_run_tokenizer,
@@ -47,7 +53,7 @@ from eqxzoo.run.rundir import (
     write_run_config,
 )
 from eqxzoo.runtime import counts_of_every_process, on_every_process
-from eqxzoo.train.checkpoint import Checkpointer, saves_asynchronously
+from eqxzoo.train.checkpoint import Checkpointer, finished_steps, saves_asynchronously
 from eqxzoo.train.layout import (
     abstract_checkpoint_layout,
     checkpoint_layout,
@@ -108,6 +114,11 @@ class RunSummary:
     val_loss: float | None
     stopped_by_signal: bool
 
+    @property
+    def trained(self) -> bool:
+        """Whether any step ran (not when the run was already at its last step)."""
+        return self.last_step > self.first_step
+
 
 def run_memory_checks(
     step: StepMemory, config: RunConfig, devices: list[jax.Device]
@@ -158,7 +169,8 @@ class _Trainer:
     - ``reports``: the `_StepReports` bookkeeping from one step's report to the next;
     - ``val_loss``: the latest validation loss, None before the first evaluation;
     - ``stopped_by_signal``: whether a stop signal (or the preemption service) ended the
-      run before ``total_steps``.
+      run before ``total_steps``;
+    - ``nothing_to_do``: whether the run was already at ``total_steps`` and ended at once.
     """
 
     def __init__(self, config: RunConfig, options: RunOptions, say: Callable[[str], None]):
@@ -168,6 +180,7 @@ class _Trainer:
         self.say = say if self.is_main else (lambda text: None)
         self.run_dir = options.run_dir
         self.mesh = make_mesh(config.mesh)
+        check_kernel_platform(config, self.mesh.devices.flat[0].platform)
         self.async_save = saves_asynchronously(
             config.checkpoint.async_save, self.mesh.devices.flat[0].platform
         )
@@ -184,10 +197,14 @@ class _Trainer:
             )
         self.val_loss: float | None = None
         self.stopped_by_signal = False
+        self.nothing_to_do = False
 
     def run(self) -> RunSummary:
         with contextlib.ExitStack() as opened:
             self.open_run_dir(opened)
+            at_the_end = self.nothing_left_to_do()
+            if at_the_end is not None:
+                return at_the_end
             self.open_hf_checkpoint()
             self.open_data(opened)
             self.compile_steps()
@@ -218,6 +235,36 @@ class _Trainer:
                 f"process 0 refused --run-dir {self.run_dir} (its error line says why)"
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    def nothing_left_to_do(self) -> RunSummary | None:
+        """When the run is already at ``total_steps``: say so in one line (naming what sets
+        it, ``--steps N`` or ``run.steps = N``) and return the summary of a run that trained
+        nothing; None when there are steps to train.
+
+        The run's step is its newest finished checkpoint's (0 without one), as process 0
+        finds it, known before anything is compiled or read. (Should that checkpoint prove
+        damaged, a restore would fall back to an older one: the run still has a checkpoint
+        at or past the step asked for.)"""
+        directory = self.run_dir / CHECKPOINT_DIR
+        newest = max(finished_steps(directory), default=0) if directory.is_dir() else 0
+        reached = int(counts_of_every_process(np.array([newest]))[0, 0])
+        if reached < self.total_steps:
+            return None
+        stop_after = self.options.stop_after
+        if stop_after is not None and stop_after <= self.config.run.steps:
+            setting = f"--steps {stop_after}"
+        else:
+            setting = f"run.steps = {self.config.run.steps}"
+        self.say(f"the run is at step {reached}; {setting} leaves nothing to do")
+        self.nothing_to_do = True
+        return RunSummary(
+            first_step=reached,
+            last_step=reached,
+            startup_seconds=0.0,
+            final_loss=None,
+            val_loss=None,
+            stopped_by_signal=False,
+        )
 
     def open_hf_checkpoint(self) -> None:
         """A fresh run from ``init_from_hf`` opens its checkpoint now: every tensor's name,
@@ -312,11 +359,14 @@ class _Trainer:
 
     def fresh_state(self) -> TrainState:
         """Step 0: parameters from ``init_from_hf`` (each process reading only its devices'
-        slices) or from the run's seed."""
+        slices, every slice checked for NaN and Inf as it is read: a non-finite weight is
+        refused now, naming its tensor, not at the first save after skipped steps) or from
+        the run's seed."""
         if not self.config.init_from_hf:
             key = jax.random.key(self.config.run.seed)
             return init_train_state(self.make_model, key, config=self.step_config, mesh=self.mesh)
         checkpoint = self.hf_checkpoint or open_hf(self.config.init_from_hf)
+        checkpoint.files.refuse_non_finite = True
         state = init_train_state_from(
             self.make_model, checkpoint.model, config=self.step_config, mesh=self.mesh
         )
@@ -481,9 +531,10 @@ class _Trainer:
             self.state = from_checkpoint_layout(plain, self.target, consume=True)
 
     def plot_at_the_end(self, error_type, error, traceback) -> None:
-        """On process 0, once the run ended well and its metrics are closed, but with the run
-        directory still locked: plot ``metrics.jsonl`` into ``loss.png`` if ``run.plot``."""
-        if error_type is None and self.config.run.plot:
+        """On process 0, once the run trained, ended well and its metrics are closed, but with
+        the run directory still locked: plot ``metrics.jsonl`` into ``loss.png`` if
+        ``run.plot``."""
+        if error_type is None and self.config.run.plot and not self.nothing_to_do:
             plot_losses(
                 self.run_dir / "metrics.jsonl",
                 self.run_dir / LOSS_PLOT_FILE,

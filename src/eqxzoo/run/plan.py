@@ -10,7 +10,12 @@ import jax
 import jax.numpy as jnp
 
 from eqxzoo.parallel import make_mesh
-from eqxzoo.run.config import RunConfig, model_config_for_mesh, step_config
+from eqxzoo.run.config import (
+    RunConfig,
+    check_kernel_platform,
+    model_config_for_mesh,
+    step_config,
+)
 from eqxzoo.run.loop import batch_shape, run_memory_checks
 from eqxzoo.train.memory import StepMemory, format_bytes
 from eqxzoo.train.state import abstract_train_state
@@ -42,6 +47,7 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
     """Print the plan of ``config``'s run; returns its figures (for tests and scripts)."""
     checkpoint = open_hf(config.init_from_hf) if config.init_from_hf else None
     mesh = make_mesh(config.mesh)
+    check_kernel_platform(config, mesh.devices.flat[0].platform)
     config_for_step = step_config(config)
     make_model = model_factory(model_config_for_mesh(config.model, config.mesh))
     target = abstract_train_state(make_model, config=config_for_step, mesh=mesh)

@@ -22,6 +22,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, Sharding
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
+from eqxzoo.errors import UserError
 from eqxzoo.nn import Axes, LanguageModel, logical_axes
 from eqxzoo.optim import OptimizerConfig, build_optimizer, trainable_mask
 from eqxzoo.parallel import (
@@ -32,6 +33,7 @@ from eqxzoo.parallel import (
     staged_axes,
     tree_shardings,
 )
+from eqxzoo.runtime import on_every_process
 from eqxzoo.train.settings import StepConfig
 
 ModelFactory = Callable[..., LanguageModel]
@@ -233,6 +235,11 @@ def init_train_state_from(
     process reads only the shards its devices hold, straight into the staged, sharded
     layout, cast to ``config.precision.params``: no parameter is ever whole on one device
     or host (unless its sharding replicates it).
+
+    A reader may refuse what it reads with a `UserError` (`models.tensor_files` refuses
+    non-finite weights). Each process reads different slices: one that refused stops
+    reading, the others read on, and then every process raises if any refused (its own
+    error, or one saying another process refused) instead of going on to wait for it.
     """
     target = abstract_train_state(make_model, config=config, mesh=mesh)
     axes = train_state_axes(make_model, config=config)
@@ -243,7 +250,7 @@ def init_train_state_from(
     target_paths, target_leaves = zip(*target_pairs, strict=True)
     if source_paths != target_paths:
         raise ValueError("the source model's arrays differ from those of the model the run builds")
-    arrays = []
+    arrays, refusal = [], None
     for source_leaf, goal, leaf_axes in zip(
         source_leaves, target_leaves, jax.tree.leaves(axes.model), strict=True
     ):
@@ -254,7 +261,15 @@ def init_train_state_from(
                 f"a source array has shape {tuple(source_leaf.shape)}; the run's model expects "
                 f"{tuple(plain_shape)}"
             )
-        arrays.append(_load_array(source_leaf, goal, staged))
+        try:
+            arrays.append(_load_array(source_leaf, goal, staged))
+        except UserError as error:
+            refusal = error
+            break
+    if not on_every_process(refusal is None):
+        raise refusal or UserError(
+            "another process refused the weights it read (its error line says why)"
+        )
     model = jax.tree.unflatten(target_tree, arrays)
     shardings = jax.tree.map(lambda leaf: leaf.sharding, target)
 

@@ -1,11 +1,67 @@
-"""SIGTERM (a preemption notice) and SIGINT (Ctrl-C) as a flag the training loop polls."""
+"""SIGTERM (a preemption notice) and SIGINT (Ctrl-C): before the first step, a stop at once
+with nothing to save; from the first step on, a flag the training loop polls.
 
+This module imports no JAX at module level: a command installs `stopping_before_first_step`
+before it imports anything heavy, so that a signal while JAX loads is answered too.
+"""
+
+import contextlib
 import os
 import signal
+import sys
+from collections.abc import Iterator
 from typing import Any
 
-import jax
-from jax.experimental import multihost_utils
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StoppedBeforeFirstStep(BaseException):
+    """SIGTERM or SIGINT arrived before the run's first step (while JAX loaded, the data
+    opened, the step compiled or the state initialised): nothing was trained, so there is
+    nothing to save, and the command ends with `MESSAGE` and exit code 0, as a stop after a
+    step does.
+
+    A `BaseException`, like `KeyboardInterrupt`: code that handles failures (``except
+    Exception``, a restore telling damage from a failure to read) must not take a stop for
+    one of them.
+    """
+
+    MESSAGE = "stopped by a signal before the first step: nothing to save"
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop_now(signum: int, frame: Any) -> None:
+    if signum == signal.SIGINT and _preemption_service():
+        os.kill(os.getpid(), signal.SIGTERM)  # as `StopSignal` passes it on: see below
+        return
+    raise StoppedBeforeFirstStep(signum)
+
+
+@contextlib.contextmanager
+def stopping_before_first_step() -> Iterator[None]:
+    """Within, SIGTERM and SIGINT raise `StoppedBeforeFirstStep` wherever the main thread is,
+    until a `StopSignal` takes them over for the training loop; the handlers found are put
+    back on the way out.
+
+    In a multi-process run, once ``jax.distributed.initialize`` has started JAX's preemption
+    service, a stop is that service's: it owns SIGTERM, SIGINT is passed on to it as a
+    SIGTERM, and it stops every process at one step, the first, saved. A process that left
+    on its own before the others would take their coordination service down with it (or
+    leave them waiting in a collective).
+    """
+    previous = {signum: signal.signal(signum, _stop_now) for signum in SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _default_handler(signum: int) -> Any:
+    return signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
 
 
 class StopSignal:
@@ -17,20 +73,26 @@ class StopSignal:
     (started by ``jax.distributed.initialize``) owns SIGTERM and picks one step at which
     every process stops, so they all save the same step; SIGINT is passed on to it as a
     SIGTERM.
-    """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    It ends `stopping_before_first_step`: the handlers put back on exit are those found,
+    except that a stop at once becomes the interpreter's default (after the loop a stop is
+    no longer "before the first step").
+    """
 
     def __init__(self):
         self.received = False
         self._previous: dict[int, Any] = {}
 
     def __enter__(self):
+        import jax
+
         if jax.process_count() == 1:
-            for signum in self.SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._on_signal)
+            for signum in SIGNALS:
+                self._take_over(signum, self._on_signal)
         else:
-            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._as_sigterm)
+            self._take_over(signal.SIGINT, self._as_sigterm)
+            if signal.getsignal(signal.SIGTERM) is _stop_now and not _preemption_service():
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -38,8 +100,15 @@ class StopSignal:
             signal.signal(signum, previous)
         self._previous = {}
 
+    def _take_over(self, signum: int, handler: Any) -> None:
+        previous = signal.signal(signum, handler)
+        self._previous[signum] = _default_handler(signum) if previous is _stop_now else previous
+
     def should_stop(self, step: int) -> bool:
         """Whether to save and stop after ``step``."""
+        import jax
+        from jax.experimental import multihost_utils
+
         if jax.process_count() == 1:
             return self.received
         try:
@@ -54,3 +123,11 @@ class StopSignal:
         """Ctrl-C in a multi-process run: a SIGTERM to this process, which the preemption
         service turns into a stop at a step every process agrees on."""
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _preemption_service() -> bool:
+    """Whether JAX's preemption service runs (its own SIGTERM handler replaced Python's);
+    never imports JAX (a signal may arrive while it loads)."""
+    distributed = sys.modules.get("jax._src.distributed")
+    global_state = getattr(distributed, "global_state", None)
+    return getattr(global_state, "preemption_sync_manager", None) is not None

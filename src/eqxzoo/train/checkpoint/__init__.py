@@ -13,9 +13,12 @@ Restoring walks back from the newest checkpoint, telling damage from a failure t
 (`damage`): a damaged one (arrays or data state that do not match their checksums, a file
 truncated or deleted, its metadata missing) is moved aside to ``damaged-STEP``, reported in
 one line, and the one before is tried; any other failure (an I/O error, a permission,
-memory) stops the restore in one line and moves or deletes nothing. The run never deletes a
-checkpoint: ``keep`` only removes the oldest. orbax writes a step under a temporary name and
-renames it when complete, so a save killed half-way is never listed as a checkpoint.
+memory) stops the restore in one line and moves or deletes nothing, and so does a checkpoint
+whose arrays are not those of the state restored into it (`check_shapes`: a config or code
+that builds another model, named by an array and both shapes, not in orbax's words). The
+run never deletes a checkpoint: ``keep`` only removes the oldest. orbax writes a step under a
+temporary name and renames it when complete, so a save killed half-way is never listed as a
+checkpoint.
 
 A save that cannot be written (no space left, a quota, an I/O error) is one
 `CheckpointError` naming the step, the cause and the newest good checkpoint, raised once the
@@ -34,6 +37,7 @@ from eqxzoo.train.checkpoint.data_state import DataStateHandler
 from eqxzoo.train.checkpoint.errors import (
     CheckpointDamaged,
     CheckpointError,
+    CheckpointMismatch,
     CheckpointUnreadable,
     CheckpointWarning,
 )
@@ -47,6 +51,7 @@ from eqxzoo.train.checkpoint.manager import (
     Damaged,
     Restored,
     check_complete,
+    check_shapes,
     finished_steps,
     saves_asynchronously,
 )
@@ -62,6 +67,7 @@ __all__ = [
     "TMP_SUFFIX",
     "CheckpointDamaged",
     "CheckpointError",
+    "CheckpointMismatch",
     "CheckpointUnreadable",
     "CheckpointWarning",
     "Checkpointer",
@@ -70,6 +76,7 @@ __all__ = [
     "Inspection",
     "Restored",
     "check_complete",
+    "check_shapes",
     "finished_steps",
     "inspect_arrays",
     "saves_asynchronously",

@@ -16,5 +16,11 @@ class CheckpointUnreadable(CheckpointError):
     memory, a bug): it may be good, so nothing is moved or deleted."""
 
 
+class CheckpointMismatch(CheckpointError):
+    """A checkpoint holds other arrays, or arrays of other shapes, than the state restored
+    into it: the config (or the code) builds another model than the one saved. The
+    checkpoint is not damaged, so nothing is moved or deleted."""
+
+
 class CheckpointWarning(UserWarning):
     """A damaged checkpoint was moved aside in favour of an older one."""

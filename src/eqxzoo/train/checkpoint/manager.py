@@ -31,6 +31,7 @@ from eqxzoo.train.checkpoint.data_state import DataStateHandler, DataStateRestor
 from eqxzoo.train.checkpoint.errors import (
     CheckpointDamaged,
     CheckpointError,
+    CheckpointMismatch,
     CheckpointUnreadable,
     CheckpointWarning,
 )
@@ -195,10 +196,11 @@ class Checkpointer:
 
         A damaged checkpoint (`eqxzoo.train.checkpoint.damage`) is moved aside to
         ``damaged-STEP`` with a `CheckpointWarning` (listed in `Restored.damaged`) and the one
-        before it is tried. A checkpoint that cannot be read for any other reason stops the
-        restore with `CheckpointUnreadable` naming the step, the file and the error, moving
-        and deleting nothing. Returns None when there is no checkpoint; raises
-        `CheckpointError` when every one is damaged.
+        before it is tried. A checkpoint whose arrays are not those of ``abstract_state``
+        (names or shapes) stops the restore with `CheckpointMismatch` naming an array and both
+        shapes, and one that cannot be read for any other reason with `CheckpointUnreadable`
+        naming the step, the file and the error; both move and delete nothing. Returns None
+        when there is no checkpoint; raises `CheckpointError` when every one is damaged.
         """
         self.wait()
         self._manager.reload()
@@ -214,6 +216,8 @@ class Checkpointer:
             outcome = READ if failure is None else DAMAGED if is_damage(failure) else UNREADABLE
             worst = max(counts_of_every_process(np.array([outcome]))[:, 0])
             if worst == UNREADABLE:
+                if isinstance(failure, CheckpointMismatch):
+                    raise failure
                 if outcome == UNREADABLE:
                     raise _unreadable(step, failure) from failure
                 raise _unreadable(step, RuntimeError("it could not be read on another process"))
@@ -347,9 +351,13 @@ class Checkpointer:
         restored = {}
         for item, target in targets.items():
             try:
+                if item == "state":
+                    check_shapes(step, step_directory / item, abstract_state)
                 restored[item] = self._manager.restore(
                     step, args=ocp.args.Composite(**{item: target})
                 )[item]
+            except CheckpointMismatch:
+                raise
             except Exception as error:
                 kind = CheckpointDamaged if is_damage(error) else CheckpointError
                 raise kind(f"{item}: {short_reason(error)}") from error
@@ -359,6 +367,38 @@ class Checkpointer:
         verify_data_state(restored["data"], meta.pop(DATA_CHECKSUM, None))
         verify_arrays(restored["state"], meta.pop(CHECKSUMS, None))
         return restored["state"], restored["data"], meta
+
+
+def check_shapes(step: int, state_directory: epath.Path, abstract_state: PyTree) -> None:
+    """Raise `CheckpointMismatch` unless the state item in ``state_directory`` (read from its
+    metadata, no array data) holds exactly the arrays of ``abstract_state``, shape for shape.
+
+    orbax would refuse such a restore too, in its own terms (``Requested shape ... is not
+    compatible with the stored shape``, or tree structures that "do not match") and naming
+    no array; here the message names the first array that differs, by its path in the
+    state, with both shapes.
+    """
+    stored = _shapes(ocp.StandardCheckpointHandler().metadata(state_directory).tree)
+    wanted = _shapes(abstract_state)
+    differences = [
+        f"it has no {'.'.join(key)}, which the state to restore has (shape {shape})"
+        if key not in stored
+        else f"it holds {'.'.join(key)} with shape {stored[key]}, where the state to restore "
+        f"has {shape}"
+        for key, shape in wanted.items()
+        if stored.get(key) != shape
+    ] + [
+        f"it holds {'.'.join(key)} (shape {shape}), which the state to restore does not have"
+        for key, shape in stored.items()
+        if key not in wanted
+    ]
+    if differences:
+        more = f" (and {len(differences) - 1} more)" if len(differences) > 1 else ""
+        raise CheckpointMismatch(
+            f"the checkpoint of step {step} does not fit this run's model: {differences[0]}"
+            f"{more}. The config (or the code) builds another model than the one saved: use "
+            "the run's own config or start a new --run-dir; nothing was moved or deleted"
+        )
 
 
 def finished_steps(directory: epath.Path | os.PathLike) -> list[int]:
@@ -400,6 +440,12 @@ def check_complete(step_directory: epath.Path) -> None:
 
 
 # --- helpers -----------------------------------------------------------------------------
+
+
+def _shapes(tree: PyTree) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Each array's shape by its path, as orbax names the arrays of a saved tree (so that a
+    state and the metadata of its checkpoint have the same keys)."""
+    return {key: tuple(leaf.shape) for key, leaf in ocp.tree.to_flat_dict(tree).items()}
 
 
 def _unreadable(step: int, error: BaseException) -> CheckpointUnreadable:
