@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from eqxzoo.errors import UserError, run_command
+from pipelines.cli import absolute_path
 
 DTYPES = ("bfloat16", "float32")
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -97,7 +98,9 @@ def export(args: argparse.Namespace) -> int:
 
     if not args.run_dir:
         raise UserError("RUN_DIR is empty (an unset variable?): give a pipelines.run directory")
-    run_dir, out = Path(args.run_dir), Path(args.out)
+    if not args.out:
+        raise UserError("--out is empty (an unset variable?): give a directory to write")
+    run_dir, out = absolute_path(args.run_dir), absolute_path(args.out)
     if not (args.max_shard_size > 0 and math.isfinite(args.max_shard_size)):
         raise UserError(f"--max-shard-size must be a number of GB > 0, got {args.max_shard_size}")
     config = read_run_config(run_dir, args.step)

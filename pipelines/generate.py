@@ -15,9 +15,9 @@ allocates must fit the memory of the device it runs on.
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 
 from eqxzoo.errors import ConfigError, UserError, run_command
+from pipelines.cli import absolute_path
 
 SEED_BOUNDS = (-(2**63), 2**63 - 1)  # what jax.random.key takes
 MAX_CACHE_POSITIONS = 2**31 - 1  # the KV cache's position counter is int32
@@ -134,7 +134,7 @@ def generate_from_run(args: argparse.Namespace) -> int:
     text = prompt_text(args.prompt)
     from eqxzoo.run.rundir import CHECKPOINT_DIR, read_run_config
 
-    run_dir = Path(args.run_dir)
+    run_dir = absolute_path(args.run_dir)
     config = read_run_config(run_dir)
 
     import jax

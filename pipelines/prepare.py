@@ -31,6 +31,7 @@ from eqxzoo.data.prepare import (
 from eqxzoo.data.tokenizer import DEFAULT_VOCAB_SIZE
 from eqxzoo.errors import EXIT_OK, run_command
 from eqxzoo.progress import terminal_console
+from pipelines.cli import absolute_path
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -65,7 +66,7 @@ def options_from_args(args: argparse.Namespace) -> PrepareOptions:
         raise DataError("give either --tokenizer or --vocab-size, not both")
     return PrepareOptions(
         vocab_size=DEFAULT_VOCAB_SIZE if args.vocab_size is None else args.vocab_size,
-        tokenizer_file=args.tokenizer,
+        tokenizer_file=None if args.tokenizer is None else absolute_path(args.tokenizer),
         text_field=args.text_field,
         val_fraction=args.val_fraction,
         records_per_shard=args.records_per_shard,
@@ -148,8 +149,8 @@ def prepare(args: argparse.Namespace) -> int:
         raise DataError("--out is empty (an unset variable?): give the output directory")
     with PhaseProgress(sys.stdout) as progress:
         result = prepare_corpus(
-            [Path(path) for path in args.inputs],
-            Path(args.out),
+            [absolute_path(path) for path in args.inputs],
+            absolute_path(args.out),
             options_from_args(args),
             include_stdlib=args.stdlib,
             progress=progress,

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from eqxzoo.errors import EXIT_LOST_PEER, EXIT_OK, UserError, fail, run_command
 from eqxzoo.train.stop_signal import StoppedBeforeFirstStep, stopping_before_first_step
+from pipelines.cli import absolute_path
 
 STARTED_AT = time.perf_counter()
 
@@ -49,11 +50,11 @@ def parse_profile(text: str) -> tuple[int, int]:
 
 
 def non_empty_path(text: str) -> Path:
-    """A path argument; an empty one (an unset shell variable) is refused, not the current
-    directory."""
+    """A path argument, absolute (`pipelines.cli.absolute_path`); an empty one (an unset shell
+    variable) is refused, not the current directory."""
     if not text:
         raise argparse.ArgumentTypeError("must not be empty")
-    return Path(text)
+    return absolute_path(text)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
     from eqxzoo.run.loop import RunOptions, train
 
-    run_dir = args.run_dir or Path("runs") / config.run.name
+    run_dir = args.run_dir or absolute_path(Path("runs") / config.run.name)
     try:
         if args.dry_run:
             from eqxzoo.run.plan import dry_run

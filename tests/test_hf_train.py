@@ -414,6 +414,19 @@ def test_export_never_writes_among_the_runs_files(exported_run: Path, tmp_path: 
     )
 
 
+def test_export_takes_relative_paths_through_symlinks_and_home(
+    exported_run: Path, tmp_path: Path, monkeypatch, capsys
+):
+    """README's ``pipelines.export runs/tiny --out runs/tiny-hf``, with a link and ``~``."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    Path("runs").mkdir()
+    Path("runs/linked").symlink_to(exported_run)
+    assert export.main(["runs/linked", "--out", "~/hf"]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.startswith(f"exported step 5 of {exported_run} to ")
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "home" / "hf")
+
+
 def test_an_export_needs_the_runs_tokenizer(exported_run: Path, tmp_path: Path, capsys):
     """A run that kept no tokenizer (older runs) exports its data's; with neither, nothing."""
     run_dir = tmp_path / "run"

@@ -31,6 +31,7 @@ names the key (``mesh.dp: expected int, got 'two'``).
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from eqxzoo.data.tokenizer import DEFAULT_VOCAB_SIZE, MIN_VOCAB_SIZE
@@ -363,10 +364,16 @@ SECTIONS: dict[str, type] = {
 }
 
 
+# The config's paths (``section.key``), each made absolute as a config is read.
+PATH_KEYS = ("data.path", "model.init_from_hf", "run.compilation_cache_dir")
+
+
 def config_from_dict(document: Mapping[str, Any]) -> RunConfig:
-    """A validated `RunConfig` from a parsed TOML (or JSON) document, as `config_to_dict` writes."""
+    """A validated `RunConfig` from a parsed TOML (or JSON) document, as `config_to_dict`
+    writes, with its paths absolute (`with_absolute_paths`)."""
     if not isinstance(document, Mapping):
         raise ConfigError(f"config: must be a table of sections, got {type(document).__name__}")
+    document = with_absolute_paths(document)
     for name in document:
         if name not in SECTIONS:
             refuse(str(name), f"unknown section; valid sections are {sorted(SECTIONS)}")
@@ -389,6 +396,24 @@ def config_from_dict(document: Mapping[str, Any]) -> RunConfig:
         else:
             sections[name] = build_dataclass(cls, table, name)
     return RunConfig(**sections)
+
+
+def with_absolute_paths(document: Mapping[str, Any]) -> dict[str, Any]:
+    """``document`` with each of `PATH_KEYS` that holds a path (not ``""``, not the built-in
+    ``"stdlib"`` corpus) made absolute: ``~`` expanded, relative to the working directory,
+    through symlinks. Read once here, a config's paths mean the same to every part of a run
+    (orbax takes only absolute ones) and to a later command run from elsewhere."""
+    document = {
+        name: dict(table) if isinstance(table, Mapping) else table
+        for name, table in document.items()
+    }
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        table = document.get(section)
+        value = table.get(name) if isinstance(table, Mapping) else None
+        if isinstance(value, str) and value.strip() and value != STDLIB_DATA:
+            table[name] = str(Path(value).expanduser().resolve())
+    return document
 
 
 def _model_section(table: Any) -> tuple[DecoderConfig, str]:

@@ -77,8 +77,13 @@ class SavedArray:
 def saved_arrays(step_directory: epath.Path | os.PathLike) -> dict[str, SavedArray]:
     """``{name: SavedArray}`` for every array of the step's ``state`` item.
 
-    Raises `CheckpointError` if the step is incomplete or its metadata unreadable."""
-    step_directory = epath.Path(step_directory)
+    Raises `CheckpointError` if the path names no directory (the path is the problem, not
+    the checkpoint), the step is incomplete or its metadata unreadable. A relative path is
+    taken from the working directory (orbax reads only absolute ones)."""
+    step_directory = epath.Path(os.path.abspath(os.fspath(step_directory)))
+    if not step_directory.is_dir():
+        what = "is not a directory" if step_directory.exists() else "does not exist"
+        raise CheckpointError(f"{step_directory} {what}: no checkpoint step there")
     check_complete(step_directory)
     item = step_directory / STATE_ITEM
     try:
