@@ -7,12 +7,14 @@ config's `PATH_KEYS`). README's own commands, relative paths and all, run verbat
 import json
 from pathlib import Path
 
+import jax
 import pytest
 
 from eqxzoo.data.manifest import TOKENIZER_FILE
 from eqxzoo.data.tokenizer import train_byte_level_bpe
 from eqxzoo.run.config import config_from_dict, config_to_dict, load_config
 from eqxzoo.run.rundir import CHECKPOINT_DIR
+from eqxzoo.runtime import enable_compilation_cache
 from eqxzoo.train.checkpoint import CheckpointError
 from eqxzoo.train.saved_arrays import saved_arrays
 from pipelines.generate import main as generate_main
@@ -32,13 +34,16 @@ def home(tmp_path: Path, monkeypatch) -> Path:
 def test_the_configs_paths_are_absolute(home: Path, tmp_path: Path):
     (tmp_path / "data").mkdir()
     (tmp_path / "work" / "corpus").symlink_to(tmp_path / "data")
-    document = {
-        "data": {"path": "corpus"},
-        "run": {"compilation_cache_dir": "~/cache"},
-    }
+    document = {"data": {"path": "corpus"}}
     config = config_from_dict(document)
     assert config.data.path == str(tmp_path / "data"), "relative, through the symlink"
-    assert config.run.compilation_cache_dir == str(home / "cache")
+    settings = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    previous = {name: getattr(jax.config, name) for name in settings}
+    try:
+        assert enable_compilation_cache("cache") == tmp_path / "work" / "cache"
+    finally:
+        for name, value in previous.items():
+            jax.config.update(name, value)
     assert config_to_dict(config)["data"]["path"] == str(tmp_path / "data")
     assert config_from_dict({"data": {"path": "stdlib"}}).data.path == "stdlib"
     toml = tmp_path / "work" / "run.toml"

@@ -29,7 +29,7 @@ def enable_compilation_cache(directory: str) -> Path | None:
     same config loads its executables instead of compiling them."""
     if not directory:
         return None
-    path = Path(directory).expanduser()
+    path = Path(directory).expanduser().resolve()
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

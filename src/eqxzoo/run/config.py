@@ -364,8 +364,9 @@ SECTIONS: dict[str, type] = {
 }
 
 
-# The config's paths (``section.key``), each made absolute as a config is read.
-PATH_KEYS = ("data.path", "model.init_from_hf", "run.compilation_cache_dir")
+# The config's paths (``section.key``), each made absolute as a config is read
+# (``run.compilation_cache_dir``, whose default is under ``~``, where it is used).
+PATH_KEYS = ("data.path", "model.init_from_hf")
 
 
 def config_from_dict(document: Mapping[str, Any]) -> RunConfig:
