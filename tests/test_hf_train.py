@@ -148,6 +148,8 @@ def test_hf_to_sharded_state_to_export_is_bitwise(case: str, tmp_path: Path):
     assert exported_config == source_config, "the source's own config.json, every field"
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert type(model).__name__ == HF_CASES[case][0]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert tokenizer.decode(tokenizer("def main()")["input_ids"]) == "def main()"
 
 
 def test_loading_reads_only_the_slices_of_this_process(tmp_path: Path):
