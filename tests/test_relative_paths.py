@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from hf_models import hf_config
 
 from eqxzoo.data.manifest import TOKENIZER_FILE
 from eqxzoo.data.tokenizer import train_byte_level_bpe
@@ -46,6 +47,12 @@ def test_the_configs_paths_are_absolute(home: Path, tmp_path: Path):
             jax.config.update(name, value)
     assert config_to_dict(config)["data"]["path"] == str(tmp_path / "data")
     assert config_from_dict({"data": {"path": "stdlib"}}).data.path == "stdlib"
+    transformers = pytest.importorskip("transformers")
+    llama = hf_config("LlamaForCausalLM", vocab_size=320, hidden_size=32, num_attention_heads=4)
+    llama.save_pretrained(home / "llama")
+    from_hf = config_from_dict({"model": {"init_from_hf": "~/llama"}, "data": {"vocab_size": 300}})
+    assert from_hf.init_from_hf == str(home / "llama")
+    assert transformers.AutoConfig.from_pretrained(from_hf.init_from_hf).vocab_size == 320
     toml = tmp_path / "work" / "run.toml"
     toml.write_text('[data]\npath = "../data"\n')
     assert load_config("run.toml").data.path == str(tmp_path / "data")
