@@ -1,0 +1,71 @@
+"""The backward pass cut in two (`eqxzoo.parallel.backward_split`), on one layer of the zoo's
+families: B (the input cotangent) and W (the weight gradients, from B's stash alone) give
+the pullback's values, and between them do exactly its matrix work, where the vjp with
+respect to the weights alone repeats all of it.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from eqxzoo.parallel.backward_split import BackwardSplit, matmul_flops
+from models import registry
+
+# Every kind of weight: dense attention and SwiGLU (llama), norms with weights and
+# soft-caps (gemma2), LayerNorm and biases (gpt2), sinks, biases and experts with biases
+# (gpt_oss), routed and gated shared experts (qwen_moe), latent attention and grouped
+# routing with its balancing bias, a buffer (deepseek_v3).
+FAMILIES = ["llama", "gemma2", "gpt2", "gpt_oss", "qwen_moe", "deepseek_v3"]
+
+
+def one_layer(family: str):
+    """The first pipelined layer of ``family``'s tiny model as ``layer(weights, h)``, its
+    float weights, and an input ``h``."""
+    config = registry.tiny_config(family)
+    layers = models.DecoderLM(config, key=jax.random.key(0)).blocks.layers
+    weights, rest = eqx.partition(layers, eqx.is_inexact_array)
+    weights = jax.tree.map(lambda leaf: leaf[0], weights)
+    rest = jax.tree.map(lambda leaf: leaf[0] if eqx.is_array(leaf) else leaf, rest)
+    h = jax.random.normal(jax.random.key(1), (2, 8, config.d_model))
+    return (lambda w, x: eqx.combine(w, rest)(x)), weights, h
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_b_and_w_split_the_backward_without_repeating_it(family, assert_trees_close):
+    layer, weights, h = one_layer(family)
+    outputs = jax.eval_shape(layer, weights, h)
+    cotangent = jax.tree.map(
+        lambda s: jax.random.normal(jax.random.key(2), s.shape, s.dtype), outputs
+    )
+    figures = {}
+
+    @jax.jit
+    def split_backward(weights, h, cotangent):
+        split, residuals, cotangent_leaves = BackwardSplit.of(layer, weights, h, cotangent)
+        d_h, stash = split.input_grad(residuals, cotangent_leaves)
+        # W runs elsewhere: it rebuilds the same cut from shapes (on placeholder inputs)
+        # and reads every value from the stash.
+        placeholder = jax.tree.map(jnp.zeros_like, (weights, h))
+        rebuilt, _, _ = BackwardSplit.of(layer, *placeholder, cotangent)
+        assert rebuilt.stash_shapes == split.stash_shapes
+        full = jax.make_jaxpr(jax.vjp(layer, weights, h)[1])(cotangent).jaxpr
+        weights_alone = jax.vjp(lambda w: layer(w, h), weights)[1]
+        figures.update(
+            full=matmul_flops(full.eqns),
+            b=matmul_flops(split.b_eqns),
+            w=matmul_flops(split.w_eqns),
+            weights_alone=matmul_flops(jax.make_jaxpr(weights_alone)(cotangent).jaxpr.eqns),
+        )
+        return d_h, rebuilt.weight_grad(stash)
+
+    d_h, d_weights = split_backward(weights, h, cotangent)
+    expected_d_weights, expected_d_h = jax.vjp(layer, weights, h)[1](cotangent)
+    assert_trees_close((d_h, d_weights), (expected_d_h, expected_d_weights), atol=1e-6)
+    assert figures["b"] + figures["w"] == figures["full"], figures
+    assert figures["b"] > 0 and figures["w"] > 0, figures
+    # The vjp with respect to the weights alone carries the cotangent back again.
+    assert figures["weights_alone"] == figures["full"] > figures["w"], figures
+    np.testing.assert_array_less(0.3 * figures["full"], figures["w"])
