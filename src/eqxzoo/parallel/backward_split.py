@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core
 from jaxtyping import Array, PyTree
 
@@ -52,15 +53,24 @@ class BackwardSplit:
         """The split of ``fn``'s backward at ``(weights, x)``, with the pullback's residuals
         and the cotangent's leaves (the values B evaluates on)."""
         _, pullback = jax.vjp(fn, weights, x)
+        return cls.of_pullback(pullback, weights, x, cotangent)
+
+    @classmethod
+    def of_pullback(
+        cls, pullback: Callable, weights: PyTree, x: PyTree, cotangent: PyTree
+    ) -> tuple["BackwardSplit", list[Array], list[Array]]:
+        """`of` for the ``pullback`` of ``jax.vjp(fn, weights, x)`` (only the structures of
+        ``weights`` and ``x`` are read)."""
         closed = jax.make_jaxpr(pullback)(cotangent)
-        jaxpr = closed.jaxpr
+        eqns, outvars = _inlined(closed.jaxpr)
+        jaxpr = closed.jaxpr.replace(eqns=eqns, outvars=outvars)
         weight_tree = jax.tree.structure(weights)
         n_weight_leaves = weight_tree.num_leaves
         input_vars = jaxpr.outvars[n_weight_leaves:]
         weight_vars = jaxpr.outvars[:n_weight_leaves]
-        b_eqns = _needed(jaxpr.eqns, input_vars, stop=frozenset())
+        b_eqns = _needed(eqns, input_vars, stop=frozenset())
         b_defined = frozenset(v for eqn in b_eqns for v in eqn.outvars)
-        w_eqns = _needed(jaxpr.eqns, weight_vars, stop=b_defined, skip=frozenset(map(id, b_eqns)))
+        w_eqns = _needed(eqns, weight_vars, stop=b_defined, skip=frozenset(map(id, b_eqns)))
         w_defined = frozenset(v for eqn in w_eqns for v in eqn.outvars)
         stash = _ordered_unique(
             v
@@ -98,6 +108,52 @@ class BackwardSplit:
     @property
     def stash_shapes(self) -> list[jax.ShapeDtypeStruct]:
         return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self.stash]
+
+
+# Equations that only call a jaxpr: their bodies are cut, not the calls (a rematerialised
+# layer's whole backward is one ``remat2`` equation; ``jax.jit``-ed helpers are ``pjit``).
+CALLS = {"pjit": "jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr", "closed_call": "call_jaxpr"}
+
+
+def _inlined(jaxpr: core.Jaxpr) -> tuple[list, list]:
+    """``jaxpr``'s equations with every call of `CALLS` (without constants) replaced by the
+    equations of its body, renamed apart; and its outputs under the same renaming."""
+    renamed: dict = {}
+
+    def read(atom):
+        return renamed.get(atom, atom) if isinstance(atom, core.Var) else atom
+
+    flat: list = []
+
+    def walk(eqns, fresh: bool) -> None:
+        for eqn in eqns:
+            invars = [read(v) for v in eqn.invars]
+            body = eqn.params.get(CALLS.get(eqn.primitive.name, ""))
+            if isinstance(body, core.ClosedJaxpr) and not body.consts:
+                body = body.jaxpr
+            if not isinstance(body, core.Jaxpr) or body.constvars:
+                outvars = eqn.outvars
+                if fresh:
+                    outvars = [_fresh(v, renamed) for v in eqn.outvars]
+                flat.append(eqn.replace(invars=invars, outvars=outvars))
+                continue
+            renamed.update(zip(body.invars, invars, strict=True))
+            walk(body.eqns, fresh=True)
+            for outer, inner in zip(eqn.outvars, body.outvars, strict=True):
+                if not isinstance(outer, core.DropVar):
+                    renamed[outer] = read(inner)
+
+    walk(jaxpr.eqns, fresh=False)
+    return flat, [read(v) for v in jaxpr.outvars]
+
+
+def _fresh(var, renamed: dict):
+    """A new variable for ``var`` of an inlined body (a body inlined twice, such as one
+    ``jax.jit``-ed helper called twice, must not share variables)."""
+    if isinstance(var, core.DropVar):
+        return var
+    renamed[var] = core.Var(var.aval)
+    return renamed[var]
 
 
 def _needed(eqns, wanted, *, stop: frozenset, skip: frozenset = frozenset()) -> list:
@@ -182,3 +238,109 @@ def _product(sizes) -> int:
     for size in sizes:
         total *= int(size)
     return total
+
+
+# --- a stage of stacked layers, split -------------------------------------------------------
+
+LayerFn = Callable[[PyTree, PyTree, Array], tuple[Array, dict[str, Array]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerResiduals:
+    """Which leaves of one layer's pullback are residuals (kept per layer between the
+    forward and B) and which are the layer's weights (read from the weights instead)."""
+
+    tree: Any
+    weight_of_leaf: tuple[int | None, ...]
+
+    @classmethod
+    def of(cls, layer_fn: LayerFn, weights: PyTree, data: PyTree, h: Array) -> "LayerResiduals":
+        """The layout as traced here, on one layer's ``weights`` and ``data`` (dead code)."""
+        _, pullback = jax.vjp(lambda w, x: layer_fn(w, data, x), weights, h)
+        weight_leaves = jax.tree.leaves(weights)
+        weight_of_leaf = tuple(
+            next((i for i, w in enumerate(weight_leaves) if leaf is w), None)
+            for leaf in jax.tree.leaves(pullback)
+        )
+        return cls(jax.tree.structure(pullback), weight_of_leaf)
+
+    def residuals(self, pullback: Callable) -> list[Array]:
+        leaves = jax.tree.leaves(pullback)
+        return [leaf for leaf, w in zip(leaves, self.weight_of_leaf, strict=True) if w is None]
+
+    def pullback(self, weights: PyTree, residuals: Sequence[Array]) -> Callable:
+        stored, weight_leaves = iter(residuals), jax.tree.leaves(weights)
+        leaves = [next(stored) if w is None else weight_leaves[w] for w in self.weight_of_leaf]
+        return jax.tree.unflatten(self.tree, leaves)
+
+
+def stage_forward(
+    layer_fn: LayerFn, layout: LayerResiduals, weights: PyTree, data: PyTree, h: Array
+) -> tuple[tuple[Array, dict[str, Array]], list[Array]]:
+    """The stage's layers (stacked on a leading axis) applied in order: ``(h, aux)`` as
+    `eqxzoo.nn.apply_layers` gives it, and every layer's pullback residuals, stacked."""
+
+    def body(h, layer):
+        w, d = layer
+        (h, aux), pullback = jax.vjp(lambda w, x: layer_fn(w, d, x), w, h)
+        return h, (aux, layout.residuals(pullback))
+
+    h, (aux, residuals) = jax.lax.scan(body, h, (weights, data))
+    return (h, aux), residuals
+
+
+def stage_input_grad(
+    layer_fn: LayerFn,
+    layout: LayerResiduals,
+    weights: PyTree,
+    data: PyTree,
+    residuals: Sequence[Array],
+    h_grad: Array,
+    aux_grad: dict[str, Array],
+) -> tuple[Array, list[Array]]:
+    """B of the stage: the cotangent of its input from its output's (``h_grad``, and
+    ``aux_grad`` for every layer's aux values), layer by layer from the last; and W's stash,
+    stacked over layers."""
+
+    def body(h_grad, layer):
+        w, d, stored = layer
+        pullback = layout.pullback(w, stored)
+        cotangent = (h_grad, aux_grad)
+        split, consts, leaves = BackwardSplit.of_pullback(pullback, w, h_grad, cotangent)
+        d_h, stash = split.input_grad(consts, leaves)
+        return d_h, stash
+
+    return jax.lax.scan(body, h_grad, (weights, data, list(residuals)), reverse=True)
+
+
+def stage_weight_grad(
+    layer_fn: LayerFn,
+    weights: PyTree,
+    data: PyTree,
+    stash: Sequence[Array],
+    h_grad: Array,
+    aux_grad: dict[str, Array],
+) -> PyTree:
+    """W of the stage: every layer's weight gradients from B's stash, stacked like
+    ``weights``. The cut is rebuilt from shapes (``h_grad`` and ``aux_grad`` give the
+    cotangent's; their values, and the placeholder layer traced for the cut, are dead code)."""
+
+    def body(_, layer):
+        w, d, stored = layer
+        split, _, _ = BackwardSplit.of(
+            lambda w, x: layer_fn(w, d, x), w, jnp.zeros_like(h_grad), (h_grad, aux_grad)
+        )
+        return None, split.weight_grad(stored)
+
+    _, grads = jax.lax.scan(body, None, (weights, data, list(stash)))
+    return grads
+
+
+def stage_stash_shapes(
+    layer_fn: LayerFn, weights: PyTree, data: PyTree, h_grad: Array, aux_grad: dict[str, Array]
+) -> list[jax.ShapeDtypeStruct]:
+    """The shapes of one layer's share of W's stash (traced here, dead code)."""
+    split, _, _ = BackwardSplit.of(
+        lambda w, x: layer_fn(w, data, x), weights, jnp.zeros_like(h_grad), (h_grad, aux_grad)
+    )
+    return split.stash_shapes
