@@ -11,8 +11,16 @@ import numpy as np
 import pytest
 
 import models
+from eqxzoo.nn import apply_layers
 from eqxzoo.nn.stack import remat
-from eqxzoo.parallel.backward_split import BackwardSplit, matmul_flops
+from eqxzoo.parallel.backward_split import (
+    BackwardSplit,
+    LayerResiduals,
+    matmul_flops,
+    stage_forward,
+    stage_input_grad,
+    stage_weight_grad,
+)
 from models import registry
 
 # Every kind of weight: attention, SwiGLU and norms with weights (llama, here rematerialised
@@ -72,3 +80,40 @@ def test_b_and_w_split_the_backward_without_repeating_it(case, assert_trees_clos
     # The vjp with respect to the weights alone carries the cotangent back again.
     assert figures["weights_alone"] == figures["full"] > figures["w"], figures
     np.testing.assert_array_less(0.3 * figures["full"], figures["w"])
+
+
+def test_a_stage_split_layer_by_layer_equals_its_vjp(assert_trees_close):
+    """A stage of two stacked MoE layers: the forward keeping each layer's residuals, B from
+    the last layer to the first, then W from B's stash, give `apply_layers`' vjp."""
+    config = registry.tiny_config("qwen_moe")
+    layers = models.DecoderLM(config, key=jax.random.key(0)).blocks.layers
+    arrays, static = eqx.partition(layers, eqx.is_array)
+    weights, data = eqx.partition(arrays, eqx.is_inexact_array)
+
+    def layer_fn(w, d, h):
+        return eqx.combine(w, d, static)(h)
+
+    h = jax.random.normal(jax.random.key(1), (2, 8, config.d_model))
+    outputs, pullback = jax.vjp(
+        lambda w, x: apply_layers(eqx.combine(w, data, static), x), weights, h
+    )
+    h_grad = jax.random.normal(jax.random.key(2), h.shape)
+    # Every layer's aux values get the same cotangent, as a pipeline's aux loss gives them.
+    one_aux_grad = jax.tree.map(lambda s: jnp.full(s.shape[1:], 0.1, s.dtype), outputs[1])
+    aux_grads = jax.tree.map(lambda g, s: jnp.broadcast_to(g, s.shape), one_aux_grad, outputs[1])
+    expected_d_weights, expected_d_h = pullback((h_grad, aux_grads))
+
+    @jax.jit
+    def split(weights, h):
+        one = jax.tree.map(lambda leaf: leaf[0], (weights, data))
+        layout = LayerResiduals.of(layer_fn, *one, h)
+        (h_out, aux), residuals = stage_forward(layer_fn, layout, weights, data, h)
+        d_h, stash = stage_input_grad(
+            layer_fn, layout, weights, data, residuals, h_grad, one_aux_grad
+        )
+        d_weights = stage_weight_grad(layer_fn, weights, data, stash, h_grad, one_aux_grad)
+        return (h_out, aux), d_h, d_weights
+
+    (h_out, aux), d_h, d_weights = split(weights, h)
+    assert_trees_close((h_out, aux), outputs)
+    assert_trees_close((d_h, d_weights), (expected_d_h, expected_d_weights), atol=1e-6)

@@ -334,13 +334,3 @@ def stage_weight_grad(
 
     _, grads = jax.lax.scan(body, None, (weights, data, list(stash)))
     return grads
-
-
-def stage_stash_shapes(
-    layer_fn: LayerFn, weights: PyTree, data: PyTree, h_grad: Array, aux_grad: dict[str, Array]
-) -> list[jax.ShapeDtypeStruct]:
-    """The shapes of one layer's share of W's stash (traced here, dead code)."""
-    split, _, _ = BackwardSplit.of(
-        lambda w, x: layer_fn(w, data, x), weights, jnp.zeros_like(h_grad), (h_grad, aux_grad)
-    )
-    return split.stash_shapes
