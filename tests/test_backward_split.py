@@ -13,14 +13,19 @@ import pytest
 import models
 from eqxzoo.nn import apply_layers
 from eqxzoo.nn.stack import remat
+from eqxzoo.parallel import MeshConfig, Schedule, make_mesh
 from eqxzoo.parallel.backward_split import (
     BackwardSplit,
     LayerResiduals,
+    _inner_jaxprs,
     matmul_flops,
     stage_forward,
     stage_input_grad,
     stage_weight_grad,
 )
+from eqxzoo.train.layout import to_pipeline_layout
+from eqxzoo.train.loss import pipelined_loss_and_grad
+from eqxzoo.train.settings import StepConfig
 from models import registry
 
 # Every kind of weight: attention, SwiGLU and norms with weights (llama, here rematerialised
@@ -117,3 +122,71 @@ def test_a_stage_split_layer_by_layer_equals_its_vjp(assert_trees_close):
     (h_out, aux), d_h, d_weights = split(weights, h)
     assert_trees_close((h_out, aux), outputs)
     assert_trees_close((d_h, d_weights), (expected_d_h, expected_d_weights), atol=1e-6)
+
+
+def branch_matmul_flops(jaxpr) -> list[int]:
+    """Each action's matrix FLOPs in the 1F1B-family executor's tick (the ``cond`` over the
+    actions, in `eqxzoo.parallel.schedule` code order: IDLE, F, B, W, BW)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond" and len(eqn.params["branches"]) == 5:
+            return [matmul_flops(branch.jaxpr.eqns) for branch in eqn.params["branches"]]
+        for inner in _inner_jaxprs(eqn.params):
+            found = branch_matmul_flops(inner)
+            if found:
+                return found
+    return []
+
+
+@pytest.mark.parametrize("remat_stages", [True, False], ids=["remat", "no-remat"])
+def test_zero_bubble_does_the_matrix_work_of_1f1b(remat_stages, tiny_config, random_batch):
+    """Each action's FLOPs (from the traced branches) times how often each stage runs it:
+    ZB-H1's B and W together do 1F1B's BW, so a step's matrix work is 1F1B's (before the
+    split its W re-ran the whole stage vjp: 1.4x)."""
+    config = tiny_config("qwen_moe", n_layers=4)
+    model = models.DecoderLM(config, key=jax.random.key(0))
+    mesh = make_mesh(MeshConfig(pp=2), jax.devices()[:2])
+    data = random_batch((4, 2, 8))
+    totals = {}
+    for name in ("1f1b", "zb_h1"):
+        schedule = Schedule(name, 2, 4, 1)
+        step = StepConfig(schedule=schedule, remat_stages=remat_stages)
+
+        def loss(model, step=step):
+            return pipelined_loss_and_grad(
+                model, data["tokens"], data["targets"], config=step, mesh=mesh
+            )
+
+        staged = to_pipeline_layout(model, schedule)
+        flops = branch_matmul_flops(jax.make_jaxpr(loss)(staged).jaxpr)
+        actions = np.asarray(schedule.actions().action)
+        totals[name] = sum(flops[code] * int((actions == code).sum()) for code in range(5))
+    assert totals["zb_h1"] <= 1.05 * totals["1f1b"], totals
+    assert totals["zb_h1"] >= 0.95 * totals["1f1b"], totals
+
+
+@pytest.mark.parametrize("name, remat_stages", [("1f1b", True), ("zb_h1", True), ("zb_h1", False)])
+def test_the_stash_does_not_grow_with_the_microbatches(
+    name, remat_stages, tiny_config, random_batch
+):
+    """ZB-H1's compiled step: its temporary bytes at M = 4P are within 10% of M = P (the same
+    microbatch): the executor keeps the items in flight, B's stash for W among them, not
+    one slot per microbatch (1F1B's stash is the same slots without W's)."""
+    config = tiny_config("qwen_moe", n_layers=4)
+    model = models.DecoderLM(config, key=jax.random.key(0))
+    mesh = make_mesh(MeshConfig(pp=2), jax.devices()[:2])
+    temporaries = {}
+    for microbatches in (2, 8):
+        schedule = Schedule("zb_h1", 2, microbatches, 1)
+        step = StepConfig(schedule=schedule, remat_stages=remat_stages)
+        data = random_batch((microbatches, 2, 8))
+        compiled = (
+            jax.jit(
+                lambda model, tokens, targets, step=step: pipelined_loss_and_grad(
+                    model, tokens, targets, config=step, mesh=mesh
+                )
+            )
+            .lower(to_pipeline_layout(model, schedule), data["tokens"], data["targets"])
+            .compile()
+        )
+        temporaries[microbatches] = compiled.memory_analysis().temp_size_in_bytes
+    assert temporaries[8] <= 1.1 * temporaries[2], temporaries

@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.extend import core
 from jaxtyping import Array, PyTree
 
@@ -289,6 +288,13 @@ def stage_forward(
     return (h, aux), residuals
 
 
+FitCotangent = Callable[[PyTree, PyTree], PyTree]
+
+
+def _as_given(outputs: PyTree, cotangent: PyTree) -> PyTree:
+    return cotangent
+
+
 def stage_input_grad(
     layer_fn: LayerFn,
     layout: LayerResiduals,
@@ -297,15 +303,18 @@ def stage_input_grad(
     residuals: Sequence[Array],
     h_grad: Array,
     aux_grad: dict[str, Array],
+    fit: FitCotangent = _as_given,
 ) -> tuple[Array, list[Array]]:
     """B of the stage: the cotangent of its input from its output's (``h_grad``, and
     ``aux_grad`` for every layer's aux values), layer by layer from the last; and W's stash,
-    stacked over layers."""
+    stacked over layers. ``fit(outputs, cotangent)`` adapts a layer's cotangent to its
+    outputs' shapes (a pipeline marks what varies over its stages)."""
 
     def body(h_grad, layer):
         w, d, stored = layer
         pullback = layout.pullback(w, stored)
-        cotangent = (h_grad, aux_grad)
+        outputs = jax.eval_shape(lambda w, x: layer_fn(w, d, x), w, h_grad)
+        cotangent = fit(outputs, (h_grad, aux_grad))
         split, consts, leaves = BackwardSplit.of_pullback(pullback, w, h_grad, cotangent)
         d_h, stash = split.input_grad(consts, leaves)
         return d_h, stash
@@ -320,17 +329,25 @@ def stage_weight_grad(
     stash: Sequence[Array],
     h_grad: Array,
     aux_grad: dict[str, Array],
+    fit: FitCotangent = _as_given,
 ) -> PyTree:
     """W of the stage: every layer's weight gradients from B's stash, stacked like
-    ``weights``. The cut is rebuilt from shapes (``h_grad`` and ``aux_grad`` give the
-    cotangent's; their values, and the placeholder layer traced for the cut, are dead code)."""
+    ``weights``. The cut is rebuilt from shapes, in a trace of its own (``h_grad`` and
+    ``aux_grad`` give the cotangent's; the layer traced there for the cut is not part of W)."""
 
     def body(_, layer):
         w, d, stored = layer
-        split, _, _ = BackwardSplit.of(
-            lambda w, x: layer_fn(w, d, x), w, jnp.zeros_like(h_grad), (h_grad, aux_grad)
-        )
-        return None, split.weight_grad(stored)
+        splits = []
+
+        def cut(w, x):
+            """The layer's cut, traced apart: none of its forward enters W's program."""
+            outputs = jax.eval_shape(lambda w, x: layer_fn(w, d, x), w, x)
+            cotangent = fit(outputs, (h_grad, aux_grad))
+            splits.append(BackwardSplit.of(lambda w, x: layer_fn(w, d, x), w, x, cotangent)[0])
+            return x
+
+        jax.make_jaxpr(cut)(w, h_grad)
+        return None, splits[0].weight_grad(stored)
 
     _, grads = jax.lax.scan(body, None, (weights, data, list(stash)))
     return grads

@@ -36,12 +36,19 @@ import einops
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PyTree
 
 from eqxzoo.nn import Axes, apply_layers, logical_axes
-from eqxzoo.nn.stack import RematPolicy
+from eqxzoo.nn.stack import RematPolicy, remat
 from eqxzoo.nn.varying import varying_axes
+from eqxzoo.parallel.backward_split import (
+    LayerResiduals,
+    stage_forward,
+    stage_input_grad,
+    stage_weight_grad,
+)
 from eqxzoo.parallel.mesh import check_stage_loops
 from eqxzoo.parallel.pipeline import _varying_over_pp
 from eqxzoo.parallel.rules import (
@@ -121,6 +128,11 @@ def pipeline_value_and_grad(
         """The stage as a function of its weights and input, for one repeat's data."""
         return lambda stage_params, h: stage_fn(stage_params, stage_data, h)
 
+    # A schedule with W actions cuts each layer's backward into B and W
+    # (`eqxzoo.parallel.backward_split`): the stage then runs layer by layer.
+    splits_backward = bool(np.any(np.asarray(table.action) == W))
+    layer_fn = remat(lambda w, d, h: eqx.combine(w, d, layer_static)(h, key=None), remat_policy)
+
     def first_fn(params, tokens_m):
         return first(eqx.combine(params, outer_static), tokens_m)
 
@@ -151,12 +163,47 @@ def pipeline_value_and_grad(
         layer_params, layer_data = jax.tree.map(lambda p: p[:, 0], (layer_params, layer_data))
         outer_params = _varying_over_pp(outer_params, manual)
         varying = lambda tree: _varying_over_pp(tree, manual)  # noqa: E731
+
+        def fit_cotangent(outputs, cotangent):
+            """``cotangent`` for ``outputs``: in their dtypes, varying over ``pp`` where they
+            do (zero for an output that does not vary: a constant)."""
+            return jax.tree.map(
+                lambda output, value: (
+                    varying(value.astype(output.dtype))
+                    if _varies(output)
+                    else jnp.zeros(output.shape, output.dtype)
+                ),
+                outputs,
+                cotangent,
+            )
+
         layout = _ResidualLayout()
-        if not remat_stages:
-            weights, data = jax.tree.map(lambda p: p[0], (layer_params, layer_data))
-            probe = varying(jnp.zeros(h_shape.shape, h_shape.dtype))
-            layout = _ResidualLayout.of(stage_with(data), weights, probe)
-        residual_shapes = list(layout.shapes)
+        probe = varying(jnp.zeros(h_shape.shape, h_shape.dtype))
+        weights, data = jax.tree.map(lambda p: p[0], (layer_params, layer_data))
+        if splits_backward:
+            layer_layout = LayerResiduals.of(
+                layer_fn, *jax.tree.map(lambda p: p[0], (weights, data)), probe
+            )
+            # Traced on placeholders for their shapes only (dead code, as the layouts are).
+            _, probe_residuals = stage_forward(layer_fn, layer_layout, weights, data, probe)
+            _, probe_stash = stage_input_grad(
+                layer_fn,
+                layer_layout,
+                weights,
+                data,
+                probe_residuals,
+                probe,
+                varying(zeros_like(total_shapes)),
+                fit_cotangent,
+            )
+            stage_residual_shapes = [_shape_of(leaf) for leaf in probe_residuals]
+            w_stash_shapes = [_shape_of(leaf) for leaf in probe_stash]
+            residual_shapes = [] if remat_stages else list(stage_residual_shapes)
+        else:
+            w_stash_shapes = []
+            if not remat_stages:
+                layout = _ResidualLayout.of(stage_with(data), weights, probe)
+            residual_shapes = list(layout.shapes)
 
         one_repeat_shapes = jax.tree.map(
             lambda p: jax.ShapeDtypeStruct(p.shape[1:], jnp.float32), layer_params
@@ -205,6 +252,7 @@ def pipeline_value_and_grad(
                 d_outer=zeros_like(outer_params),
                 loss=jnp.zeros(loss_shape, jnp.float32),
                 aux=zeros_like(aux_shapes),
+                w_stash=varying(zeros_like(w_stash_shapes)),
             )
 
         def tick(carry: TickCarry, tick_inputs) -> tuple[TickCarry, None]:
@@ -257,6 +305,10 @@ def pipeline_value_and_grad(
                 h_in = stage_input()
                 if remat_stages:
                     (h_out, aux), new_residuals = stage_fn(weights, data, h_in), stashed_residuals
+                elif splits_backward:
+                    (h_out, aux), new_residuals = stage_forward(
+                        layer_fn, layer_layout, weights, data, h_in
+                    )
                 else:
                     (h_out, aux), pullback = jax.vjp(stage_with(data), weights, h_in)
                     new_residuals = layout.stashable(pullback)
@@ -324,12 +376,57 @@ def pipeline_value_and_grad(
 
                 return run
 
+            def split_backward(weight_grad: bool, input_grad: bool):
+                """B, W or both with the backward cut layer by layer: B keeps W's stash in
+                the item's slot, W reads it from there."""
+
+                def run() -> TickResult:
+                    aux_grad = jax.tree.map(lambda buffer: buffer[slot], aux_grads)
+                    result = nothing()
+                    w_stash = [buffer[slot] for buffer in carry.w_stash]
+                    if input_grad:
+                        residuals_l = stashed_residuals
+                        if remat_stages:
+                            _, residuals_l = stage_forward(
+                                layer_fn, layer_layout, weights, data, inputs[slot]
+                            )
+                        d_h, w_stash = stage_input_grad(
+                            layer_fn,
+                            layer_layout,
+                            weights,
+                            data,
+                            residuals_l,
+                            grads[slot],
+                            aux_grad,
+                            fit_cotangent,
+                        )
+                        d_outer = jax.lax.cond(
+                            is_first,
+                            lambda: varying(embedding_grads(tokens_m, d_h)),
+                            lambda: varying(zeros_like(outer_params)),
+                        )
+                        result = result._replace(
+                            send_back=d_h,
+                            send_back_aux_grad=aux_grad,
+                            d_outer=d_outer,
+                            w_stash=list(w_stash),
+                        )
+                    if weight_grad:
+                        d_weights = stage_weight_grad(
+                            layer_fn, weights, data, w_stash, grads[slot], aux_grad, fit_cotangent
+                        )
+                        result = result._replace(d_layers=to_float32(d_weights))
+                    return varying(result)
+
+                return run
+
+            chosen = split_backward if splits_backward else backward
             branches = {
                 IDLE: idle,
                 F: forward,
-                B: backward(weight_grad=False, input_grad=True),
-                W: backward(weight_grad=True, input_grad=False),
-                BW: backward(weight_grad=True, input_grad=True),
+                B: chosen(weight_grad=False, input_grad=True),
+                W: chosen(weight_grad=True, input_grad=False),
+                BW: chosen(weight_grad=True, input_grad=True),
             }
             result = jax.lax.switch(kind, [branches[action] for action in sorted(branches)])
             # Across stages in float32: XLA:CPU fails to compile bfloat16 collectives.
@@ -365,6 +462,7 @@ def pipeline_value_and_grad(
                 aux=jax.tree.map(
                     lambda s: jnp.zeros((n_micro, n_repeats, *s.shape), s.dtype), aux_shapes
                 ),
+                w_stash=[jnp.zeros((n_slots, *s.shape), s.dtype) for s in w_stash_shapes],
             )
         )
         ticks = (jnp.arange(table.ticks), tick_tokens[:, 0], tick_targets[:, 0])
@@ -441,6 +539,7 @@ class TickResult(NamedTuple):
     d_outer: PyTree
     loss: Array
     aux: dict[str, Array]
+    w_stash: list[Array]
 
 
 class TickCarry(NamedTuple):
@@ -463,6 +562,7 @@ class TickCarry(NamedTuple):
     outer_grads: PyTree
     loss: Array
     aux: dict[str, Array]
+    w_stash: list[Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -546,7 +646,15 @@ def _next_carry(
         ),
         loss=carry.loss + result.loss,
         aux=jax.tree.map(lambda acc, v: acc.at[microbatch, repeat].add(v), carry.aux, result.aux),
+        w_stash=[
+            _write(buffer, jnp.where(kind == B, slot, -1), value)
+            for buffer, value in zip(carry.w_stash, result.w_stash, strict=True)
+        ],
     )
+
+
+def _shape_of(value: Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(value.shape, value.dtype)
 
 
 def _varies(value) -> bool:
