@@ -51,6 +51,23 @@ def test_a_damaged_newest_checkpoint_falls_back_and_the_run_goes_on_exactly(
     assert [r["step"] for r in records(run_dir) if "loss" in r] == list(range(1, 7))
 
 
+def test_a_run_restored_at_its_last_step_says_there_is_nothing_to_do(
+    tmp_path: Path, cache_dir: Path, reference_dir: Path
+):
+    """Checkpoints of steps 4 and 6, ``run.steps = 6``: the newest might be damaged, so the
+    run restores before it knows; restored at step 6, it trains and writes nothing."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference_dir, run_dir, ignore=shutil.ignore_patterns("profile"))
+    before = (run_dir / "metrics.jsonl").read_text()
+    result = run(run_dir, cache_dir)
+    assert (
+        result.stdout.splitlines()[-1] == "the run is at step 6; run.steps = 6 leaves nothing to do"
+    )
+    assert "resumed from the checkpoint at step 6" in result.stdout
+    assert (run_dir / "metrics.jsonl").read_text() == before
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["4", "6"]
+
+
 def test_a_kill_right_after_a_checkpoint_loses_no_metrics_line(tmp_path: Path, cache_dir: Path):
     """SIGKILL as soon as the checkpoint of step 4 is committed: its metrics line is there,
     and the resumed run writes every step exactly once."""

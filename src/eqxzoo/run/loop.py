@@ -209,6 +209,9 @@ class _Trainer:
             self.open_data(opened)
             self.compile_steps()
             self.open_state(opened)
+            at_the_end = self.nothing_left_to_do(self.step)
+            if at_the_end is not None:
+                return at_the_end
             if self.is_main:  # every check passed and the state is open
                 write_run_config(self.run_dir, self.config)
                 keep_run_sources(self.run_dir, self.config, self.data_dir, fresh=self.step == 0)
@@ -236,19 +239,24 @@ class _Trainer:
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
-    def nothing_left_to_do(self) -> RunSummary | None:
+    def nothing_left_to_do(self, reached: int | None = None) -> RunSummary | None:
         """When the run is already at ``total_steps``: say so in one line (naming what sets
         it, ``--steps N`` or ``run.steps = N``) and return the summary of a run that trained
         nothing; None when there are steps to train.
 
-        The run's step is its newest finished checkpoint's (0 without one), as process 0
-        finds it, known before anything is compiled or read. (Should that checkpoint prove
-        damaged, a restore would fall back to an older one: the run still has a checkpoint
-        at or past the step asked for.)"""
-        directory = self.run_dir / CHECKPOINT_DIR
-        newest = max(finished_steps(directory), default=0) if directory.is_dir() else 0
-        reached = int(counts_of_every_process(np.array([newest]))[0, 0])
-        if reached < self.total_steps:
+        Before anything is compiled or read (``reached`` None), this is known only when even
+        the oldest finished checkpoint is at ``total_steps``: a damaged newest one falls back
+        to an older one, which may leave steps to train. Otherwise it is asked again once the
+        state is restored, at the restored step."""
+        if reached is None:
+            directory = self.run_dir / CHECKPOINT_DIR
+            steps = finished_steps(directory) if directory.is_dir() else []
+            oldest, newest = (steps[0], steps[-1]) if steps else (0, 0)
+            found = counts_of_every_process(np.array([oldest, newest]))[0]
+            if int(found[0]) < self.total_steps:
+                return None
+            reached = int(found[1])
+        elif reached < self.total_steps:
             return None
         stop_after = self.options.stop_after
         if stop_after is not None and stop_after <= self.config.run.steps:
