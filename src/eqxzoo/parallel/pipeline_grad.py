@@ -130,7 +130,8 @@ def pipeline_value_and_grad(
 
     # A schedule with W actions cuts each layer's backward into B and W
     # (`eqxzoo.parallel.backward_split`): the stage then runs layer by layer.
-    splits_backward = bool(np.any(np.asarray(table.action) == W))
+    scheduled = set(np.unique(np.asarray(table.action)).tolist())
+    splits_backward = W in scheduled
     layer_fn = remat(lambda w, d, h: eqx.combine(w, d, layer_static)(h, key=None), remat_policy)
 
     def first_fn(params, tokens_m):
@@ -428,7 +429,11 @@ def pipeline_value_and_grad(
                 W: chosen(weight_grad=True, input_grad=False),
                 BW: chosen(weight_grad=True, input_grad=True),
             }
-            result = jax.lax.switch(kind, [branches[action] for action in sorted(branches)])
+            # An action the table never names (1F1B's B and W, ZB-H1's BW) is not compiled.
+            result = jax.lax.switch(
+                kind,
+                [branches[action] if action in scheduled else idle for action in sorted(branches)],
+            )
             # Across stages in float32: XLA:CPU fails to compile bfloat16 collectives.
             send = (result.send.astype(transport_dtype), result.send_totals)
             send_back = (result.send_back.astype(transport_dtype), result.send_back_aux_grad)
