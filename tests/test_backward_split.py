@@ -16,7 +16,7 @@ from eqxzoo.nn.stack import remat
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh
 from eqxzoo.parallel.backward_split import (
     BackwardSplit,
-    LayerResiduals,
+    PullbackResiduals,
     _inner_jaxprs,
     matmul_flops,
     stage_forward,
@@ -111,7 +111,7 @@ def test_a_stage_split_layer_by_layer_equals_its_vjp(assert_trees_close):
     @jax.jit
     def split(weights, h):
         one = jax.tree.map(lambda leaf: leaf[0], (weights, data))
-        layout = LayerResiduals.of(layer_fn, *one, h)
+        layout = PullbackResiduals.of(lambda w, x: layer_fn(w, one[1], x), one[0], h)
         (h_out, aux), residuals = stage_forward(layer_fn, layout, weights, data, h)
         d_h, stash = stage_input_grad(
             layer_fn, layout, weights, data, residuals, h_grad, one_aux_grad

@@ -245,36 +245,47 @@ LayerFn = Callable[[PyTree, PyTree, Array], tuple[Array, dict[str, Array]]]
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerResiduals:
-    """Which leaves of one layer's pullback are residuals (kept per layer between the
-    forward and B) and which are the layer's weights (read from the weights instead)."""
+class PullbackResiduals:
+    """Which leaves of a pullback of ``fn(weights, x)`` are residuals (kept between the
+    forward and the backward, with ``shapes``) and which are the weights (read from the
+    weights instead, never stored twice): the pullback's structure, and for each leaf the
+    index of the weight it is, or None. One layer's (the split stage keeps them per layer)
+    or a whole stage's (the 1F1B executor without stage remat)."""
 
     tree: Any
     weight_of_leaf: tuple[int | None, ...]
+    shapes: tuple[jax.ShapeDtypeStruct, ...]
 
     @classmethod
-    def of(cls, layer_fn: LayerFn, weights: PyTree, data: PyTree, h: Array) -> "LayerResiduals":
-        """The layout as traced here, on one layer's ``weights`` and ``data`` (dead code)."""
-        _, pullback = jax.vjp(lambda w, x: layer_fn(w, data, x), weights, h)
+    def of(cls, fn: Callable, weights: PyTree, x: Array) -> "PullbackResiduals":
+        """The layout of ``fn``'s pullback as traced here; the computation is dead code."""
+        _, pullback = jax.vjp(fn, weights, x)
         weight_leaves = jax.tree.leaves(weights)
+        leaves = jax.tree.leaves(pullback)
         weight_of_leaf = tuple(
-            next((i for i, w in enumerate(weight_leaves) if leaf is w), None)
-            for leaf in jax.tree.leaves(pullback)
+            next((i for i, w in enumerate(weight_leaves) if leaf is w), None) for leaf in leaves
         )
-        return cls(jax.tree.structure(pullback), weight_of_leaf)
+        shapes = tuple(
+            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+            for leaf, weight in zip(leaves, weight_of_leaf, strict=True)
+            if weight is None
+        )
+        return cls(jax.tree.structure(pullback), weight_of_leaf, shapes)
 
     def residuals(self, pullback: Callable) -> list[Array]:
+        """The pullback's leaves that are not weights: what is kept."""
         leaves = jax.tree.leaves(pullback)
         return [leaf for leaf, w in zip(leaves, self.weight_of_leaf, strict=True) if w is None]
 
     def pullback(self, weights: PyTree, residuals: Sequence[Array]) -> Callable:
+        """The pullback rebuilt from the kept residuals and the weights."""
         stored, weight_leaves = iter(residuals), jax.tree.leaves(weights)
         leaves = [next(stored) if w is None else weight_leaves[w] for w in self.weight_of_leaf]
         return jax.tree.unflatten(self.tree, leaves)
 
 
 def stage_forward(
-    layer_fn: LayerFn, layout: LayerResiduals, weights: PyTree, data: PyTree, h: Array
+    layer_fn: LayerFn, layout: PullbackResiduals, weights: PyTree, data: PyTree, h: Array
 ) -> tuple[tuple[Array, dict[str, Array]], list[Array]]:
     """The stage's layers (stacked on a leading axis) applied in order: ``(h, aux)`` as
     `eqxzoo.nn.apply_layers` gives it, and every layer's pullback residuals, stacked."""
@@ -297,7 +308,7 @@ def _as_given(outputs: PyTree, cotangent: PyTree) -> PyTree:
 
 def stage_input_grad(
     layer_fn: LayerFn,
-    layout: LayerResiduals,
+    layout: PullbackResiduals,
     weights: PyTree,
     data: PyTree,
     residuals: Sequence[Array],

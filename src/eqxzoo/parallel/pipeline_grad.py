@@ -28,9 +28,8 @@ layers (transformers' load-balance loss) is then exact in every stage's backward
 this is differentiated by autodiff: `pipeline_value_and_grad` returns values and gradients.
 """
 
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import einops
 import equinox as eqx
@@ -44,7 +43,7 @@ from eqxzoo.nn import Axes, apply_layers, logical_axes
 from eqxzoo.nn.stack import RematPolicy, remat
 from eqxzoo.nn.varying import varying_axes
 from eqxzoo.parallel.backward_split import (
-    LayerResiduals,
+    PullbackResiduals,
     stage_forward,
     stage_input_grad,
     stage_weight_grad,
@@ -178,12 +177,13 @@ def pipeline_value_and_grad(
                 cotangent,
             )
 
-        layout = _ResidualLayout()
         probe = varying(jnp.zeros(h_shape.shape, h_shape.dtype))
         weights, data = jax.tree.map(lambda p: p[0], (layer_params, layer_data))
+        w_stash_shapes, residual_shapes = [], []
         if splits_backward:
-            layer_layout = LayerResiduals.of(
-                layer_fn, *jax.tree.map(lambda p: p[0], (weights, data)), probe
+            first_weights, first_data = jax.tree.map(lambda p: p[0], (weights, data))
+            layer_layout = PullbackResiduals.of(
+                lambda w, x: layer_fn(w, first_data, x), first_weights, probe
             )
             # Traced on placeholders for their shapes only (dead code, as the layouts are).
             _, probe_residuals = stage_forward(layer_fn, layer_layout, weights, data, probe)
@@ -197,13 +197,11 @@ def pipeline_value_and_grad(
                 varying(zeros_like(total_shapes)),
                 fit_cotangent,
             )
-            stage_residual_shapes = [_shape_of(leaf) for leaf in probe_residuals]
             w_stash_shapes = [_shape_of(leaf) for leaf in probe_stash]
-            residual_shapes = [] if remat_stages else list(stage_residual_shapes)
-        else:
-            w_stash_shapes = []
             if not remat_stages:
-                layout = _ResidualLayout.of(stage_with(data), weights, probe)
+                residual_shapes = [_shape_of(leaf) for leaf in probe_residuals]
+        elif not remat_stages:
+            layout = PullbackResiduals.of(stage_with(data), weights, probe)
             residual_shapes = list(layout.shapes)
 
         one_repeat_shapes = jax.tree.map(
@@ -223,19 +221,12 @@ def pipeline_value_and_grad(
                 outputs, pullback = jax.vjp(stage_with(data), weights, h_in)
             else:
                 outputs = jax.eval_shape(stage_with(data), weights, h_in)
-                pullback = layout.pullback_from(weights, residuals)
+                pullback = layout.pullback(weights, residuals)
             per_layer = {
-                name: jnp.broadcast_to(aux_grad[name], shape.shape).astype(shape.dtype)
+                name: jnp.broadcast_to(aux_grad[name], shape.shape)
                 for name, shape in aux_shapes.items()
             }
-            cotangent = jax.tree.map(
-                lambda output, value: (
-                    varying(value) if _varies(output) else jnp.zeros(value.shape, value.dtype)
-                ),
-                outputs,
-                (h_grad, per_layer),
-            )
-            return pullback, cotangent
+            return pullback, fit_cotangent(outputs, (h_grad, per_layer))
 
         def nothing() -> TickResult:
             zeros = jnp.zeros(h_shape.shape, h_shape.dtype)
@@ -312,7 +303,7 @@ def pipeline_value_and_grad(
                     )
                 else:
                     (h_out, aux), pullback = jax.vjp(stage_with(data), weights, h_in)
-                    new_residuals = layout.stashable(pullback)
+                    new_residuals = layout.residuals(pullback)
                 totals = jax.tree.map(
                     lambda arrived, values: jnp.where(is_first, 0, arrived) + values.sum(axis=0),
                     jax.tree.map(lambda buffer: buffer[slot], input_totals),
@@ -568,45 +559,6 @@ class TickCarry(NamedTuple):
     loss: Array
     aux: dict[str, Array]
     w_stash: list[Array]
-
-
-@dataclasses.dataclass(frozen=True)
-class _ResidualLayout:
-    """Which leaves of a stage's pullback a stash slot keeps (without stage remat): the
-    pullback's structure, and for each leaf the index of the weight it is (read from the
-    weights, not stashed) or None (a residual, stashed with ``shapes``)."""
-
-    tree: Any = None
-    weight_of_leaf: tuple[int | None, ...] = ()
-    shapes: tuple[jax.ShapeDtypeStruct, ...] = ()
-
-    @classmethod
-    def of(cls, stage: Callable, weights: PyTree, probe: Array) -> "_ResidualLayout":
-        """The layout of ``stage``'s pullback as traced here (inside the shard_map); the
-        computation itself is dead code."""
-        _, pullback = jax.vjp(stage, weights, probe)
-        weight_leaves = jax.tree.leaves(weights)
-        leaves = jax.tree.leaves(pullback)
-        weight_of_leaf = tuple(
-            next((i for i, w in enumerate(weight_leaves) if leaf is w), None) for leaf in leaves
-        )
-        shapes = tuple(
-            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-            for leaf, weight in zip(leaves, weight_of_leaf)
-            if weight is None
-        )
-        return cls(jax.tree.structure(pullback), weight_of_leaf, shapes)
-
-    def stashable(self, pullback: PyTree) -> list[Array]:
-        """The pullback's residuals that are not weights: what a stash slot keeps."""
-        leaves = jax.tree.leaves(pullback)
-        return [leaf for leaf, w in zip(leaves, self.weight_of_leaf) if w is None]
-
-    def pullback_from(self, weights: PyTree, stashed: list[Array]) -> PyTree:
-        """The pullback rebuilt from the stashed residuals and the weights."""
-        stashed, weight_leaves = iter(stashed), jax.tree.leaves(weights)
-        leaves = [next(stashed) if w is None else weight_leaves[w] for w in self.weight_of_leaf]
-        return jax.tree.unflatten(self.tree, leaves)
 
 
 def _next_carry(
