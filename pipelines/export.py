@@ -54,8 +54,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_out(out: Path, force: bool) -> None:
     """Refuse an ``--out`` that is a file, or a non-empty directory without ``--force``."""
-    if not str(out):
-        raise UserError("--out is empty (an unset variable?): give a directory to write")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; give a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -68,7 +66,7 @@ def check_out(out: Path, force: bool) -> None:
 def check_out_apart(out: Path, kept: dict[str, Path]) -> None:
     """Refuse an ``--out`` inside one of the ``kept`` directories (the run's, its data's), or
     holding one: an export never writes among the files it reads, nor replaces them."""
-    target = out.resolve()
+    target = out  # already absolute, through symlinks (`pipelines.cli.absolute_path`)
     for what, directory in kept.items():
         directory = directory.resolve()
         if target == directory or directory in target.parents:
