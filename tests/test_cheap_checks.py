@@ -315,7 +315,9 @@ def save_a_checkpoint(directory: Path) -> None:
     """A checkpoint of step 3 of a `MODEL` train state on pp=2, as the run saves it."""
     mesh = make_mesh(MeshConfig(pp=2), jax.devices()[:2])
     state = init_train_state(MODEL, jax.random.key(0), config=STEP_CONFIG, mesh=mesh)
-    plain = checkpoint_layout(state, train_state_axes(MODEL, config=STEP_CONFIG), STEP_CONFIG.rules)
+    plain = checkpoint_layout(
+        state, train_state_axes(MODEL, config=STEP_CONFIG), STEP_CONFIG.rules, STEP_CONFIG.schedule
+    )
     iterator = grain.MapDataset.range(10).to_iter_dataset().__iter__()
     with Checkpointer(directory, every=1, keep=1, async_save=False) as checkpointer:
         checkpointer.save(3, plain, iterator, {"step": 3})

@@ -200,7 +200,7 @@ def error_for(overrides, path=TINY) -> str:
         (
             ["pipeline.schedule=pipedream"],
             r"^pipeline\.schedule: expected 'gpipe' or 'circular' or '1f1b' or "
-            r"'interleaved_1f1b' or 'zb_h1', got 'pipedream'$",
+            r"'interleaved_1f1b' or 'zb_h1' or 'zb_v', got 'pipedream'$",
         ),
         (["optimizer.freeze=[1]"], r"^optimizer\.freeze: expected a list of str, got \[1\]$"),
         (["mesh.dp=0"], r"^mesh\.dp: must be >= 1, got 0$"),

@@ -232,7 +232,7 @@ def zoo_finetune(
         losses.append(float(metrics["loss"]))
         grad_norms.append(float(metrics["grad_norm"]))
     assert int(state.step) == len(batches)
-    return np.array(losses), np.array(grad_norms), from_pipeline_layout(state.model)
+    return np.array(losses), np.array(grad_norms), from_pipeline_layout(state.model, schedule)
 
 
 def read_tensors(directory):

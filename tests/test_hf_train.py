@@ -131,7 +131,9 @@ def test_hf_to_sharded_state_to_export_is_bitwise(case: str, tmp_path: Path):
     run_dir.mkdir()
     (run_dir / CONFIG_FILE).write_text(config_to_toml(config))
     keep_run_sources(run_dir, config, tokenized_data(hf_dir, tmp_path / "data"), fresh=True)
-    saved = checkpoint_layout(state, train_state_axes(make_model, config=settings), settings.rules)
+    saved = checkpoint_layout(
+        state, train_state_axes(make_model, config=settings), settings.rules, settings.schedule
+    )
     with Checkpointer(run_dir / CHECKPOINT_DIR, every=1, keep=1, async_save=False) as saver:
         saver.save(3, saved, data_iterator(), {})
     original = stored_tensors(hf_dir)
@@ -165,7 +167,7 @@ def test_loading_reads_only_the_slices_of_this_process(tmp_path: Path):
         mesh=make_mesh(config.mesh),
     )
     assert checkpoint.files.bytes_read == checkpoint.files.total_bytes
-    loaded = from_pipeline_layout(state.model)
+    loaded = from_pipeline_layout(state.model, settings.schedule)
     expected = load_hf(hf_dir)
     for actual, wanted in zip(jax.tree.leaves(loaded), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(np.asarray(actual), np.asarray(wanted))
@@ -287,7 +289,9 @@ def checkpointed_run(hf_dir: Path, tmp_path: Path, steps=(2, 5), **config_sectio
     run_dir.mkdir(parents=True)
     (run_dir / CONFIG_FILE).write_text(config_to_toml(config))
     keep_run_sources(run_dir, config, data_dir, fresh=True)
-    saved = checkpoint_layout(state, train_state_axes(make_model, config=settings), settings.rules)
+    saved = checkpoint_layout(
+        state, train_state_axes(make_model, config=settings), settings.rules, settings.schedule
+    )
     with Checkpointer(run_dir / CHECKPOINT_DIR, every=1, keep=2, async_save=False) as saver:
         for step in steps:
             saver.save(step, saved, data_iterator(), {})

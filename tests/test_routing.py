@@ -224,8 +224,10 @@ def test_balancing_biases_are_equal_on_pp1_and_pp2(tiny_config, random_batch):
     config = balanced_moe_config(tiny_config)
     one, _ = run_balancing(config, MeshConfig(dp=2), 1, 3, random_batch, rate=0.01)
     two, _ = run_balancing(config, MeshConfig(pp=2, ep=2), 2, 3, random_batch, rate=0.01)
-    bias_one = from_pipeline_layout(one.model).blocks.layers.mlp.router.selection_bias
-    bias_two = from_pipeline_layout(two.model).blocks.layers.mlp.router.selection_bias
+    plain_one = from_pipeline_layout(one.model, Schedule("gpipe", 1, SHAPE[1], 1))
+    plain_two = from_pipeline_layout(two.model, Schedule("gpipe", 2, SHAPE[1], 1))
+    bias_one = plain_one.blocks.layers.mlp.router.selection_bias
+    bias_two = plain_two.blocks.layers.mlp.router.selection_bias
     assert np.any(np.asarray(bias_one) != 0)
     np.testing.assert_array_equal(bias_two, bias_one)
 

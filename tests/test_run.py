@@ -127,25 +127,28 @@ def test_pp_1_2_4_give_the_same_losses(reference: list[dict], tmp_path: Path, ca
         np.testing.assert_allclose(losses(run_dir), expected, rtol=1e-5)
 
 
-def test_zero_bubble_gives_the_reference_losses(
+def test_zero_bubble_v_gives_the_reference_losses_and_resumes(
     reference: list[dict], tmp_path: Path, cache_dir: Path
 ):
-    """The reference runs circular (R=2); zb_h1 on the same mesh and batches gives its
-    losses through `pipelines.run`, and its dry run reports the modelled bubble. (The other
-    schedules of the family run the same executor: `test_pipeline.py` compares each with
-    the sequential model on many meshes, `test_finetune_parity.py` 1f1b with PyTorch.)"""
+    """The reference runs circular (R=2); zb_v (its layers placed in a V) on the same mesh
+    and batches gives its losses through `pipelines.run`, also across a resume (its
+    checkpoint holds the layers in order and comes back in the V), and its dry run reports
+    the modelled bubble. (The other schedules of the family run the same executor:
+    `test_pipeline.py` compares each with the sequential model on many meshes,
+    `test_finetune_parity.py` 1f1b and zb_h1 with PyTorch.)"""
     expected = [r["loss"] for r in reference if "loss" in r][:3]
-    zero_bubble = ("pipeline.schedule=zb_h1", "pipeline.repeats=1")
-    run_dir = tmp_path / "zb_h1"
-    run(run_dir, cache_dir, overrides=(*zero_bubble, "run.eval_every=0"), extra=("--steps", "3"))
+    zero_bubble = ("pipeline.schedule=zb_v", "pipeline.repeats=2", "run.eval_every=0")
+    run_dir = tmp_path / "zb_v"
+    run(run_dir, cache_dir, overrides=zero_bubble, extra=("--steps", "2"))
+    resumed = run(run_dir, cache_dir, overrides=zero_bubble, extra=("--steps", "3"))
+    assert "resumed from the checkpoint at step 2" in resumed.stdout
     np.testing.assert_allclose(losses(run_dir), expected, rtol=1e-5)
     planned = run(tmp_path / "dry", cache_dir, overrides=zero_bubble, extra=("--dry-run",))
     assert re.search(
-        r"schedule zb_h1: P=2 stages, M=2 microbatches, R=1 repeats; modelled bubble "
-        r"14\.3% .* at most 2 microbatch inputs in flight per stage; activation memory "
-        r"[0-9.]+ .iB per device",
+        r"schedule zb_v: P=2 stages, M=2 microbatches, R=2 repeats; modelled bubble 7\.7%",
         planned.stdout,
     ), planned.stdout
+    assert "at most 4 microbatch chunks in flight per stage" in planned.stdout
 
 
 def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path: Path, cache_dir: Path):

@@ -10,6 +10,9 @@ import pytest
 
 from eqxzoo.parallel.schedule import (
     BW,
+    FROM_ABOVE,
+    FROM_BELOW,
+    FROM_SELF,
     IDLE,
     SCHEDULES,
     B,
@@ -22,7 +25,15 @@ from eqxzoo.parallel.schedule import (
 )
 
 SIZES = [(P, M) for P in (2, 4, 8) for M in (P, 2 * P + 1, 4 * P)]
-NAMES = [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2)]
+NAMES = [
+    ("gpipe", 1),
+    ("circular", 2),
+    ("1f1b", 1),
+    ("zb_h1", 1),
+    ("interleaved_1f1b", 2),
+    ("zb_v", 2),
+]
+SPLIT = {"zb_h1", "zb_v"}
 
 
 def executed(schedule: Schedule) -> dict[tuple[int, int, int], int]:
@@ -34,7 +45,7 @@ def executed(schedule: Schedule) -> dict[tuple[int, int, int], int]:
         if kind == IDLE:
             continue
         m, r = int(table.microbatch[tick, stage]), int(table.repeat[tick, stage])
-        key = (kind, m, r * schedule.stages + stage)
+        key = (kind, m, int(schedule.virtual_stages[r, stage]))
         assert key not in done, f"{key} twice"
         done[key] = tick
     return done
@@ -46,7 +57,7 @@ def test_every_table_is_a_valid_execution(name, R, P, M):
     schedule = Schedule(name, P, M, R)
     done = executed(schedule)
     V = P * R
-    split = name == "zb_h1"
+    split = name in SPLIT
     for m, v in itertools.product(range(M), range(V)):
         forward = done[(F, m, v)]
         if v > 0:
@@ -65,8 +76,9 @@ def test_every_table_is_a_valid_execution(name, R, P, M):
 @pytest.mark.parametrize(("P", "M"), SIZES)
 @pytest.mark.parametrize(("name", "R"), NAMES)
 def test_arrivals_land_in_the_slot_of_the_item_that_reads_them(name, R, P, M):
-    """An activation sent at tick t lands at t + 1 in the slot the receiver's F reads; no
-    slot is reused while its item is in flight."""
+    """An activation (cotangent) sent at tick t lands at t + 1 in the slot the receiver's F
+    (B) reads, from the side the sender sits on (itself on a V's turn); no slot is reused
+    while its item is in flight; nothing else arrives."""
     schedule = Schedule(name, P, M, R)
     table, done = schedule.actions(), executed(schedule)
     slot_of = {}
@@ -75,13 +87,24 @@ def test_arrivals_land_in_the_slot_of_the_item_that_reads_them(name, R, P, M):
             item = (stage, int(table.microbatch[tick, stage]), int(table.repeat[tick, stage]))
             slot_of.setdefault(item, int(table.slot[tick, stage]))
             assert slot_of[item] == table.slot[tick, stage], item
+
+    def side(sender: int, receiver: int) -> int:
+        if sender == receiver:
+            return FROM_SELF
+        return FROM_BELOW if (sender + 1) % P == receiver else FROM_ABOVE
+
+    expected_input = np.full_like(table.arrive_input, -1)
+    expected_grad = np.full_like(table.arrive_grad, -1)
     for (kind, m, v), tick in done.items():
+        sender, _ = schedule.place(v)
         if kind == F and v < P * R - 1:
-            stage, r = (v + 1) % P, (v + 1) // P
-            assert table.arrive_input[tick + 1, stage] == slot_of[(stage, m, r)]
+            stage, r = schedule.place(v + 1)
+            expected_input[side(sender, stage), tick + 1, stage] = slot_of[(stage, m, r)]
         if kind in (B, BW) and v > 0:
-            stage, r = (v - 1) % P, (v - 1) // P
-            assert table.arrive_grad[tick + 1, stage] == slot_of[(stage, m, r)]
+            stage, r = schedule.place(v - 1)
+            expected_grad[side(sender, stage), tick + 1, stage] = slot_of[(stage, m, r)]
+    np.testing.assert_array_equal(table.arrive_input, expected_input)
+    np.testing.assert_array_equal(table.arrive_grad, expected_grad)
     assert (table.slot < table.slots).all()
 
 
@@ -120,6 +143,25 @@ def test_zero_bubble_halves_the_1f1b_bubble_at_p4_m8():
     one_f_one_b = Schedule("1f1b", 4, 8, 1).bubble_fraction()
     zero_bubble = Schedule("zb_h1", 4, 8, 1).bubble_fraction()
     assert zero_bubble <= one_f_one_b / 2, (zero_bubble, one_f_one_b)
+    assert Schedule("zb_v", 4, 8, 2).bubble_fraction() <= one_f_one_b / 4
+
+
+def test_zb_v_places_chunks_in_a_v():
+    """Stage ``p`` holds virtual stages ``p`` and ``2P - 1 - p``: the loss's chunk sits on
+    stage 0, and the hand-over between the halves stays on stage ``P - 1``."""
+    schedule = Schedule("zb_v", 4, 8, 2)
+    np.testing.assert_array_equal(schedule.virtual_stages, [[0, 1, 2, 3], [7, 6, 5, 4]])
+    assert schedule.place(7) == (0, 1) and schedule.place(4) == (3, 1)
+    table = schedule.actions()
+    assert (table.arrive_input[FROM_SELF] >= 0).sum() == 8  # one turn per microbatch
+    assert (table.arrive_grad[FROM_SELF] >= 0).sum() == 8
+
+
+@pytest.mark.parametrize(("P", "M"), SIZES)
+def test_zb_v_keeps_about_1f1b_activation_memory(P, M):
+    """In flight on a stage: at most ``2P + 2`` chunks of half a stage (1F1B keeps ``P``
+    whole-stage inputs on its first stage), whatever ``M``."""
+    assert Schedule("zb_v", P, M, 2).in_flight() <= 2 * P + 2
 
 
 def test_costs_are_parameters_of_the_model():
@@ -135,6 +177,8 @@ def test_costs_are_parameters_of_the_model():
         ("zb_h1", 2, 4, 2, "use schedule 'interleaved_1f1b' for repeats > 1"),
         ("interleaved_1f1b", 2, 4, 1, "interleaves repeats > 1 over the stages, got repeats=1"),
         ("interleaved_1f1b", 4, 3, 2, "needs microbatches >= stages, got microbatches=3 < st"),
+        ("zb_v", 4, 8, 1, r"two chunks on each stage \(a V\), got repeats=1: set pipeline"),
+        ("zb_v", 4, 8, 3, r"two chunks on each stage \(a V\), got repeats=3: set pipeline"),
     ],
 )
 def test_impossible_schedules_are_refused(name, P, M, R, message):
@@ -145,6 +189,7 @@ def test_impossible_schedules_are_refused(name, P, M, R, message):
 def test_forward_only_is_the_forward_schedule_of_the_same_shape():
     assert Schedule("zb_h1", 4, 8, 1).forward_only == Schedule("gpipe", 4, 8, 1)
     assert Schedule("interleaved_1f1b", 4, 8, 2).forward_only == Schedule("circular", 4, 8, 2)
+    assert Schedule("zb_v", 4, 8, 2).forward_only == Schedule("circular", 4, 8, 2)
     gpipe = Schedule("gpipe", 3, 5, 1)
     forward_ticks = (gpipe.actions().action == F).any(axis=1).sum()
     assert forward_ticks == gpipe.ticks == gpipe.table()["active"].shape[0]

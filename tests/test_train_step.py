@@ -31,10 +31,15 @@ from eqxzoo.parallel import (
     check_model_fits,
     make_mesh,
 )
-from eqxzoo.train.layout import from_pipeline_layout
+from eqxzoo.train.layout import checkpoint_layout, from_checkpoint_layout, from_pipeline_layout
 from eqxzoo.train.loss import sequential_loss
 from eqxzoo.train.settings import Precision, StepConfig
-from eqxzoo.train.state import abstract_train_state, init_train_state
+from eqxzoo.train.state import (
+    abstract_train_state,
+    init_train_state,
+    init_train_state_from,
+    train_state_axes,
+)
 from eqxzoo.train.step import compile_train_step, make_train_step, train_step
 
 N_LAYERS = 4
@@ -108,7 +113,8 @@ def test_three_steps_on_a_mesh_equal_one_device(
         np.testing.assert_allclose(many["loss"], one["loss"], rtol=1e-5)
         np.testing.assert_allclose(many["grad_norm"], one["grad_norm"], rtol=1e-5)
     assert_trees_close(
-        from_pipeline_layout(mesh_state.model), from_pipeline_layout(one_state.model)
+        from_pipeline_layout(mesh_state.model, step_config(2, ADAM, repeats).schedule),
+        from_pipeline_layout(one_state.model, step_config(1, ADAM).schedule),
     )
     assert one_history[2]["loss"] < one_history[0]["loss"] + 1.0
 
@@ -172,7 +178,10 @@ def test_clipping_uses_the_global_norm(dense, run_steps, make_batch, assert_tree
     mesh_state = mesh_state[0]
     updates, _ = tx.update(grads, opt_state, params)
     expected = optax.apply_updates(params, updates)
-    actual = eqx.filter(from_pipeline_layout(mesh_state.model), eqx.is_inexact_array)
+    actual = eqx.filter(
+        from_pipeline_layout(mesh_state.model, step_config(2, optimizer).schedule),
+        eqx.is_inexact_array,
+    )
     assert_trees_close(actual, expected)
 
 
@@ -227,7 +236,9 @@ def test_per_layer_data_is_staged_with_its_layers_and_never_trained(tiny_config,
     window = state.model.blocks.layers.attention.window
     assert window.dtype == jnp.int32 and window.shape == (2, 2, 1)
     assert window.sharding.spec[1] == "pp"
-    plain_windows = from_pipeline_layout(state.model).blocks.layers.attention.window
+    plain_windows = from_pipeline_layout(
+        state.model, config.schedule
+    ).blocks.layers.attention.window
     np.testing.assert_array_equal(plain_windows, [3, 0, 3, 0])
     adam_state = state.opt_state[1][0]
     assert adam_state.mu.blocks.layers.attention.window is None
@@ -235,7 +246,8 @@ def test_per_layer_data_is_staged_with_its_layers_and_never_trained(tiny_config,
     for index in range(2):
         state, _ = step(state, make_batch(index))
     np.testing.assert_array_equal(
-        from_pipeline_layout(state.model).blocks.layers.attention.window, [3, 0, 3, 0]
+        from_pipeline_layout(state.model, config.schedule).blocks.layers.attention.window,
+        [3, 0, 3, 0],
     )
 
 
@@ -247,7 +259,32 @@ def test_init_on_a_mesh_is_the_plain_model_in_the_pipeline_layout(moe, assert_tr
     make_model = functools.partial(models.DecoderLM, moe)
     state = init_train_state(make_model, jax.random.key(3), config=config, mesh=mesh)
     plain = models.DecoderLM(moe, key=jax.random.key(3))
-    assert_trees_close(from_pipeline_layout(state.model), plain, rtol=1e-6)
+    assert_trees_close(from_pipeline_layout(state.model, config.schedule), plain, rtol=1e-6)
+
+
+def test_zb_v_places_layers_in_a_v_and_checkpoints_them_in_order(moe, assert_trees_close):
+    """Under zb_v stage 0 holds the first and the last chunk of layers. Checkpoints hold the
+    layers in order (so a run resumes under any schedule), and come back staged as they
+    were; weights loaded from a plain model (Hugging Face's road) are staged the same way."""
+    config = StepConfig(schedule=Schedule("zb_v", 2, 2, 2), optimizer=ADAM)
+    mesh = make_mesh(MeshConfig(pp=2), jax.devices()[:2])
+    make_model = functools.partial(models.DecoderLM, moe)
+    state = init_train_state(make_model, jax.random.key(3), config=config, mesh=mesh)
+    plain = models.DecoderLM(moe, key=jax.random.key(3))
+    staged_up = state.model.blocks.layers.mlp.router.weight
+    plain_up = plain.blocks.layers.mlp.router.weight
+    np.testing.assert_allclose(staged_up[:, 0, 0], plain_up[jnp.array([0, 3])], rtol=1e-6)
+    saved = checkpoint_layout(
+        state, train_state_axes(make_model, config=config), config.rules, config.schedule
+    )
+    assert_trees_close(saved.model, plain, rtol=1e-6)
+    target = abstract_train_state(make_model, config=config, mesh=mesh)
+    restored = from_checkpoint_layout(saved, target, config.schedule)
+    assert_trees_close(restored, state)
+    loaded = init_train_state_from(
+        make_model, jax.tree.map(np.asarray, plain), config=config, mesh=mesh
+    )
+    assert_trees_close(loaded.model, state.model, rtol=1e-6)
 
 
 def test_non_finite_step_is_skipped_and_counted(dense, make_batch):
@@ -259,7 +296,9 @@ def test_non_finite_step_is_skipped_and_counted(dense, make_batch):
     state = init_train_state(make_model, jax.random.key(0), config=config, mesh=mesh)
 
     def poisoned_loss(model, tokens, targets):
-        loss, metrics = sequential_loss(from_pipeline_layout(model), tokens, targets, config=config)
+        loss, metrics = sequential_loss(
+            from_pipeline_layout(model, config.schedule), tokens, targets, config=config
+        )
         return jnp.where(tokens[0, 0, 0] == 0, jnp.nan, loss), metrics
 
     step = jax.jit(lambda s, b: train_step(s, b, config=config, loss_fn=poisoned_loss))
@@ -456,10 +495,11 @@ def test_a_model_that_is_not_a_decoder_lm_trains_through_the_pipeline(
     mesh_state, many = run_steps(ResidualMLPLM, MeshConfig(dp=2, pp=2, tp=2), 2, ADAM, 3, 2)
     for one_metrics, many_metrics in zip(one, many, strict=True):
         np.testing.assert_allclose(many_metrics["loss"], one_metrics["loss"], rtol=1e-5)
+    one_plain = from_pipeline_layout(one_state.model, step_config(1, ADAM).schedule)
     assert_trees_close(
-        from_pipeline_layout(mesh_state.model), from_pipeline_layout(one_state.model)
+        from_pipeline_layout(mesh_state.model, step_config(2, ADAM, 2).schedule), one_plain
     )
-    trained = from_pipeline_layout(one_state.model).blocks.layers.mlp.up.weight
+    trained = one_plain.blocks.layers.mlp.up.weight
     assert not np.allclose(trained, model.blocks.layers.mlp.up.weight, rtol=1e-3)
 
 

@@ -17,6 +17,7 @@ import einops
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, PyTree
 
@@ -34,19 +35,45 @@ from eqxzoo.parallel.rules import (
 from eqxzoo.parallel.schedule import Schedule
 
 
-def stage_layers(layers: PyTree, stages: int, repeats: int) -> PyTree:
-    """View stacked layers ``(L, ...)`` as ``(repeats, stages, L / (stages repeats), ...)``."""
+def stage_layers(layers: PyTree, schedule: Schedule) -> PyTree:
+    """Stacked layers ``(L, ...)`` as ``(R, P, L / (P R), ...)``: chunk ``r`` of stage ``p``
+    holds the layers of the virtual stage the schedule places there
+    (`Schedule.virtual_stages`; a reshape for the looped placement, a gather for ``zb_v``)."""
+    placement = schedule.virtual_stages
+    looped = bool((placement.ravel() == np.arange(placement.size)).all())
 
     def view(array):
-        assert array.shape[0] % (stages * repeats) == 0, (array.shape, stages, repeats)
-        return einops.rearrange(array, "(r p k) ... -> r p k ...", r=repeats, p=stages)
+        assert array.shape[0] % placement.size == 0, (array.shape, placement.shape)
+        chunks = einops.rearrange(array, "(v k) ... -> v k ...", v=placement.size)
+        if not looped:
+            chunks = chunks[placement.ravel()]
+        return chunks.reshape(*placement.shape, *chunks.shape[1:])
 
     return jax.tree.map(view, layers)
 
 
-def unstage_layers(layers: PyTree) -> PyTree:
-    """Inverse of `stage_layers`: ``(R, P, k, ...)`` back to ``(L, ...)``."""
-    return jax.tree.map(lambda a: einops.rearrange(a, "r p k ... -> (r p k) ..."), layers)
+def unstage_layers(layers: PyTree, schedule: Schedule) -> PyTree:
+    """Inverse of `stage_layers`: ``(R, P, k, ...)`` back to ``(L, ...)`` in layer order."""
+    order = np.argsort(schedule.virtual_stages, axis=None)  # virtual stage -> chunk
+    looped = bool((order == np.arange(order.size)).all())
+
+    def plain(array):
+        chunks = einops.rearrange(array, "r p k ... -> (r p) k ...")
+        if not looped:
+            chunks = chunks[order]
+        return einops.rearrange(chunks, "v k ... -> (v k) ...")
+
+    return jax.tree.map(plain, layers)
+
+
+def restage_layers(layers: PyTree, source: Schedule, target: Schedule) -> PyTree:
+    """Staged ``layers`` of ``source``'s placement in ``target``'s (the same arrays when both
+    place alike; across devices a permutation of the chunks that move)."""
+    if (source.virtual_stages.shape == target.virtual_stages.shape) and (
+        source.virtual_stages == target.virtual_stages
+    ).all():
+        return layers
+    return stage_layers(unstage_layers(layers, source), target)
 
 
 def staged_axes(axes: PyTree[Axes]) -> PyTree[Axes]:
@@ -73,7 +100,8 @@ def run_pipeline(
 ) -> tuple[Float[Array, "microbatches batch seq embed"], dict[str, Array]]:
     """Apply staged ``layers`` to every microbatch, stage by stage on the ``pp`` mesh axis.
 
-    ``layers`` are stacked layers in the `stage_layers` layout; each layer is called as
+    ``layers`` are stacked layers in ``schedule``'s `stage_layers` layout (``zb_v``'s are
+    moved to the looped placement first: the forward runs ``circular``); each layer is called as
     ``layer(h, key=None) -> (h, aux)`` on a whole microbatch ``(batch, seq, embed)`` (the zoo's
     layers treat leading axes as independent sequences and average their aux values).
 
@@ -92,7 +120,7 @@ def run_pipeline(
     """
     assert mesh.shape["pp"] == schedule.stages, (mesh.shape, schedule)  # checked by the state
     check_stage_loops(layers, mesh)
-    schedule = schedule.forward_only
+    placed_by, schedule = schedule, schedule.forward_only
     # With one stage there is nothing to shift: run the same table without shard_map (XLA's
     # partitioner rejects the autodiff all-reduce over a size-1 manual pp axis next to dp).
     manual = schedule.stages > 1
@@ -103,6 +131,7 @@ def run_pipeline(
     if manual and jnp.dtype(compute_dtype).itemsize < 4:
         microbatches = microbatches.astype(jnp.float32)
     params, static = eqx.partition(layers, eqx.is_array)
+    params = restage_layers(params, placed_by, schedule)
     table = {name: jnp.asarray(values) for name, values in schedule.table().items()}
     n_stages, n_repeats = schedule.stages, schedule.repeats
     last_stage = n_stages - 1
@@ -217,10 +246,16 @@ def run_pipeline(
             axis_names={"pp"},
             check_vma=True,
         )(params, microbatches)
-    layer_aux = jax.tree.map(
-        lambda v: einops.rearrange(v, "p m r k ... -> m (r p k) ..."), aux_sums
-    )
+    layer_aux = jax.tree.map(lambda v: in_layer_order(v, schedule), aux_sums)
     return outputs[last_stage].astype(compute_dtype), layer_aux
+
+
+def in_layer_order(values: Array, schedule: Schedule) -> Array:
+    """Per-stage values of each chunk's layers for every microbatch ``(P, M, R, k, ...)`` as
+    ``(M, L, ...)``, layers in order."""
+    order = np.argsort(schedule.virtual_stages, axis=None)  # virtual stage -> chunk
+    chunks = einops.rearrange(values, "p m r k ... -> m (r p) k ...")[:, order]
+    return einops.rearrange(chunks, "m v k ... -> m (v k) ...")
 
 
 def _varying_over_pp(tree: PyTree, manual: bool = True) -> PyTree:

@@ -16,22 +16,24 @@ tick every stage looks up its action and runs it inside one `jax.lax.switch`:
   the input cotangent flows into the embedding's gradient instead);
 - W: the weight gradient only (zero bubble schedules defer it into the drain).
 
-The two `jax.lax.ppermute` (activations one stage on, cotangents one stage back, both around
-the ring so repeats wrap) run every tick outside the switch; what arrives is written into the
-slot the table names. Weight gradients accumulate stage-locally in the staged layout (sharded
-over ``pp`` like the weights); the embedding/head gradients accumulate on every stage and are
-summed over stages once at the end, outside the `shard_map`. MoE aux values are kept per
-microbatch and layer from its F; their sum over the layers travels on with the activation,
-so the last virtual stage has the microbatch's totals, differentiates the aux loss there,
-and sends that gradient back with the cotangent: a loss that pools the aux values of all
-layers (transformers' load-balance loss) is then exact in every stage's backward. Nothing of
-this is differentiated by autodiff: `pipeline_value_and_grad` returns values and gradients.
+A stage sends one thing a tick (an F's activation, a B's cotangent), up the ring and down
+it in two `jax.lax.ppermute` outside the switch; the table says which arrival a stage
+keeps and in which slot it lands (looped placements read activations from below and
+cotangents from above; ``zb_v`` reads both from either side, and keeps what its V's turn
+on stage ``P - 1`` hands to itself). Weight gradients accumulate stage-locally in the
+staged layout (sharded over ``pp`` like the weights); the embedding/head gradients
+accumulate on every stage and are summed over stages once at the end, outside the
+`shard_map`. MoE aux values are kept per microbatch and layer from its F; their sum over the
+layers travels on with the activation, so the last virtual stage has the microbatch's
+totals, differentiates the aux loss there, and sends that gradient back with the
+cotangent: a loss that pools the aux values of all layers (transformers' load-balance loss)
+is then exact in every stage's backward. Nothing of this is differentiated by autodiff:
+`pipeline_value_and_grad` returns values and gradients.
 """
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-import einops
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -49,7 +51,7 @@ from eqxzoo.parallel.backward_split import (
     stage_weight_grad,
 )
 from eqxzoo.parallel.mesh import check_stage_loops
-from eqxzoo.parallel.pipeline import _varying_over_pp
+from eqxzoo.parallel.pipeline import _varying_over_pp, in_layer_order
 from eqxzoo.parallel.rules import (
     DEFAULT_RULES,
     MeshAxes,
@@ -57,7 +59,7 @@ from eqxzoo.parallel.rules import (
     rule_axes,
     tree_shardings,
 )
-from eqxzoo.parallel.schedule import BW, IDLE, B, F, Schedule, W
+from eqxzoo.parallel.schedule import BW, FROM_ABOVE, FROM_BELOW, FROM_SELF, IDLE, B, F, Schedule, W
 
 FirstFn = Callable[[PyTree, Int[Array, "batch seq"]], Float[Array, "batch seq embed"]]
 LastFn = Callable[
@@ -105,14 +107,21 @@ def pipeline_value_and_grad(
     table = schedule.actions()
     n_stages, n_repeats = schedule.stages, schedule.repeats
     n_slots = table.slots
-    last_stage = n_stages - 1
     manual = n_stages > 1
+    virtual_stages = jnp.asarray(schedule.virtual_stages)
+    # The sources (`eqxzoo.parallel.schedule.SOURCES`) something arrives from, per buffer.
+    arrivals = {
+        name: [s for s in (FROM_BELOW, FROM_ABOVE, FROM_SELF) if (column[s] >= 0).any()]
+        for name, column in (("input", table.arrive_input), ("grad", table.arrive_grad))
+    }
+    sources = sorted(set(arrivals["input"]) | set(arrivals["grad"]))
     forward_shift = [(stage, (stage + 1) % n_stages) for stage in range(n_stages)]
     backward_shift = [(stage, (stage - 1) % n_stages) for stage in range(n_stages)]
     columns = {
         name: jnp.asarray(getattr(table, name))
-        for name in ("action", "microbatch", "repeat", "slot", "arrive_input", "arrive_grad")
+        for name in ("action", "microbatch", "repeat", "slot")
     }
+    arrive = {"input": jnp.asarray(table.arrive_input), "grad": jnp.asarray(table.arrive_grad)}
     # Per-layer data (integer arrays such as sliding windows) is staged with the weights but
     # never differentiated.
     layer_arrays, layer_static = eqx.partition(layers, eqx.is_array)
@@ -232,9 +241,7 @@ def pipeline_value_and_grad(
             zeros = jnp.zeros(h_shape.shape, h_shape.dtype)
             return TickResult(
                 send=zeros,
-                send_back=zeros,
                 send_totals=zeros_like(total_shapes),
-                send_back_aux_grad=zeros_like(total_shapes),
                 input=zeros,
                 grad=zeros,
                 aux_grad=zeros_like(total_shapes),
@@ -251,25 +258,29 @@ def pipeline_value_and_grad(
             """One tick of every stage: the action the table names, then the exchange with
             the neighbouring stages."""
             t, tokens_m, targets_m = tick_inputs
-            inputs, grads, residuals = carry.inputs, carry.grads, carry.residuals
+            residuals = carry.residuals
             row = {name: column[t, stage] for name, column in columns.items()}
             kind, r, slot = row["action"], row["repeat"], row["slot"]
-            # What the neighbours sent at the tick before lands in the slot the table names.
-            inputs = _write(inputs, row["arrive_input"], carry.received.astype(h_shape.dtype))
-            grads = _write(grads, row["arrive_grad"], carry.received_grad.astype(h_shape.dtype))
-            input_totals = jax.tree.map(
-                lambda buffer, value: _write(buffer, row["arrive_input"], value),
-                carry.input_totals,
-                carry.received_totals,
-            )
-            aux_grads = jax.tree.map(
-                lambda buffer, value: _write(buffer, row["arrive_grad"], value),
-                carry.aux_grads,
-                carry.received_aux_grad,
-            )
+            # What was sent at the tick before (by the stage below, the stage above or this
+            # one) lands in the slot the table names: activations with the aux totals so
+            # far, cotangents with the aux loss's gradient.
+            stash = {
+                "input": (carry.inputs, carry.input_totals),
+                "grad": (carry.grads, carry.aux_grads),
+            }
+            for name, sources in arrivals.items():
+                for source in sources:
+                    at = arrive[name][source, t, stage]
+                    value, tree = carry.received[source]
+                    buffer, trees = stash[name]
+                    stash[name] = (
+                        _write(buffer, at, value.astype(h_shape.dtype)),
+                        jax.tree.map(lambda b, v, at=at: _write(b, at, v), trees, tree),
+                    )
+            (inputs, input_totals), (grads, aux_grads) = stash["input"], stash["grad"]
             weights, data = jax.tree.map(lambda p: p[r], (layer_params, layer_data))
-            is_first = (stage == 0) & (r == 0)
-            is_last = (stage == last_stage) & (r == n_repeats - 1)
+            is_first = virtual_stages[r, stage] == 0
+            is_last = virtual_stages[r, stage] == n_stages * n_repeats - 1
             stashed_residuals = jax.tree.map(lambda buffer: buffer[slot], residuals)
 
             def stage_input():
@@ -284,14 +295,7 @@ def pipeline_value_and_grad(
                 fill_totals = jax.tree.map(
                     lambda s: jnp.full(s.shape, bubble_fill, s.dtype), total_shapes
                 )
-                return varying(
-                    nothing()._replace(
-                        send=fill,
-                        send_back=fill,
-                        send_totals=fill_totals,
-                        send_back_aux_grad=fill_totals,
-                    )
-                )
+                return varying(nothing()._replace(send=fill, send_totals=fill_totals))
 
             def forward() -> TickResult:
                 h_in = stage_input()
@@ -361,9 +365,7 @@ def pipeline_value_and_grad(
                             lambda: varying(embedding_grads(tokens_m, d_h)),
                             lambda: varying(zeros_like(outer_params)),
                         )
-                        result = result._replace(
-                            send_back=d_h, send_back_aux_grad=aux_grad, d_outer=d_outer
-                        )
+                        result = result._replace(send=d_h, send_totals=aux_grad, d_outer=d_outer)
                     return varying(result)
 
                 return run
@@ -398,10 +400,7 @@ def pipeline_value_and_grad(
                             lambda: varying(zeros_like(outer_params)),
                         )
                         result = result._replace(
-                            send_back=d_h,
-                            send_back_aux_grad=aux_grad,
-                            d_outer=d_outer,
-                            w_stash=list(w_stash),
+                            send=d_h, send_totals=aux_grad, d_outer=d_outer, w_stash=list(w_stash)
                         )
                     if weight_grad:
                         d_weights = stage_weight_grad(
@@ -425,26 +424,33 @@ def pipeline_value_and_grad(
                 kind,
                 [branches[action] if action in scheduled else idle for action in sorted(branches)],
             )
-            # Across stages in float32: XLA:CPU fails to compile bfloat16 collectives.
-            send = (result.send.astype(transport_dtype), result.send_totals)
-            send_back = (result.send_back.astype(transport_dtype), result.send_back_aux_grad)
-            if manual:
-                send = jax.lax.ppermute(send, "pp", forward_shift)
-                send_back = jax.lax.ppermute(send_back, "pp", backward_shift)
+            # A stage sends one thing a tick (an F's activation, a B's cotangent) to the
+            # stage below or above (or keeps it, on a V's turn): around the ring both ways,
+            # in float32 (XLA:CPU fails to compile bfloat16 collectives).
+            sent = (result.send.astype(transport_dtype), result.send_totals)
+            shifts = {FROM_BELOW: forward_shift, FROM_ABOVE: backward_shift}
+            received = {
+                source: (
+                    jax.lax.ppermute(sent, "pp", shifts[source])
+                    if manual and source in shifts
+                    else sent
+                )
+                for source in sources
+            }
             stash = carry._replace(
                 inputs=inputs, grads=grads, input_totals=input_totals, aux_grads=aux_grads
             )
             item = (kind, slot, row["microbatch"], r)
-            return _next_carry(stash, result, item, send, send_back), None
+            return _next_carry(stash, result, item, received), None
 
         slot_buffer = jnp.zeros((n_slots, *h_shape.shape), h_shape.dtype)
         total_slots = jax.tree.map(lambda s: jnp.zeros((n_slots, *s.shape), s.dtype), total_shapes)
         init = varying(
             TickCarry(
-                received=jnp.zeros(h_shape.shape, transport_dtype),
-                received_grad=jnp.zeros(h_shape.shape, transport_dtype),
-                received_totals=zeros_like(total_shapes),
-                received_aux_grad=zeros_like(total_shapes),
+                received={
+                    source: (jnp.zeros(h_shape.shape, transport_dtype), zeros_like(total_shapes))
+                    for source in sources
+                },
                 inputs=slot_buffer,
                 grads=slot_buffer,
                 input_totals=total_slots,
@@ -506,26 +512,22 @@ def pipeline_value_and_grad(
         layer_params, layer_data, outer_params, tick_tokens, tick_targets
     )
     outer_grads = jax.tree.map(lambda g: g.sum(axis=0), outer_grads)
-    layer_aux = jax.tree.map(
-        lambda v: einops.rearrange(v, "p m r k ... -> m (r p k) ..."), aux_sums
-    )
+    layer_aux = jax.tree.map(lambda v: in_layer_order(v, schedule), aux_sums)
     return loss_sums.sum(axis=0), layer_aux, layer_grads, outer_grads
 
 
 class TickResult(NamedTuple):
-    """What one stage's action produces in one tick (zeros for what it does not): the
-    activation it sends on with the microbatch's aux totals so far (``send``,
-    ``send_totals``) and the cotangent it sends back with the aux loss's gradient
-    (``send_back``, ``send_back_aux_grad``); the stage input and output cotangent it stashes
+    """What one stage's action produces in one tick (zeros for what it does not): what it
+    sends (``send`` with ``send_totals``: an F's activation with the microbatch's aux totals
+    so far, or a B's cotangent with the aux loss's gradient); the stage input and output
+    cotangent it stashes
     (``input``, and ``grad`` with ``aux_grad`` when ``write_grad``) with the residuals of its
     pullback (``residuals``, without stage remat); its share of the weight gradient of the
     repeat it ran (``d_layers``), of the outer parameters (``d_outer``), of the loss's parts
     (``loss``) and the layers' aux values (``aux``)."""
 
     send: Array
-    send_back: Array
     send_totals: dict[str, Array]
-    send_back_aux_grad: dict[str, Array]
     input: Array
     grad: Array
     aux_grad: dict[str, Array]
@@ -539,16 +541,13 @@ class TickResult(NamedTuple):
 
 
 class TickCarry(NamedTuple):
-    """What a stage carries from tick to tick: what arrived from its neighbours
-    (``received`` with ``received_totals``, ``received_grad`` with ``received_aux_grad``),
-    its stash (``inputs``, ``grads``, ``input_totals``, ``aux_grads``, ``residuals``: one
+    """What a stage carries from tick to tick: what was sent to it at the tick before,
+    ``received[source]`` (the value and its aux tree, from each source some arrival of the
+    table reads: `eqxzoo.parallel.schedule.SOURCES`), its stash (``inputs``, ``grads``, ``input_totals``, ``aux_grads``, ``residuals``: one
     slot per item in flight) and its sums (``layer_grads`` per repeat, ``outer_grads``,
     ``loss``, ``aux`` per microbatch and repeat)."""
 
-    received: Array
-    received_grad: Array
-    received_totals: dict[str, Array]
-    received_aux_grad: dict[str, Array]
+    received: dict[int, tuple[Array, dict[str, Array]]]
     inputs: Array
     grads: Array
     input_totals: dict[str, Array]
@@ -565,8 +564,7 @@ def _next_carry(
     carry: TickCarry,
     result: TickResult,
     item: tuple[Array, Array, Array, Array],
-    received: tuple[Array, dict[str, Array]],
-    received_grad: tuple[Array, dict[str, Array]],
+    received: dict[int, tuple[Array, dict[str, Array]]],
 ) -> TickCarry:
     """The carry after a tick: what the neighbours sent, the item's stage input, output
     cotangent and residuals stashed in its slot (the input and residuals by its F), and the
@@ -576,10 +574,7 @@ def _next_carry(
     forward_slot = jnp.where(kind == F, slot, -1)
     grad_slot = jnp.where(result.write_grad, slot, -1)
     return TickCarry(
-        received=received[0],
-        received_grad=received_grad[0],
-        received_totals=received[1],
-        received_aux_grad=received_grad[1],
+        received=received,
         inputs=_write(carry.inputs, forward_slot, result.input),
         grads=_write(carry.grads, grad_slot, result.grad),
         input_totals=carry.input_totals,

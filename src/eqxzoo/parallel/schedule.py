@@ -1,9 +1,18 @@
 """Pipeline schedules as data: static tables of (tick, stage) -> what the stage does.
 
-The layers are viewed as ``[repeats R, stages P, layers_per_stage]``. A microbatch passes
-through stages ``0..P-1`` once per repeat (layer order is unchanged: repeat ``r`` of stage
-``p`` holds layers ``(r P + p) k .. (r P + p + 1) k - 1``): its *virtual stage* ``v = r P + p``
-is one chunk of ``k`` layers. Every stage acts in lockstep, one action per tick.
+The layers are viewed as ``[repeats R, stages P, layers_per_stage]``: chunk ``r`` of stage
+``p`` holds the ``k`` layers of one *virtual stage* ``v`` (layers ``v k .. (v + 1) k - 1``),
+which a microbatch visits in the order ``v = 0 .. R P - 1``. Where each virtual stage sits is
+the schedule's *placement* (`Schedule.virtual_stages`):
+
+- looped (every schedule but ``zb_v``): ``v = r P + p``, a microbatch passes through stages
+  ``0..P-1`` once per repeat, around the ring;
+- V-shaped (``zb_v``, ``R = 2``): stage ``p`` holds ``v = p`` and ``v = 2P - 1 - p``, a
+  microbatch goes down the stages and back up, so the last virtual stage (the loss) sits on
+  stage 0 beside the first, and the hand-over between the two halves stays on stage
+  ``P - 1``.
+
+Every stage acts in lockstep, one action per tick.
 
 Forward schedules, differentiated by autodiff (`eqxzoo.parallel.pipeline`):
 
@@ -25,6 +34,11 @@ gradient), W (weight gradient) and BW (both at once):
 - ``zb_h1`` (zero bubble, Qi et al. 2023, "H1": 1F1B's memory): 1F1B with every BW split into
   B and W, stage ``p`` deferring its Ws by ``p`` microbatches, so the last stages fill the
   drain with weight gradients. In flight: at most ``P`` microbatches.
+- ``zb_v`` (zero bubble, V-shaped placement, ``R = 2``): the stage orders come from a greedy
+  lockstep list schedule (`_zero_bubble_v_orders`): each tick a stage runs a ready B, else a
+  ready F while it keeps fewer than ``2P`` chunks (``P`` stages' worth: 1F1B's first stage),
+  else its oldest pending W. With the loss beside the first stage the backward starts where
+  the forward did, and Ws fill what is left: near-zero bubble at 1F1B's activation memory.
 
 Each table is built by running every stage's ordered list of actions in lockstep (an action
 runs at the first tick its inputs exist: an F after the previous chunk's F, a B after the
@@ -45,10 +59,13 @@ import numpy as np
 from eqxzoo.errors import UserError
 from eqxzoo.typed_config import check_fields
 
-ScheduleName = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1"]
+ScheduleName = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v"]
 
 IDLE, F, B, W, BW = 0, 1, 2, 3, 4
 ACTION_NAMES = {IDLE: "idle", F: "F", B: "B", W: "W", BW: "BW"}
+# Where what a stage receives was sent from (`ActionTable.arrive_input`, ``arrive_grad``).
+FROM_BELOW, FROM_ABOVE, FROM_SELF = 0, 1, 2
+SOURCES = (FROM_BELOW, FROM_ABOVE, FROM_SELF)
 
 
 class ScheduleError(UserError, ValueError):
@@ -57,21 +74,36 @@ class ScheduleError(UserError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Costs:
-    """Time of one stage's action on a whole stage's layers, in units of a forward."""
+    """Time of one stage's action on a whole stage's layers, in units of a forward:
+    F (``forward``), B (``input_grad``), W (``weight_grad``) and BW (``both``; ``None``: B
+    plus W, as when the backward is cut into B and W without repeating work)."""
 
     forward: float = 1.0
     input_grad: float = 1.0
     weight_grad: float = 1.0
+    both: float | None = None
+
+    def prices(self) -> np.ndarray:
+        """The cost of each action kind, indexed by IDLE, F, B, W, BW."""
+        price = np.zeros(5)
+        price[F] = self.forward
+        price[B] = self.input_grad
+        price[W] = self.weight_grad
+        price[BW] = self.input_grad + self.weight_grad if self.both is None else self.both
+        return price
 
 
 @dataclasses.dataclass(frozen=True)
 class ActionTable:
     """A forward-and-backward schedule, each array ``(ticks, stages)``.
 
-    ``action`` (IDLE, F, B, W, BW), ``microbatch`` and ``repeat`` of the item acted on,
-    ``slot``: its stash slot; ``arrive_input`` / ``arrive_grad``: the slot where the
-    activation (cotangent) that the previous (next) stage sent at the tick before lands, or
-    -1. ``slots`` is the stash size (the most items in flight on a stage).
+    ``action`` (IDLE, F, B, W, BW), ``microbatch`` and ``repeat`` (chunk) of the item acted
+    on, ``slot``: its stash slot. What a stage sent at the tick before arrives from one of
+    three ``SOURCES`` (`FROM_BELOW`: stage ``p - 1``, around the ring; `FROM_ABOVE`: stage
+    ``p + 1``; `FROM_SELF`: the stage itself, on a V's turn), each ``(3, ticks, stages)``:
+    ``arrive_input[source]`` / ``arrive_grad[source]``, the slot where an activation
+    (cotangent) from that source lands, or -1. ``slots`` is the stash size (the most items
+    in flight on a stage).
     """
 
     action: np.ndarray
@@ -108,6 +140,16 @@ class Schedule:
         return SCHEDULES[self.name]
 
     @property
+    def virtual_stages(self) -> np.ndarray:
+        """``(R, P)``: the virtual stage that chunk ``r`` of stage ``p`` holds."""
+        return self.spec.placement(self.stages, self.repeats)
+
+    def place(self, virtual_stage: int) -> tuple[int, int]:
+        """``(stage, chunk)`` where ``virtual_stage`` sits."""
+        (chunk,), (stage,) = np.nonzero(self.virtual_stages == virtual_stage)
+        return int(stage), int(chunk)
+
+    @property
     def fuses_backward(self) -> bool:
         """Whether the schedule runs the backward itself (the 1F1B family)."""
         return self.spec.fuses_backward
@@ -115,7 +157,8 @@ class Schedule:
     @property
     def forward_only(self) -> "Schedule":
         """The forward schedule over the same stages, microbatches and repeats (``gpipe`` or
-        ``circular``): what evaluation, which needs no backward, runs."""
+        ``circular``, looped): what evaluation, which needs no backward, runs (``zb_v``'s
+        layers are first moved to the looped placement: `restage_layers`)."""
         if not self.fuses_backward:
             return self
         name = "circular" if self.repeats > 1 else "gpipe"
@@ -153,18 +196,14 @@ class Schedule:
     def modelled_time(self, costs: Costs = Costs()) -> float:
         """The step's time in the lockstep model: the sum over ticks of the slowest stage's
         action, each action on a chunk costing ``1/R`` of it on a whole stage."""
-        table = self.actions()
-        price = np.zeros(5)
-        price[F] = costs.forward
-        price[B] = costs.input_grad
-        price[W] = costs.weight_grad
-        price[BW] = costs.input_grad + costs.weight_grad
-        return float(price[table.action].max(axis=1).sum() / self.repeats)
+        price = costs.prices()
+        return float(price[self.actions().action].max(axis=1).sum() / self.repeats)
 
     def bubble_fraction(self, costs: Costs = Costs()) -> float:
-        """The idle share of the modelled step: ``1 - useful / modelled_time``."""
-        useful = self.microbatches * (costs.forward + costs.input_grad + costs.weight_grad)
-        return 1.0 - useful / self.modelled_time(costs)
+        """The idle share of the modelled step: ``1 - busy / modelled_time``, ``busy`` a
+        stage's own work (the mean over stages of its actions' costs)."""
+        busy = costs.prices()[self.actions().action].sum() / (self.stages * self.repeats)
+        return 1.0 - busy / self.modelled_time(costs)
 
     def in_flight(self) -> int:
         """The most microbatch chunks a stage keeps at once (its stash, in chunks of ``1/R``
@@ -181,18 +220,28 @@ def stage_orders(schedule: Schedule) -> list[list[tuple[int, int, int]]]:
 Action = tuple[int, int, int]  # (kind, microbatch, repeat)
 
 
+def _looped(P: int, R: int) -> np.ndarray:
+    return np.arange(R * P).reshape(R, P)
+
+
+def _v_shaped(P: int, R: int) -> np.ndarray:
+    return np.stack([np.arange(P), np.arange(2 * P - 1, P - 1, -1)])
+
+
 @dataclasses.dataclass(frozen=True)
 class ScheduleSpec:
     """One schedule: its ``name``; whether the 1F1B-family executor runs it
     (``fuses_backward``; else its forward table is differentiated by autodiff); ``check``,
     which refuses the (stages, microbatches, repeats) it cannot run with a `ScheduleError`;
-    and ``stage_order(P, M, R, stage)``, the stage's actions in the order it runs them, from
-    which the action table (and a forward schedule's forward table) is built."""
+    ``stage_order(P, M, R, stage)``, the stage's actions in the order it runs them, from
+    which the action table (and a forward schedule's forward table) is built; and
+    ``placement(P, R)``, the ``(R, P)`` virtual stage of each chunk of each stage."""
 
     name: str
     fuses_backward: bool
     check: Callable[[Schedule], None]
     stage_order: Callable[[int, int, int, int], list[Action]]
+    placement: Callable[[int, int], np.ndarray] = dataclasses.field(default_factory=lambda: _looped)
 
 
 def _one_repeat(schedule: Schedule) -> None:
@@ -264,6 +313,77 @@ def _zero_bubble_h1(P: int, M: int, R: int, stage: int) -> list[Action]:
     return _split_and_defer_weight_grads(_one_f_one_b(P, M, R, stage), delay=stage)
 
 
+def _check_v(schedule: Schedule) -> None:
+    if schedule.repeats != 2:
+        raise ScheduleError(
+            f"the zb_v schedule places two chunks on each stage (a V), got "
+            f"repeats={schedule.repeats}: set pipeline.repeats = 2",
+            field="repeats",
+        )
+
+
+def _zero_bubble_v(P: int, M: int, R: int, stage: int) -> list[Action]:
+    return _zero_bubble_v_orders(P, M)[stage]
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_bubble_v_orders(P: int, M: int) -> list[list[Action]]:
+    """Every stage's ZB-V actions, from a greedy lockstep list schedule on the V placement.
+
+    Each tick, each stage runs the first of: a ready B (the chunk nearer the loss first: the
+    backward's critical path), a ready F while fewer than ``2P`` of its chunks are in flight
+    (from F to W; the chunk nearer the loss first), its oldest pending W. An action is ready
+    once what it reads was done at an earlier tick, as `_action_table` requires.
+    """
+    placement = _v_shaped(P, 2)
+    last = 2 * P - 1
+    done: dict[tuple[int, int, int], int] = {}  # (kind, m, virtual stage) -> tick
+    orders: list[list[Action]] = [[] for _ in range(P)]
+    next_forward = [[0, 0] for _ in range(P)]
+    next_backward = [[0, 0] for _ in range(P)]
+    pending = [[] for _ in range(P)]  # per stage: (m, chunk) whose W is still to run
+    in_flight = [0] * P
+
+    def before(key, tick: int) -> bool:
+        return done.get(key, tick) < tick
+
+    def choose(stage: int, tick: int) -> Action | None:
+        for chunk in (1, 0):
+            m, v = next_backward[stage][chunk], int(placement[chunk, stage])
+            if m < M and before((F, m, v), tick) and (v == last or before((B, m, v + 1), tick)):
+                return (B, m, chunk)
+        if in_flight[stage] < 2 * P:
+            for chunk in (1, 0):
+                m, v = next_forward[stage][chunk], int(placement[chunk, stage])
+                if m < M and (v == 0 or before((F, m, v - 1), tick)):
+                    return (F, m, chunk)
+        if pending[stage]:
+            return (W, *pending[stage][0])
+        return None
+
+    tick = 0
+    while any(len(order) < 3 * M * 2 for order in orders):
+        row = [choose(stage, tick) for stage in range(P)]
+        assert any(row), f"zb_v P={P} M={M}: the greedy schedule stalls at tick {tick}"
+        for stage, action in enumerate(row):
+            if action is None:
+                continue
+            kind, m, chunk = action
+            done[(kind, m, int(placement[chunk, stage]))] = tick
+            orders[stage].append(action)
+            if kind == F:
+                next_forward[stage][chunk] += 1
+                in_flight[stage] += 1
+            elif kind == B:
+                next_backward[stage][chunk] += 1
+                pending[stage].append((m, chunk))
+            else:
+                pending[stage].pop(0)
+                in_flight[stage] -= 1
+        tick += 1
+    return orders
+
+
 SCHEDULES: dict[str, ScheduleSpec] = {
     spec.name: spec
     for spec in (
@@ -272,6 +392,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         ScheduleSpec("1f1b", True, _one_repeat, _one_f_one_b),
         ScheduleSpec("interleaved_1f1b", True, _check_interleaved, _interleaved_one_f_one_b),
         ScheduleSpec("zb_h1", True, _one_repeat, _zero_bubble_h1),
+        ScheduleSpec("zb_v", True, _check_v, _zero_bubble_v, _v_shaped),
     )
 }
 
@@ -294,13 +415,14 @@ def _split_and_defer_weight_grads(order, delay: int):
 def _action_table(schedule: Schedule) -> ActionTable:
     P, R = schedule.stages, schedule.repeats
     V = P * R
+    placement = schedule.virtual_stages
     orders = stage_orders(schedule)
     done: dict[tuple[int, int, int], int] = {}  # (kind, m, virtual stage) -> tick
     position = [0] * P
     rows: list[list[tuple[int, int, int]]] = []
 
     def ready(kind: int, m: int, r: int, stage: int, tick: int) -> bool:
-        v = r * P + stage
+        v = int(placement[r, stage])
         if kind == F:
             return v == 0 or done.get((F, m, v - 1), tick) < tick
         if kind in (B, BW):
@@ -325,7 +447,7 @@ def _action_table(schedule: Schedule) -> ActionTable:
             raise AssertionError(f"{schedule}: the stage orders deadlock at tick {tick}")
         for stage, (kind, m, r) in enumerate(row):
             if kind != IDLE:
-                done[(kind, m, r * P + stage)] = tick
+                done[(kind, m, int(placement[r, stage]))] = tick
                 position[stage] += 1
         rows.append(row)
         tick += 1
@@ -340,8 +462,8 @@ def _with_slots(schedule: Schedule, rows, done) -> ActionTable:
     ticks = len(rows)
     shape = (ticks, P)
     table = {name: np.zeros(shape, np.int32) for name in ("action", "microbatch", "repeat", "slot")}
-    arrive_input = np.full(shape, -1, np.int32)
-    arrive_grad = np.full(shape, -1, np.int32)
+    arrive_input = np.full((len(SOURCES), *shape), -1, np.int32)
+    arrive_grad = np.full((len(SOURCES), *shape), -1, np.int32)
     for tick, row in enumerate(rows):
         for stage, (kind, m, r) in enumerate(row):
             table["action"][tick, stage] = kind
@@ -355,7 +477,7 @@ def _with_slots(schedule: Schedule, rows, done) -> ActionTable:
     for (kind, m, v), tick in done.items():
         if kind != F:
             continue
-        stage, r = v % P, v // P
+        stage, r = schedule.place(v)
         start = tick if v == 0 else done[(F, m, v - 1)] + 1
         events[stage].append((start, last_backward(m, v), m, r))
     slots = 0
@@ -373,13 +495,20 @@ def _with_slots(schedule: Schedule, rows, done) -> ActionTable:
         for stage, (kind, m, r) in enumerate(row):
             if kind != IDLE:
                 table["slot"][tick, stage] = slot_of[(stage, m, r)]
+
+    def source(sender: int, receiver: int) -> int:
+        if sender == receiver:
+            return FROM_SELF
+        return FROM_BELOW if receiver == (sender + 1) % P else FROM_ABOVE
+
     for (kind, m, v), tick in done.items():
+        sender, _ = schedule.place(v)
         if kind == F and v < V - 1 and tick + 1 < ticks:
-            stage, r = (v + 1) % P, (v + 1) // P
-            arrive_input[tick + 1, stage] = slot_of[(stage, m, r)]
+            stage, r = schedule.place(v + 1)
+            arrive_input[source(sender, stage), tick + 1, stage] = slot_of[(stage, m, r)]
         if kind in (B, BW) and v > 0 and tick + 1 < ticks:
-            stage, r = (v - 1) % P, (v - 1) // P
-            arrive_grad[tick + 1, stage] = slot_of[(stage, m, r)]
+            stage, r = schedule.place(v - 1)
+            arrive_grad[source(sender, stage), tick + 1, stage] = slot_of[(stage, m, r)]
     return ActionTable(
         **table, arrive_input=arrive_input, arrive_grad=arrive_grad, slots=max(slots, 1)
     )

@@ -8,7 +8,7 @@
                   or init_from_hf = "DIR": architecture and weights from a Hugging Face
                   checkpoint (`models.hf.config_with_hf`)
     [mesh]        dp, pp, tp, ep (`eqxzoo.parallel.MeshConfig`)
-    [pipeline]    schedule ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1"),
+    [pipeline]    schedule ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v"),
                   microbatches (M), repeats (R), remat_stages
     [optimizer]   `eqxzoo.optim.OptimizerConfig` (decay_steps defaults to run.steps)
     [precision]   params, compute, output (`eqxzoo.train.settings.Precision`)
@@ -131,8 +131,9 @@ class PipelineConfig:
 
     ``gpipe`` runs each stage's layers once per microbatch (``repeats = 1``); ``circular``
     splits the layers into ``repeats`` rounds over the stages (needs ``microbatches >= pp``).
-    ``1f1b``, ``interleaved_1f1b`` (``repeats > 1``) and ``zb_h1`` run the backward in the
-    same scan and keep at most ~``pp`` microbatches of activations. ``remat_stages``
+    ``1f1b``, ``interleaved_1f1b`` (``repeats > 1``), ``zb_h1`` and ``zb_v`` (``repeats = 2``,
+    chunks placed in a V) run the backward in the same scan and keep at most ~``pp``
+    microbatches of activations. ``remat_stages``
     recomputes each stage's activations in the backward pass.
     """
 

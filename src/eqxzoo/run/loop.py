@@ -354,7 +354,9 @@ class _Trainer:
             self.step = 0
             self.skipped_total = 0
             return
-        self.state = from_checkpoint_layout(restored.state, self.target, consume=True)
+        self.state = from_checkpoint_layout(
+            restored.state, self.target, self.step_config.schedule, consume=True
+        )
         self.step = restored.step
         self.skipped_total = int(restored.meta.get("skipped_total", 0))
         self.say(f"resumed from the checkpoint at step {self.step}")
@@ -532,11 +534,14 @@ class _Trainer:
         }
         # The state is converted to the checkpoint layout array by array, in place, and back
         # after the save: a second copy of a state that fills the host would not fit.
-        plain = checkpoint_layout(self.state, self.axes, self.step_config.rules, consume=True)
+        schedule = self.step_config.schedule
+        plain = checkpoint_layout(
+            self.state, self.axes, self.step_config.rules, schedule, consume=True
+        )
         try:
             return self.checkpointer.save(self.step, plain, self.batches, meta)
         finally:
-            self.state = from_checkpoint_layout(plain, self.target, consume=True)
+            self.state = from_checkpoint_layout(plain, self.target, schedule, consume=True)
 
     def plot_at_the_end(self, error_type, error, traceback) -> None:
         """On process 0, once the run trained, ended well and its metrics are closed, but with

@@ -2,8 +2,9 @@
 
 In the pipeline layout the stacked blocks are viewed as ``(R, P, k, ...)`` (repeats, stages,
 layers per stage) and sharded over ``pp`` on ``P``: what the step reads. Checkpoints hold
-every staged array as ``(L, ...)``, the layer axis sharded over ``pp`` where ``P`` was, so a
-checkpoint restores onto another ``pp`` or ``repeats`` (the layer order never changes). A
+every staged array as ``(L, ...)`` in layer order, the layer axis sharded over ``pp`` where
+``P`` was, so a checkpoint restores onto another ``pp``, ``repeats`` or placement (``zb_v``
+places chunks in a V: `eqxzoo.parallel.Schedule.virtual_stages`). A
 leaf is staged when its logical axes (`eqxzoo.train.state.train_state_axes`) start with
 ``repeats, stages, layers``: the model's blocks and the optimizer moments that mirror them.
 """
@@ -34,13 +35,16 @@ def to_pipeline_layout(model: LanguageModel, schedule: Schedule) -> LanguageMode
     return eqx.tree_at(
         lambda m: m.blocks.layers,
         model,
-        stage_layers(model.blocks.layers, schedule.stages, schedule.repeats),
+        stage_layers(model.blocks.layers, schedule),
     )
 
 
-def from_pipeline_layout(model: LanguageModel) -> LanguageModel:
-    """The plain model (blocks with one leading layer axis) from the pipeline layout."""
-    return eqx.tree_at(lambda m: m.blocks.layers, model, unstage_layers(model.blocks.layers))
+def from_pipeline_layout(model: LanguageModel, schedule: Schedule) -> LanguageModel:
+    """The plain model (blocks with one leading layer axis, in layer order) from
+    ``schedule``'s pipeline layout."""
+    return eqx.tree_at(
+        lambda m: m.blocks.layers, model, unstage_layers(model.blocks.layers, schedule)
+    )
 
 
 def _is_staged(axes: Axes) -> bool:
@@ -48,12 +52,24 @@ def _is_staged(axes: Axes) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _reshape_to(shape: tuple[int, ...], sharding: NamedSharding):
-    return jax.jit(lambda leaf: leaf.reshape(shape), out_shardings=sharding)
+def _relayout_to(ndim: int, shape: tuple[int, ...], sharding: NamedSharding, schedule: Schedule):
+    """``(R, P, k, ...)`` to ``(L, ...)`` or back (from ``ndim`` to ``shape``'s rank) in
+    ``schedule``'s placement, onto ``sharding``."""
+
+    def convert(leaf):
+        if len(shape) == ndim - 2:
+            return unstage_layers(leaf, schedule)
+        if len(shape) == ndim + 2:
+            return stage_layers(leaf, schedule)
+        return leaf.reshape(shape)
+
+    return jax.jit(convert, out_shardings=sharding)
 
 
-def _relayout(state: TrainState, target: TrainState, *, consume: bool) -> TrainState:
-    """``state``'s arrays reshaped to ``target``'s shapes and shardings, one array at a time;
+def _relayout(
+    state: TrainState, target: TrainState, schedule: Schedule, *, consume: bool
+) -> TrainState:
+    """``state``'s arrays in ``target``'s shapes and shardings, one array at a time;
     with ``consume``, each reshaped source array is deleted at once, so the conversion never
     holds more than the state plus its largest array (moe_1b on CPU has no room for two
     states). Arrays already in their target form are passed through."""
@@ -63,7 +79,8 @@ def _relayout(state: TrainState, target: TrainState, *, consume: bool) -> TrainS
             return leaf
         # One conversion at a time: XLA:CPU's in-process collectives can starve each other
         # of threads when many small resharding programs run at once.
-        converted = jax.block_until_ready(_reshape_to(goal.shape, goal.sharding)(leaf))
+        convert_to = _relayout_to(leaf.ndim, goal.shape, goal.sharding, schedule)
+        converted = jax.block_until_ready(convert_to(leaf))
         if consume:
             leaf.delete()
         return converted
@@ -95,23 +112,24 @@ def checkpoint_layout(
     state: TrainState,
     axes: PyTree[Axes],
     rules: Mapping[str, MeshAxes],
+    schedule: Schedule,
     *,
     consume: bool = False,
 ) -> TrainState:
-    """The state with every staged ``(R, P, k, ...)`` array viewed as ``(L, ...)``: what
-    checkpoints hold. With ``consume`` the staged arrays of ``state`` are deleted as they
-    are converted."""
+    """The state with every array staged by ``schedule`` ``(R, P, k, ...)`` as ``(L, ...)``
+    in layer order: what checkpoints hold. With ``consume`` the staged arrays of ``state``
+    are deleted as they are converted."""
     shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
     target = abstract_checkpoint_layout(abstract_state(state, shardings), axes, rules)
-    return _relayout(state, target, consume=consume)
+    return _relayout(state, target, schedule, consume=consume)
 
 
 def from_checkpoint_layout(
-    state: TrainState, target: TrainState, *, consume: bool = False
+    state: TrainState, target: TrainState, schedule: Schedule, *, consume: bool = False
 ) -> TrainState:
-    """Inverse of `checkpoint_layout` onto ``target``'s shapes and shardings (``consume``:
-    delete each converted array of ``state``)."""
-    return _relayout(state, target, consume=consume)
+    """Inverse of `checkpoint_layout` onto ``target``'s shapes and shardings, staged by
+    ``schedule`` (``consume``: delete each converted array of ``state``)."""
+    return _relayout(state, target, schedule, consume=consume)
 
 
 def abstract_checkpoint_state(

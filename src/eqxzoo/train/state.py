@@ -69,7 +69,7 @@ def _init_pipeline_model(
     would generate all L layers, twice its share, plus threefry's temporaries.
     """
     model = make_model(key=key)  # its plain blocks are dead code under jit
-    layer_keys = stage_layers(model.block_keys(key), schedule.stages, schedule.repeats)
+    layer_keys = stage_layers(model.block_keys(key), schedule)
     return eqx.tree_at(lambda m: m.blocks.layers, model, model.make_layers(layer_keys))
 
 
@@ -188,34 +188,38 @@ def _index_bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tup
 
 
 def _read_staged(
-    source: Any, bounds: tuple[tuple[int, int], ...], staged_shape: tuple[int, ...]
+    source: Any,
+    bounds: tuple[tuple[int, int], ...],
+    staged_shape: tuple[int, ...],
+    placement: np.ndarray,
 ) -> np.ndarray:
     """The shard ``bounds`` of the ``(R, P, k, ...)`` view of a stacked ``(L, ...)``
-    ``source``: layer ``(r P + p) k + i`` sits at ``[r, p, i]`` (`stage_layers`), so each
-    ``(r, p)`` of the shard is one run of consecutive layers."""
+    ``source``: layer ``v k + i`` sits at ``[r, p, i]`` where ``placement[r, p] == v``
+    (`stage_layers`), so each ``(r, p)`` of the shard is one run of consecutive layers."""
     (r0, r1), (p0, p1), (i0, i1), *rest = bounds
-    _, stages, per_stage, *_ = staged_shape
+    per_stage = staged_shape[2]
     inner = tuple(slice(start, stop) for start, stop in rest)
     shape = (r1 - r0, p1 - p0, i1 - i0, *(stop - start for start, stop in rest))
     shard = np.empty(shape, source.dtype)
     for repeat in range(r0, r1):
         for stage in range(p0, p1):
-            first = (repeat * stages + stage) * per_stage
+            first = int(placement[repeat, stage]) * per_stage
             layers = source[(slice(first + i0, first + i1), *inner)]
             shard[repeat - r0, stage - p0] = np.asarray(layers)
     return shard
 
 
-def _load_array(source: Any, goal: jax.ShapeDtypeStruct, staged: bool) -> jax.Array:
-    """``source`` (a sliceable array in the plain layout) as ``goal``'s sharded array: each
-    device's shard read from ``source`` alone, once per distinct shard on this process."""
+def _load_array(source: Any, goal: jax.ShapeDtypeStruct, placement: np.ndarray | None) -> jax.Array:
+    """``source`` (a sliceable array in the plain layout) as ``goal``'s sharded array (staged
+    by ``placement``, when given: `_read_staged`): each device's shard read from ``source``
+    alone, once per distinct shard on this process."""
     shards: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
 
     def read(index: tuple[slice, ...]) -> np.ndarray:
         bounds = _index_bounds(index, goal.shape)
         if bounds not in shards:
-            if staged:
-                shard = _read_staged(source, bounds, goal.shape)
+            if placement is not None:
+                shard = _read_staged(source, bounds, goal.shape, placement)
             else:
                 shard = np.asarray(source[tuple(slice(a, b) for a, b in bounds)])
             shards[bounds] = shard.astype(goal.dtype)
@@ -262,7 +266,8 @@ def init_train_state_from(
                 f"{tuple(plain_shape)}"
             )
         try:
-            arrays.append(_load_array(source_leaf, goal, staged))
+            placement = config.schedule.virtual_stages if staged else None
+            arrays.append(_load_array(source_leaf, goal, placement))
         except UserError as error:
             refusal = error
             break
