@@ -268,8 +268,8 @@ def pipeline_value_and_grad(
                 "input": (carry.inputs, carry.input_totals),
                 "grad": (carry.grads, carry.aux_grads),
             }
-            for name, sources in arrivals.items():
-                for source in sources:
+            for name, sides in arrivals.items():
+                for source in sides:
                     at = arrive[name][source, t, stage]
                     value, tree = carry.received[source]
                     buffer, trees = stash[name]
