@@ -14,7 +14,7 @@ def keys(numbers) -> set[str]:
     return {str(number) for number in numbers}
 
 
-SCHEDULES = {"gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1"}
+SCHEDULES = {name for name, _ in schedules.SCHEDULES}
 MOE_KEYS = ("moe_vs_dense_active", "moe_capacity_vs_dense_active", "moe_padding_fraction")
 
 
@@ -56,8 +56,27 @@ def check_schedules(figures: dict) -> None:
     assert set(figures["schedule_activation_bytes"]) == SCHEDULES
     for by_m in figures["schedule_activation_bytes"].values():
         assert set(by_m) == keys(schedules.QUICK_SCHEDULE_MICROBATCHES)
-    assert set(figures["schedule_tokens_per_s"]) == SCHEDULES
-    assert set(figures["schedule_bubble_fraction"]) == SCHEDULES
+    for key in (
+        "schedule_tokens_per_s",
+        "schedule_tokens_per_s_vs_1f1b",
+        "schedule_bubble_fraction",
+        "schedule_bubble_fraction_measured",
+        "schedule_action_costs",
+    ):
+        assert set(figures[key]) == SCHEDULES, key
+    spread = figures["schedule_tokens_per_s_vs_1f1b_spread"]
+    for name, ratio in figures["schedule_tokens_per_s_vs_1f1b"].items():
+        low, high = spread[name]
+        assert low <= ratio <= high, name
+    assert figures["schedule_tokens_per_s_vs_1f1b"]["1f1b"] == 1.0
+    for name, costs in figures["schedule_action_costs"].items():
+        assert set(costs) == {"F", "B", "W", "BW"} and costs["F"] == 1.0, name
+        assert 0.0 <= figures["schedule_bubble_fraction_measured"][name] < 1.0, name
+    # With stage remat a B recomputes the forward: it costs more than its W.
+    assert (
+        figures["schedule_action_costs"]["zb_h1"]["B"]
+        > figures["schedule_action_costs"]["zb_h1"]["W"]
+    )
 
 
 def check_moe(figures: dict) -> None:

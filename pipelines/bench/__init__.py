@@ -12,11 +12,16 @@
 6. the data loader over the prepared stdlib corpus: tokens/s of `eqxzoo.data.train_batches`
    (global batches on configs/tiny.toml's mesh) next to a plain numpy memmap reader of the
    same token stream, and next to the tokens/s that tiny.toml's train step consumes;
-7. the five pipeline schedules at P = 4 (dp=2 x pp=4, 8 layers, B sequences per
-   microbatch): per-device temporary bytes of the compiled step for M in 8, 16, 32
-   (``schedule_activation_bytes``), tokens/s at M = 8 (``schedule_tokens_per_s``) and the
-   modelled bubble at M = 8 (``schedule_bubble_fraction``, the lockstep model of
-   `eqxzoo.parallel.Schedule`).
+7. the pipeline schedules at P = 4 (dp=2 x pp=4, 8 layers, B sequences per microbatch,
+   stage remat on): per-device temporary bytes of the compiled step for M in 8, 16, 32
+   (``schedule_activation_bytes``); at M = 8 tokens/s (``schedule_tokens_per_s``) and its
+   ratio to 1F1B's (``schedule_tokens_per_s_vs_1f1b``, spread in
+   ``schedule_tokens_per_s_vs_1f1b_spread``), and the modelled bubble (the lockstep model
+   of `eqxzoo.parallel.Schedule`) with F = B = W = 1 (``schedule_bubble_fraction``) and with
+   each action priced by its matrix FLOPs in the step's own traced program
+   (``schedule_bubble_fraction_measured``, the costs in units of F in
+   ``schedule_action_costs``: `eqxzoo.parallel.action_costs`; gpipe and circular, which
+   have no such actions, priced by the 1F1B step's F and BW).
 8. MoE at the cost of its active FLOPs, on one device: tokens/s of a top-2 dropless MoE train
    step over that of a dense model with the same active FLOPs (same attention and layers,
    SwiGLU MLP of width ``top_k * expert_mlp_dim``), at 8 experts of width 512 and 64
@@ -40,8 +45,8 @@
 
 The pipeline efficiency (2.) times the dp8 and the pipelined steps in turn and reports the
 median ratio and its spread over the rounds (``pp_efficiency_spread``: {schedule: [min,
-max]}); the comparisons with PyTorch (5., 12.) also run both steps in turn and report the
-median of the rounds' ratios.
+max]}); the schedules (7.) are timed the same way against 1F1B; the comparisons with
+PyTorch (5., 12.) also run both steps in turn and report the median of the rounds' ratios.
 
 Each part is one row of `PARTS`: what it measures, what it prints and the JSON keys it
 writes (the modules beside this one hold the measurements).
@@ -60,6 +65,8 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
+from eqxzoo.parallel.action_costs import cost_ratio  # noqa: E402
+from eqxzoo.parallel.schedule import SCHEDULES as SCHEDULE_SPECS  # noqa: E402
 from eqxzoo.train.report import measured_matmul_flops  # noqa: E402
 from pipelines.bench.kernels import attention_figures, loss_memory  # noqa: E402
 from pipelines.bench.loader import loader_throughput  # noqa: E402
@@ -152,17 +159,21 @@ def _report_loader(figures: dict) -> list[str]:
 
 
 def _report_schedules(figures: dict) -> list[str]:
-    gpipe_rate = figures["schedule_tokens_per_s"]["gpipe"]
+    spread = figures["schedule_tokens_per_s_vs_1f1b_spread"]
     lines = []
     for name, by_count in figures["schedule_activation_bytes"].items():
         first, last = min(by_count, key=int), max(by_count, key=int)
+        low, high = spread[name]
         lines.append(
             f"schedule {name}: activation MB at M={'/'.join(by_count)} "
             + "/".join(f"{count / 1e6:.1f}" for count in by_count.values())
             + f" (M={last} / M={first} = {by_count[last] / by_count[first]:.2f}); "
-            f"tokens/s at M={first} / gpipe's = "
-            f"{figures['schedule_tokens_per_s'][name] / gpipe_rate:.2f}; modelled bubble "
-            f"{figures['schedule_bubble_fraction'][name]:.3f}"
+            f"tokens/s at M={first} / 1f1b's, median [min, max] over rounds = "
+            f"{figures['schedule_tokens_per_s_vs_1f1b'][name]:.2f} [{low:.2f}, {high:.2f}]; "
+            f"modelled bubble {figures['schedule_bubble_fraction'][name]:.3f} (F = B = W = 1), "
+            f"{figures['schedule_bubble_fraction_measured'][name]:.3f} (measured action FLOPs"
+            + ("" if SCHEDULE_SPECS[name].fuses_backward else " of the 1f1b step")
+            + f", {cost_ratio(figures['schedule_action_costs'][name])})"
         )
     return lines
 
@@ -292,7 +303,15 @@ PARTS: dict[str, Part] = {
             "schedules",
             lambda o: schedule_figures(o.repeats, o.quick),
             _report_schedules,
-            ("schedule_activation_bytes", "schedule_tokens_per_s", "schedule_bubble_fraction"),
+            (
+                "schedule_activation_bytes",
+                "schedule_tokens_per_s",
+                "schedule_tokens_per_s_vs_1f1b",
+                "schedule_tokens_per_s_vs_1f1b_spread",
+                "schedule_bubble_fraction",
+                "schedule_bubble_fraction_measured",
+                "schedule_action_costs",
+            ),
         ),
         Part(
             "moe",

@@ -1,15 +1,25 @@
 """``--dry-run``: plan a mesh before renting it. Builds the mesh and the compiled step from
 shapes alone (nothing is initialised), then reports parameter counts, each parameter's
-sharding and the compiled step's per-device memory."""
+sharding, the schedule's modelled bubble (with unit and with measured action costs) and the
+compiled step's per-device memory."""
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core
+from jax.sharding import Mesh
 
-from eqxzoo.parallel import make_mesh
+from eqxzoo.parallel import Schedule, make_mesh
+from eqxzoo.parallel.action_costs import (
+    measured_action_flops,
+    measured_bubble_fraction,
+    measured_step_time,
+    pricing_schedule,
+)
 from eqxzoo.run.config import (
     RunConfig,
     check_kernel_platform,
@@ -18,8 +28,9 @@ from eqxzoo.run.config import (
 )
 from eqxzoo.run.loop import batch_shape, run_memory_checks
 from eqxzoo.train.memory import StepMemory, format_bytes
-from eqxzoo.train.state import abstract_train_state
-from eqxzoo.train.step import compile_train_step_for
+from eqxzoo.train.settings import StepConfig
+from eqxzoo.train.state import ModelFactory, TrainState, abstract_train_state
+from eqxzoo.train.step import batch_sharding, compile_train_step_for, make_train_step
 from models import flops_per_token, model_factory, parameter_counts
 from models.hf import open_hf
 
@@ -43,7 +54,32 @@ def sharding_table(state) -> list[tuple[str, str, str, str, str]]:
     return rows
 
 
-def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, float | int | bool]:
+def step_tracer(
+    config: StepConfig,
+    mesh: Mesh,
+    make_model: ModelFactory,
+    state: TrainState,
+    batch_shape: tuple[int, int, int, int],
+) -> Callable[[Schedule], core.ClosedJaxpr]:
+    """``trace(schedule)``: the train step of ``config`` run with ``schedule``, traced on
+    abstract arrays and ``(G, M, B, T)`` batches, nothing compiled: what prices the
+    schedule's actions (`eqxzoo.parallel.action_costs`). ``state`` is the abstract state of
+    ``config``'s own schedule; another (a forward schedule's 1F1B) gets its own layout."""
+    ids = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding(mesh, config.rules))
+
+    def trace(schedule: Schedule) -> core.ClosedJaxpr:
+        step_config = dataclasses.replace(config, schedule=schedule)
+        if schedule != config.schedule:
+            state_for = abstract_train_state(make_model, config=step_config, mesh=mesh)
+        else:
+            state_for = state
+        step = make_train_step(step_config, mesh)
+        return step.trace(state_for, {"tokens": ids, "targets": ids}).jaxpr
+
+    return trace
+
+
+def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, object]:
     """Print the plan of ``config``'s run; returns its figures (for tests and scripts)."""
     checkpoint = open_hf(config.init_from_hf) if config.init_from_hf else None
     mesh = make_mesh(config.mesh)
@@ -57,6 +93,10 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
     compiled, config_for_step = compile_train_step_for(config_for_step, mesh, target, shape.shape)
     compile_seconds = time.perf_counter() - start
     memory = StepMemory.of(compiled)
+    schedule = config.schedule
+    action_flops = measured_action_flops(
+        schedule, step_tracer(config_for_step, mesh, make_model, target, shape.shape)
+    )
 
     say(
         f"config {config.run.name}: mesh {dict(mesh.shape)} on {mesh.devices.size} {mesh.devices.flat[0].platform} devices"
@@ -78,13 +118,19 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
         f"{flops_per_token(config.model, shape.seq_len) * config.tokens_per_step:.3g} "
         "training FLOPs per step"
     )
-    schedule = config.schedule
+    measured_by = pricing_schedule(schedule)
+    measured = (
+        f"{measured_bubble_fraction(schedule, action_flops):.1%} (measured action FLOPs"
+        + ("" if measured_by == schedule else f" of the {measured_by.name} step")
+        + f", {action_flops.ratio()}: a step of "
+        f"{measured_step_time(schedule, action_flops):.3g} stage forwards)"
+    )
     say(
         f"schedule {schedule.name}: P={schedule.stages} stages, M={schedule.microbatches} "
         f"microbatches, R={schedule.repeats} repeats; modelled bubble "
         f"{schedule.bubble_fraction():.1%} (lockstep, F = B = W = 1: a step of "
         f"{schedule.modelled_time():g} stage forwards for {3 * schedule.microbatches} of "
-        f"work); at most {schedule.in_flight()} microbatch "
+        f"work), {measured}; at most {schedule.in_flight()} microbatch "
         + ("chunks" if schedule.repeats > 1 else "inputs")
         + " in flight per stage"
         + (
@@ -104,6 +150,9 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
         say("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
     figures = {
         "bubble_fraction": schedule.bubble_fraction(),
+        "bubble_fraction_measured": measured_bubble_fraction(schedule, action_flops),
+        "action_costs": action_flops.relative(),
+        "action_flops": action_flops.by_action(),
         "in_flight": schedule.in_flight(),
         "parameters": counts.total,
         "active_parameters": counts.active,

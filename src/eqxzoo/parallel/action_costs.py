@@ -1,0 +1,214 @@
+"""What each pipeline action costs, measured on the program that runs it, and the schedules
+priced with it.
+
+`Schedule.modelled_time` and `Schedule.bubble_fraction` price a table with `Costs`: by
+default F = B = W = 1 and BW = 2. The program's actions cost otherwise: with stage remat a B
+or BW recomputes the stage's forward first, a W is only the weight half of the backward.
+Here the costs come from the 1F1B-family executor itself (`eqxzoo.parallel.pipeline_grad`):
+each tick it runs one `jax.lax.switch` over the actions (IDLE, F, B, W, BW), so the traced
+step holds each action's program as one branch, and each branch's matrix FLOPs are its
+price (`action_flops`). Forward schedules (``gpipe``, ``circular``) have no such switch:
+autodiff differentiates their forward table. They are priced with the step of the 1F1B
+schedule over the same stages and microbatches (`pricing_schedule`), whose F and BW are a
+stage's forward and its whole backward, as theirs are.
+
+Only matrix multiplications are counted (``dot_general`` and grouped ``ragged_dot_general``,
+`eqxzoo.parallel.backward_split.matmul_flops`). On accelerators they run on the matrix units
+at 10-20x the rate of everything else, whose time follows its memory traffic, not its FLOPs:
+adding the elementwise work (norms, softmax, activations: ``O(T d)`` a layer against the
+matmuls' ``O(T d^2)``) would add a figure that predicts its time no better. (The compiled
+program's ``cost_analysis()`` counts all FLOPs but a conditional by one branch only, so it
+cannot price the branches apart.) The FLOPs are a whole stage's, over its ``dp`` and ``tp``
+devices together: the executor's `jax.shard_map` is manual over ``pp`` alone. Only their
+ratios enter the model.
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+
+import numpy as np
+from jax.extend import core
+
+from eqxzoo.parallel.backward_split import _inner_jaxprs, matmul_flops
+from eqxzoo.parallel.schedule import ACTION_NAMES, BW, IDLE, B, Costs, F, Schedule, W
+
+MATMULS = ("dot_general", "ragged_dot_general")
+
+
+@dataclasses.dataclass(frozen=True)
+class ActionFlops:
+    """Matrix FLOPs of one stage's action on one chunk of layers, as traced:
+    F (``forward``), B (``input_grad``), W (``weight_grad``), BW (``both``); None for an action
+    the program does not have (1F1B has no B or W, ZB-H1 no BW). ``head`` is what the last
+    virtual stage adds to its F (the head, the loss and their backward), left out of F: the
+    table prices an action alike on every stage, and the head is one stage's extra, not the
+    action's."""
+
+    forward: int
+    input_grad: int | None
+    weight_grad: int | None
+    both: int | None
+    head: int = 0
+
+    def by_action(self) -> dict[str, int | None]:
+        """``{"F", "B", "W", "BW"}`` -> FLOPs (None where the program has no such action)."""
+        values = (self.forward, self.input_grad, self.weight_grad, self.both)
+        return dict(zip((ACTION_NAMES[kind] for kind in (F, B, W, BW)), values, strict=True))
+
+    def relative(self) -> dict[str, float | None]:
+        """`by_action` in units of F."""
+        return {
+            name: None if flops is None else flops / self.forward
+            for name, flops in self.by_action().items()
+        }
+
+    def costs(self) -> Costs:
+        """The `Costs` these FLOPs give, in units of F. A B or W the program does not have
+        costs NaN, so that a table running it is priced NaN, never with a made-up figure
+        (`measured_bubble_fraction` refuses it); a BW it does not have is B plus W, as
+        `Costs` prices it."""
+        relative = self.relative()
+
+        def cost(name: str) -> float:
+            return math.nan if relative[name] is None else relative[name]
+
+        return Costs(forward=1.0, input_grad=cost("B"), weight_grad=cost("W"), both=relative["BW"])
+
+    def ratio(self) -> str:
+        """The program's actions in units of F (`cost_ratio`)."""
+        return cost_ratio(self.relative())
+
+
+def cost_ratio(relative: Mapping[str, float | None]) -> str:
+    """Actions' costs in units of F as one ratio, e.g. ``"F:B:W = 1:2.06:0.94"`` (the actions
+    that have a cost, in order)."""
+    present = {name: value for name, value in relative.items() if value is not None}
+    return ":".join(present) + " = " + ":".join(f"{value:.3g}" for value in present.values())
+
+
+def action_flops(jaxpr: core.Jaxpr | core.ClosedJaxpr) -> ActionFlops:
+    """Each action's matrix FLOPs in a traced step of the 1F1B-family executor, e.g.
+    ``jax.make_jaxpr(step)(...).jaxpr`` or ``jax.jit(step).trace(...).jaxpr``.
+
+    The action's program is its branch of the executor's switch. A branch that does no matrix
+    work is the idle one, which the executor puts where the table names no such action.
+    Conditionals at the top of a branch are the executor's choice of the stage's part (the
+    embedding on the first virtual stage, the head and loss on the last): they count their
+    cheaper branch, a middle stage's, the head's extra going to ``head``. Conditionals inside
+    the layers (an MoE layer's overflow path) count their dearest branch, what a tick may
+    have to wait for. A ``scan`` counts its body ``length`` times; a ``while`` loop once.
+    """
+    branches = action_branches(jaxpr)
+    if branches is None:
+        raise ValueError(
+            "the traced step has no switch over the actions IDLE, F, B, W, BW: it is not a "
+            "step of the 1F1B-family executor (price a forward schedule with the step of "
+            "`pricing_schedule`)"
+        )
+    cheapest = [_branch_flops(branch, min) for branch in branches]
+    dearest = _branch_flops(branches[F], max)
+    assert cheapest[IDLE] == 0, cheapest
+
+    def present(kind: int) -> int | None:
+        return cheapest[kind] or None
+
+    assert cheapest[F] > 0, "a stage whose forward does no matrix work"
+    return ActionFlops(
+        forward=cheapest[F],
+        input_grad=present(B),
+        weight_grad=present(W),
+        both=present(BW),
+        head=dearest - cheapest[F],
+    )
+
+
+def branch_matmul_flops(jaxpr: core.Jaxpr | core.ClosedJaxpr) -> list[int]:
+    """`action_flops` as a list indexed by action (IDLE, F, B, W, BW; 0 where the program
+    has no such action), or ``[]`` when the step has no 1F1B-family switch."""
+    branches = action_branches(jaxpr)
+    return [] if branches is None else [_branch_flops(branch, min) for branch in branches]
+
+
+def action_branches(jaxpr: core.Jaxpr | core.ClosedJaxpr) -> list[core.Jaxpr] | None:
+    """The branches of the executor's switch over the actions, in action order (IDLE, F, B,
+    W, BW): the first conditional with one branch per action, nested jaxprs included."""
+    if isinstance(jaxpr, core.ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond" and len(eqn.params["branches"]) == len(ACTION_NAMES):
+            return [branch.jaxpr for branch in eqn.params["branches"]]
+        for inner in _inner_jaxprs(eqn.params):
+            found = action_branches(inner)
+            if found is not None:
+                return found
+    return None
+
+
+def _branch_flops(branch: core.Jaxpr, choose: Callable[[list[int]], int]) -> int:
+    """An action's matrix FLOPs: its top-level conditionals by ``choose`` over their
+    branches, everything else by `_matrix_flops`."""
+    total = 0
+    for eqn in branch.eqns:
+        if eqn.primitive.name == "cond":
+            total += choose([_matrix_flops(b.jaxpr.eqns) for b in eqn.params["branches"]])
+        else:
+            total += _matrix_flops([eqn])
+    return total
+
+
+def _matrix_flops(eqns) -> int:
+    """`matmul_flops` of ``eqns``, a conditional counting its dearest branch (not all)."""
+    total = 0
+    for eqn in eqns:
+        name = eqn.primitive.name
+        if name in MATMULS:
+            total += matmul_flops([eqn])
+        elif name == "cond":
+            total += max(_matrix_flops(branch.jaxpr.eqns) for branch in eqn.params["branches"])
+        else:
+            repeats = eqn.params.get("length", 1) if name == "scan" else 1
+            total += repeats * sum(_matrix_flops(inner.eqns) for inner in _inner_jaxprs(eqn.params))
+    return total
+
+
+def pricing_schedule(schedule: Schedule) -> Schedule:
+    """The 1F1B-family schedule whose step prices ``schedule``'s actions: itself, or for a
+    forward schedule ``1f1b`` over the same stages and microbatches, one repeat (its F and
+    BW: a whole stage's forward and its backward, as autodiff runs them)."""
+    if schedule.fuses_backward:
+        return schedule
+    return Schedule("1f1b", schedule.stages, schedule.microbatches, 1)
+
+
+def measured_action_flops(
+    schedule: Schedule, trace: Callable[[Schedule], core.Jaxpr | core.ClosedJaxpr]
+) -> ActionFlops:
+    """The action FLOPs that price ``schedule``: those of ``trace(pricing_schedule(schedule))``,
+    the traced step of the same model, mesh and batch under that schedule (``trace`` knows
+    them; nothing need be compiled)."""
+    return action_flops(trace(pricing_schedule(schedule)))
+
+
+def measured_step_time(schedule: Schedule, flops: ActionFlops) -> float:
+    """`Schedule.modelled_time` (in units of the measured F) priced with ``flops``."""
+    return schedule.modelled_time(_costs_for(schedule, flops))
+
+
+def measured_bubble_fraction(schedule: Schedule, flops: ActionFlops) -> float:
+    """`Schedule.bubble_fraction` priced with ``flops``."""
+    return schedule.bubble_fraction(_costs_for(schedule, flops))
+
+
+def _costs_for(schedule: Schedule, flops: ActionFlops) -> Costs:
+    """``flops``' `Costs`, checked to price every action ``schedule``'s table runs."""
+    costs = flops.costs()
+    prices = costs.prices()
+    runs = np.unique(schedule.actions().action)
+    unpriced = [ACTION_NAMES[int(kind)] for kind in runs if not np.isfinite(prices[kind])]
+    if unpriced:
+        raise ValueError(
+            f"the {schedule.name} table runs {', '.join(unpriced)}, which the measured program "
+            f"does not have ({flops.ratio()}): measure the step of `pricing_schedule`"
+        )
+    return costs
