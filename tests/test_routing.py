@@ -172,12 +172,17 @@ def balanced_moe_config(tiny_config) -> models.DecoderConfig:
     return dataclasses.replace(config, moe=moe)
 
 
-def run_balancing(config, mesh_config, stages, n_steps, random_batch, *, rate, skew=None):
+ONE_STAGE = Schedule("gpipe", 1, SHAPE[1], 1)
+
+
+def run_balancing(
+    config, mesh_config, schedule, n_steps, random_batch, *, rate, skew=None
+) -> tuple:
     """``(final state, per-step expert fractions (layers, experts))`` of ``n_steps`` steps;
     ``skew`` (one bias per expert) is set as every layer's selection bias first."""
     mesh = make_mesh(mesh_config, jax.devices()[: mesh_config.size])
     step_config = StepConfig(
-        schedule=Schedule("gpipe", stages, SHAPE[1], 1),
+        schedule=schedule,
         optimizer=OptimizerConfig(learning_rate=1e-4, warmup_steps=0),
         loss=LossConfig(bias_update_rate=rate),
     )
@@ -211,7 +216,9 @@ def test_a_skewed_router_becomes_balanced(tiny_config, random_batch):
 
     def imbalance(rate):
         """The largest layer's expert load over the mean load (1: balanced), per step."""
-        _, loads = run_balancing(config, MeshConfig(), 1, 10, random_batch, rate=rate, skew=skew)
+        _, loads = run_balancing(
+            config, MeshConfig(), ONE_STAGE, 10, random_batch, rate=rate, skew=skew
+        )
         return [float(np.max(load) * load.shape[-1]) for load in loads]
 
     balancing, frozen = imbalance(0.003), imbalance(0.0)
@@ -221,15 +228,18 @@ def test_a_skewed_router_becomes_balanced(tiny_config, random_batch):
 
 
 def test_balancing_biases_are_equal_on_pp1_and_pp2(tiny_config, random_batch):
+    """Each layer's bias follows its own load on one stage, on two (GPipe) and on two with
+    the layers placed in a V (zb_v: stage 0 holds the first and the last layers)."""
     config = balanced_moe_config(tiny_config)
-    one, _ = run_balancing(config, MeshConfig(dp=2), 1, 3, random_batch, rate=0.01)
-    two, _ = run_balancing(config, MeshConfig(pp=2, ep=2), 2, 3, random_batch, rate=0.01)
-    plain_one = from_pipeline_layout(one.model, Schedule("gpipe", 1, SHAPE[1], 1))
-    plain_two = from_pipeline_layout(two.model, Schedule("gpipe", 2, SHAPE[1], 1))
+    one, _ = run_balancing(config, MeshConfig(dp=2), ONE_STAGE, 3, random_batch, rate=0.01)
+    plain_one = from_pipeline_layout(one.model, ONE_STAGE)
     bias_one = plain_one.blocks.layers.mlp.router.selection_bias
-    bias_two = plain_two.blocks.layers.mlp.router.selection_bias
     assert np.any(np.asarray(bias_one) != 0)
-    np.testing.assert_array_equal(bias_two, bias_one)
+    for schedule in (Schedule("gpipe", 2, SHAPE[1], 1), Schedule("zb_v", 2, SHAPE[1], 2)):
+        two, _ = run_balancing(config, MeshConfig(pp=2, ep=2), schedule, 3, random_batch, rate=0.01)
+        plain_two = from_pipeline_layout(two.model, schedule)
+        bias_two = plain_two.blocks.layers.mlp.router.selection_bias
+        np.testing.assert_array_equal(bias_two, bias_one, err_msg=schedule.name)
 
 
 def test_stages_compute_through_bubbles_where_xla_cpu_cannot_skip_them(tiny_config):

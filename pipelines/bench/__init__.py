@@ -170,8 +170,9 @@ def _report_schedules(figures: dict) -> list[str]:
             + f" (M={last} / M={first} = {by_count[last] / by_count[first]:.2f}); "
             f"tokens/s at M={first} / 1f1b's, median [min, max] over rounds = "
             f"{figures['schedule_tokens_per_s_vs_1f1b'][name]:.2f} [{low:.2f}, {high:.2f}]; "
-            f"modelled bubble {figures['schedule_bubble_fraction'][name]:.3f} (F = B = W = 1), "
-            f"{figures['schedule_bubble_fraction_measured'][name]:.3f} (measured action FLOPs"
+            f"modelled bubble (computed, lockstep) {figures['schedule_bubble_fraction'][name]:.3f} "
+            "(F = B = W = 1), "
+            f"{figures['schedule_bubble_fraction_measured'][name]:.3f} (priced by measured action FLOPs"
             + ("" if SCHEDULE_SPECS[name].fuses_backward else " of the 1f1b step")
             + f", {cost_ratio(figures['schedule_action_costs'][name])})"
         )
@@ -189,7 +190,8 @@ def _report_moe(figures: dict) -> list[str]:
     ]
     padding = figures["moe_padding_fraction"]
     lines.append(
-        "moe dropless padding fraction, by experts: "
+        "moe dropless padding fraction (computed from the layout, not timed: CPU ragged_dot "
+        "is emulated over every group, 1 - 1/E), by experts: "
         + ", ".join(f"{n}: {value:.3f}" for n, value in padding.items())
     )
     return lines

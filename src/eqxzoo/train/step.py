@@ -21,7 +21,7 @@ from eqxzoo.errors import UserError
 from eqxzoo.nn import LanguageModel, balance_selection_bias
 from eqxzoo.nn.parameters import is_buffer
 from eqxzoo.optim import build_optimizer, learning_rate_schedule, trainable_mask
-from eqxzoo.parallel import DEFAULT_RULES, MeshAxes, activation_sharding
+from eqxzoo.parallel import DEFAULT_RULES, MeshAxes, Schedule, activation_sharding, stage_layers
 from eqxzoo.parallel.collectives import permutes_in_branches
 from eqxzoo.train.loss import pipelined_loss, pipelined_loss_and_grad
 from eqxzoo.train.settings import StepConfig
@@ -114,7 +114,9 @@ def train_step(
         skipped=jnp.logical_not(finite).astype(jnp.int32),
     )
     if "expert_fraction" in metrics:
-        balanced = balance_buffers(frozen, metrics["expert_fraction"], config.loss.bias_update_rate)
+        balanced = balance_buffers(
+            frozen, metrics["expert_fraction"], config.loss.bias_update_rate, config.schedule
+        )
         frozen = jax.tree.map(lambda new, old: jnp.where(finite, new, old), balanced, frozen)
     new_state = TrainState(
         step=state.step + finite.astype(state.step.dtype),
@@ -125,20 +127,23 @@ def train_step(
 
 
 def balance_buffers(
-    model: PyTree, expert_fraction: Float[Array, "layers experts"], rate: float
+    model: PyTree, expert_fraction: Float[Array, "layers experts"], rate: float, schedule: Schedule
 ) -> PyTree:
     """``model`` with every balancing bias (`eqxzoo.nn.parameters.is_buffer`) moved by
     `eqxzoo.nn.balance_selection_bias` from this step's per-layer expert load.
 
-    The biases are stacked like the blocks (``(layers, experts)``, or staged
-    ``(repeats, stages, layers per stage, experts)``, layers in order either way), so the
-    load reshaped to a bias's shape lines each layer's load up with its bias.
+    The biases are stacked like the blocks: ``(layers, experts)`` in layer order, or staged
+    by ``schedule`` ``(repeats, stages, layers per stage, experts)``, where the load (in layer
+    order) is staged the same way (`eqxzoo.parallel.stage_layers`: ``zb_v`` places its chunks
+    in a V), so each layer's load lines up with its bias.
     """
 
     def balance(path, leaf):
         if leaf is None or not is_buffer(path):
             return leaf
-        load = expert_fraction.reshape(leaf.shape)
+        load = expert_fraction
+        if leaf.shape != load.shape:
+            load = stage_layers(load, schedule)
         return balance_selection_bias(leaf, load, rate)
 
     return jax.tree_util.tree_map_with_path(balance, model)
