@@ -223,12 +223,15 @@ def test_frozen_parameters_never_change_and_have_no_optimizer_state(dense, make_
     assert not np.array_equal(np.asarray(state.model.blocks.layers.attention.wk), trainable_before)
 
 
-def test_per_layer_data_is_staged_with_its_layers_and_never_trained(tiny_config, make_batch):
+@pytest.mark.parametrize("schedule", ["circular", "zb_v"])
+def test_per_layer_data_is_staged_with_its_layers_and_never_trained(
+    schedule, tiny_config, make_batch
+):
     """Gemma 2's sliding windows (every other layer) are integer arrays in the blocks: created
-    in the pipeline layout at their layers' places, sharded over pp like them, outside the
-    optimizer state, unchanged by steps."""
+    in the pipeline layout at their layers' places (zb_v's V too), sharded over pp like them,
+    outside the optimizer state, unchanged by steps."""
     gemma = tiny_config("gemma2", n_layers=N_LAYERS)
-    config = step_config(2, ADAM, repeats=2)
+    config = StepConfig(schedule=Schedule(schedule, 2, SHAPE[1], 2), optimizer=ADAM)
     mesh = make_mesh(MeshConfig(dp=2, pp=2, tp=2))
     state = init_train_state(
         functools.partial(models.DecoderLM, gemma), jax.random.key(0), config=config, mesh=mesh

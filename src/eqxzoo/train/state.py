@@ -68,9 +68,16 @@ def _init_pipeline_model(
     stack cannot carry that split back (``P`` is not a block of ``L``): every pp device
     would generate all L layers, twice its share, plus threefry's temporaries.
     """
-    model = make_model(key=key)  # its plain blocks are dead code under jit
+    model = make_model(key=key)  # its plain blocks' weights are dead code under jit
     layer_keys = stage_layers(model.block_keys(key), schedule)
-    return eqx.tree_at(lambda m: m.blocks.layers, model, model.make_layers(layer_keys))
+    weights, _ = eqx.partition(model.make_layers(layer_keys), eqx.is_inexact_array)
+    # Per-layer data (integer arrays such as sliding windows) from the plain blocks, placed
+    # by the schedule: `make_layers` places it as if its keys were in layer order.
+    plain_data, static = eqx.partition(
+        eqx.filter(model.blocks.layers, eqx.is_inexact_array, inverse=True), eqx.is_array
+    )
+    layers = eqx.combine(weights, stage_layers(plain_data, schedule), static)
+    return eqx.tree_at(lambda m: m.blocks.layers, model, layers)
 
 
 def _build_state(make_model: ModelFactory, config: StepConfig, key: PRNGKeyArray) -> TrainState:
