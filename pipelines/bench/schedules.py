@@ -29,6 +29,9 @@ SCHEDULES = (
 
 # --quick's M = 8: gpipe's and circular's steps are pipeline_efficiency's (compiled once).
 SCHEDULE_MICROBATCHES, QUICK_SCHEDULE_MICROBATCHES = (8, 16, 32), (8,)
+# --quick's schedules: one per executor path (autodiff of a forward table, the fused BW,
+# the split B and W in a V), 1f1b the baseline of the ratios.
+QUICK_SCHEDULES = ("gpipe", "1f1b", "zb_v")
 
 
 # What the tokens/s of every schedule is compared with, round by round.
@@ -41,7 +44,7 @@ def schedule_figures(repeats: int, quick: bool) -> dict:
     after round (`interleaved_times`, at least 5 rounds) with each round's ratio to 1F1B's
     (median and [min, max]), and the modelled bubble with unit costs and with the costs
     measured on the step's own program (`eqxzoo.parallel.action_costs`; a forward schedule's
-    from the 1F1B step at the same M)."""
+    from the 1F1B step at the same M). ``quick``: `QUICK_SCHEDULES` at M = 8 only."""
     batch, seq = batch_and_seq(quick)
     config = reference_config(n_layers=8, quick=quick)
     stages, counts = 4, QUICK_SCHEDULE_MICROBATCHES if quick else SCHEDULE_MICROBATCHES
@@ -50,6 +53,8 @@ def schedule_figures(repeats: int, quick: bool) -> dict:
     schedules: dict[str, Schedule] = {}
     measured: dict[Schedule, ActionFlops] = {}
     for name, repeats_of_layers in SCHEDULES:
+        if quick and name not in QUICK_SCHEDULES:
+            continue
         activation_bytes[name] = {}
         for microbatches in counts:
             schedule = Schedule(name, stages, microbatches, repeats_of_layers)
