@@ -17,9 +17,7 @@ relative to F.
 
 import argparse
 import json
-import statistics
 import sys
-import time
 import tomllib
 
 import equinox as eqx
@@ -34,6 +32,7 @@ from eqxzoo.parallel.backward_split import (
     stage_input_grad,
     stage_weight_grad,
 )
+from eqxzoo.train.report import median_seconds
 
 
 def stage_action_times(document: dict, stages: int, repeats: int) -> dict:
@@ -112,24 +111,16 @@ def stage_action_times(document: dict, stages: int, repeats: int) -> dict:
         "F+BW": lambda: both(weights, h, h_grad),
         "F+B": lambda: recompute_and_input_grad(weights, h, h_grad),
     }
-    ms = {name: _median_ms(call, repeats) for name, call in actions.items()}
+    ms = {
+        name: 1e3 * median_seconds(call, repeats=repeats, warmup=2)
+        for name, call in actions.items()
+    }
     return {
         "device": str(jax.devices()[0].device_kind),
         "shape": {"layers": per_stage, "batch": batch, "seq": seq, "dtype": compute},
         "ms": ms,
         "relative": {name: value / ms["F"] for name, value in ms.items()},
     }
-
-
-def _median_ms(call, repeats: int) -> float:
-    for _ in range(2):
-        jax.block_until_ready(call())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,9 +69,7 @@ def unstage_layers(layers: PyTree, schedule: Schedule) -> PyTree:
 def restage_layers(layers: PyTree, source: Schedule, target: Schedule) -> PyTree:
     """Staged ``layers`` of ``source``'s placement in ``target``'s (the same arrays when both
     place alike; across devices a permutation of the chunks that move)."""
-    if (source.virtual_stages.shape == target.virtual_stages.shape) and (
-        source.virtual_stages == target.virtual_stages
-    ).all():
+    if np.array_equal(source.virtual_stages, target.virtual_stages):
         return layers
     return stage_layers(unstage_layers(layers, source), target)
 

@@ -59,7 +59,7 @@ from eqxzoo.parallel.rules import (
     rule_axes,
     tree_shardings,
 )
-from eqxzoo.parallel.schedule import BW, FROM_ABOVE, FROM_BELOW, FROM_SELF, IDLE, B, F, Schedule, W
+from eqxzoo.parallel.schedule import BW, FROM_ABOVE, FROM_BELOW, IDLE, SOURCES, B, F, Schedule, W
 
 FirstFn = Callable[[PyTree, Int[Array, "batch seq"]], Float[Array, "batch seq embed"]]
 LastFn = Callable[
@@ -111,7 +111,7 @@ def pipeline_value_and_grad(
     virtual_stages = jnp.asarray(schedule.virtual_stages)
     # The sources (`eqxzoo.parallel.schedule.SOURCES`) something arrives from, per buffer.
     arrivals = {
-        name: [s for s in (FROM_BELOW, FROM_ABOVE, FROM_SELF) if (column[s] >= 0).any()]
+        name: [s for s in SOURCES if (column[s] >= 0).any()]
         for name, column in (("input", table.arrive_input), ("grad", table.arrive_grad))
     }
     sources = sorted(set(arrivals["input"]) | set(arrivals["grad"]))
