@@ -24,7 +24,7 @@ from eqxzoo.parallel.backward_split import (
     stage_input_grad,
     stage_weight_grad,
 )
-from eqxzoo.parallel.schedule import BW, B, F, W
+from eqxzoo.parallel.schedule import BW, RECOMPUTE, B, F, W
 from eqxzoo.train.layout import to_pipeline_layout
 from eqxzoo.train.loss import pipelined_loss_and_grad
 from eqxzoo.train.settings import StepConfig
@@ -138,8 +138,10 @@ def test_zero_bubble_does_the_matrix_work_of_1f1b(remat_stages, tiny_config, ran
     data = random_batch((4, 2, 8))
     totals = {}
     for name in ("1f1b", "zb_h1", "zb_v"):
-        schedule = Schedule(name, 2, 4, 2 if name == "zb_v" else 1)
-        step = StepConfig(schedule=schedule, remat_stages=remat_stages)
+        step = StepConfig(
+            schedule=Schedule(name, 2, 4, 2 if name == "zb_v" else 1), remat_stages=remat_stages
+        )
+        schedule = step.schedule  # with an R before each B where the stage is rematerialised
 
         def loss(model, step=step):
             return pipelined_loss_and_grad(
@@ -149,7 +151,7 @@ def test_zero_bubble_does_the_matrix_work_of_1f1b(remat_stages, tiny_config, ran
         staged = to_pipeline_layout(model, schedule)
         flops = action_flops(jax.make_jaxpr(loss)(staged).jaxpr)
         per_action = {F: flops.forward, B: flops.input_grad, W: flops.weight_grad}
-        per_action[BW] = flops.both
+        per_action[BW], per_action[RECOMPUTE] = flops.both, flops.recompute
         actions = np.asarray(schedule.actions().action)
         totals[name] = schedule.microbatches * flops.head + sum(
             (per_action[code] or 0) * int((actions == code).sum()) for code in per_action

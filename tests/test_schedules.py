@@ -14,6 +14,7 @@ from eqxzoo.parallel.schedule import (
     FROM_BELOW,
     FROM_SELF,
     IDLE,
+    RECOMPUTE,
     SCHEDULES,
     B,
     Costs,
@@ -25,14 +26,18 @@ from eqxzoo.parallel.schedule import (
 )
 
 SIZES = [(P, M) for P in (2, 4, 8) for M in (P, 2 * P + 1, 4 * P)]
+# (name, repeats, recompute): the split schedules also with R before each B (stage remat).
 NAMES = [
-    ("gpipe", 1),
-    ("circular", 2),
-    ("1f1b", 1),
-    ("zb_h1", 1),
-    ("interleaved_1f1b", 2),
-    ("zb_v", 2),
+    ("gpipe", 1, False),
+    ("circular", 2, False),
+    ("1f1b", 1, False),
+    ("zb_h1", 1, False),
+    ("zb_h1", 1, True),
+    ("interleaved_1f1b", 2, False),
+    ("zb_v", 2, False),
+    ("zb_v", 2, True),
 ]
+NAME_IDS = [f"{name}{'+R' if recompute else ''}" for name, _, recompute in NAMES]
 SPLIT = {"zb_h1", "zb_v"}
 
 
@@ -52,9 +57,12 @@ def executed(schedule: Schedule) -> dict[tuple[int, int, int], int]:
 
 
 @pytest.mark.parametrize(("P", "M"), SIZES)
-@pytest.mark.parametrize(("name", "R"), NAMES)
-def test_every_table_is_a_valid_execution(name, R, P, M):
-    schedule = Schedule(name, P, M, R)
+@pytest.mark.parametrize(("name", "R", "recompute"), NAMES, ids=NAME_IDS)
+def test_every_table_is_a_valid_execution(name, R, recompute, P, M):
+    """Every action once, after what it reads; with ``recompute`` each B's R runs on its
+    stage at the tick before it (one buffer of residuals per stage), no earlier than the B
+    above that computes its cotangent."""
+    schedule = Schedule(name, P, M, R, recompute=recompute)
     done = executed(schedule)
     V = P * R
     split = name in SPLIT
@@ -69,17 +77,22 @@ def test_every_table_is_a_valid_execution(name, R, P, M):
             assert upstream < backward, (m, v)
         if split:
             assert backward < done[(W, m, v)], (m, v)
+        if recompute:
+            assert done[(RECOMPUTE, m, v)] == backward - 1, (m, v)
+            assert forward < done[(RECOMPUTE, m, v)], (m, v)
+            if v < V - 1:
+                assert upstream <= done[(RECOMPUTE, m, v)], (m, v)
     kinds = {F, B, W} if split else {F, BW}
-    assert len(done) == len(kinds) * M * V
+    assert len(done) == (len(kinds) + recompute) * M * V
 
 
 @pytest.mark.parametrize(("P", "M"), SIZES)
-@pytest.mark.parametrize(("name", "R"), NAMES)
-def test_arrivals_land_in_the_slot_of_the_item_that_reads_them(name, R, P, M):
+@pytest.mark.parametrize(("name", "R", "recompute"), NAMES, ids=NAME_IDS)
+def test_arrivals_land_in_the_slot_of_the_item_that_reads_them(name, R, recompute, P, M):
     """An activation (cotangent) sent at tick t lands at t + 1 in the slot the receiver's F
     (B) reads, from the side the sender sits on (itself on a V's turn); no slot is reused
     while its item is in flight; nothing else arrives."""
-    schedule = Schedule(name, P, M, R)
+    schedule = Schedule(name, P, M, R, recompute=recompute)
     table, done = schedule.actions(), executed(schedule)
     slot_of = {}
     for tick, stage in itertools.product(range(table.ticks), range(P)):
@@ -112,6 +125,7 @@ def test_arrivals_land_in_the_slot_of_the_item_that_reads_them(name, R, P, M):
 def test_the_1f1b_family_keeps_at_most_p_microbatches_in_flight(P, M):
     assert Schedule("1f1b", P, M, 1).in_flight() == min(P, M)
     assert Schedule("zb_h1", P, M, 1).in_flight() == min(P, M)
+    assert Schedule("zb_h1", P, M, 1, recompute=True).in_flight() == min(P, M)
     assert Schedule("gpipe", P, M, 1).in_flight() == M
     interleaved = Schedule("interleaved_1f1b", P, M, 2)
     assert interleaved.in_flight() <= (2 - 1) * P + 2 * (P - 1) + 1  # chunks of half a stage
@@ -162,6 +176,35 @@ def test_zb_v_keeps_about_1f1b_activation_memory(P, M):
     """In flight on a stage: at most ``2P + 2`` chunks of half a stage (1F1B keeps ``P``
     whole-stage inputs on its first stage), whatever ``M``."""
     assert Schedule("zb_v", P, M, 2).in_flight() <= 2 * P + 2
+    assert Schedule("zb_v", P, M, 2, recompute=True).in_flight() <= 2 * P + 2
+
+
+def test_r_apart_keeps_zero_bubble_in_lockstep_at_p4_m8():
+    """With stage remat a B that recomputes costs about two forwards and W one (the bench's
+    reference model: F:B:W = 1:2.14:0.86, BW 3); with R apart (R 1, B 1.14) every action
+    costs about a forward again, and the lockstep model's bubbles are zero bubble's: ZB-H1's
+    under half of 1F1B's, ZB-V's lower still. (At unit costs R makes the backward finer:
+    ZB-V's bubble falls to 0.045.)"""
+    one_f_one_b = Schedule("1f1b", 4, 8, 1).bubble_fraction(Costs(both=3.0))
+    recomputing_b = Costs(input_grad=2.14, weight_grad=0.86)
+    r_apart = Costs(input_grad=1.14, weight_grad=0.86, recompute=1.0)
+    bubbles = {}
+    for name, R in (("zb_h1", 1), ("zb_v", 2)):
+        schedule = Schedule(name, 4, 8, R)
+        assert schedule.bubble_fraction(recomputing_b) > 0.75 * one_f_one_b
+        bubbles[name] = schedule.for_stage_remat(True).bubble_fraction(r_apart)
+    assert bubbles["zb_v"] < bubbles["zb_h1"] < 0.5 * one_f_one_b, (bubbles, one_f_one_b)
+    assert Schedule("zb_v", 4, 8, 2, recompute=True).bubble_fraction() == pytest.approx(
+        0.045, abs=5e-4
+    )
+
+
+def test_for_stage_remat_adds_r_only_where_the_backward_is_split():
+    assert Schedule("zb_h1", 4, 8, 1).for_stage_remat(True).recompute
+    assert not Schedule("zb_v", 4, 8, 2).for_stage_remat(False).recompute
+    assert not Schedule("1f1b", 4, 8, 1).for_stage_remat(True).recompute
+    with pytest.raises(ScheduleError, match="the 1f1b schedule has no B of its own to recomp"):
+        Schedule("1f1b", 4, 8, 1, recompute=True)
 
 
 def test_costs_are_parameters_of_the_model():

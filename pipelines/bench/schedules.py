@@ -64,10 +64,11 @@ def schedule_figures(repeats: int, quick: bool) -> dict:
             analysis = runner.compiled.memory_analysis()
             activation_bytes[name][str(microbatches)] = int(analysis.temp_size_in_bytes)
             if microbatches == counts[0]:
-                timed[name], schedules[name] = runner, schedule
+                # The schedule as run: with R actions where it splits the backward.
+                timed[name], schedules[name] = runner, runner.config.schedule
                 if schedule.fuses_backward:
                     traced = runner.step_fn.trace(runner.state, runner.batch)
-                    measured[schedule] = action_flops(traced.jaxpr)
+                    measured[runner.config.schedule] = action_flops(traced.jaxpr)
             del runner
     times = interleaved_times(
         {name: runner.step for name, runner in timed.items()}, max(repeats, 5)

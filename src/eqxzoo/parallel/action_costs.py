@@ -2,10 +2,11 @@
 priced with it.
 
 `Schedule.modelled_time` and `Schedule.bubble_fraction` price a table with `Costs`: by
-default F = B = W = 1 and BW = 2. The program's actions cost otherwise: with stage remat a B
-or BW recomputes the stage's forward first, a W is only the weight half of the backward.
+default F = B = W = R = 1 and BW = 2. The program's actions cost otherwise: with stage remat
+a BW recomputes the stage's forward first (a split schedule's B has an R of its own for
+that), a W is only the weight half of the backward.
 Here the costs come from the 1F1B-family executor itself (`eqxzoo.parallel.pipeline_grad`):
-each tick it runs one `jax.lax.switch` over the actions (IDLE, F, B, W, BW), so the traced
+each tick it runs one `jax.lax.switch` over the actions (IDLE, F, B, W, BW, R), so the traced
 step holds each action's program as one branch, and each branch's matrix FLOPs are its
 price (`action_flops`). Forward schedules (``gpipe``, ``circular``) have no such switch:
 autodiff differentiates their forward table. They are priced with the step of the 1F1B
@@ -31,7 +32,7 @@ import numpy as np
 from jax.extend import core
 
 from eqxzoo.parallel.backward_split import _inner_jaxprs, matmul_flops
-from eqxzoo.parallel.schedule import ACTION_NAMES, BW, IDLE, B, Costs, F, Schedule, W
+from eqxzoo.parallel.schedule import ACTION_NAMES, BW, IDLE, RECOMPUTE, B, Costs, F, Schedule, W
 
 MATMULS = ("dot_general", "ragged_dot_general")
 
@@ -39,8 +40,9 @@ MATMULS = ("dot_general", "ragged_dot_general")
 @dataclasses.dataclass(frozen=True)
 class ActionFlops:
     """Matrix FLOPs of one stage's action on one chunk of layers, as traced:
-    F (``forward``), B (``input_grad``), W (``weight_grad``), BW (``both``); None for an action
-    the program does not have (1F1B has no B or W, ZB-H1 no BW). ``head`` is what the last
+    F (``forward``), B (``input_grad``), W (``weight_grad``), BW (``both``), R
+    (``recompute``); None for an action the program does not have (1F1B has no B, W or R,
+    ZB-H1 no BW, and R only with stage remat). ``head`` is what the last
     virtual stage adds to its F (the head, the loss and their backward), left out of F: the
     table prices an action alike on every stage, and the head is one stage's extra, not the
     action's."""
@@ -49,12 +51,15 @@ class ActionFlops:
     input_grad: int | None
     weight_grad: int | None
     both: int | None
+    recompute: int | None = None
     head: int = 0
 
     def by_action(self) -> dict[str, int | None]:
-        """``{"F", "B", "W", "BW"}`` -> FLOPs (None where the program has no such action)."""
-        values = (self.forward, self.input_grad, self.weight_grad, self.both)
-        return dict(zip((ACTION_NAMES[kind] for kind in (F, B, W, BW)), values, strict=True))
+        """``{"F", "B", "W", "BW", "R"}`` -> FLOPs (None where the program has no such
+        action)."""
+        values = (self.forward, self.input_grad, self.weight_grad, self.both, self.recompute)
+        kinds = (F, B, W, BW, RECOMPUTE)
+        return dict(zip((ACTION_NAMES[kind] for kind in kinds), values, strict=True))
 
     def relative(self) -> dict[str, float | None]:
         """`by_action` in units of F."""
@@ -73,7 +78,13 @@ class ActionFlops:
         def cost(name: str) -> float:
             return math.nan if relative[name] is None else relative[name]
 
-        return Costs(forward=1.0, input_grad=cost("B"), weight_grad=cost("W"), both=relative["BW"])
+        return Costs(
+            forward=1.0,
+            input_grad=cost("B"),
+            weight_grad=cost("W"),
+            both=relative["BW"],
+            recompute=cost("R"),
+        )
 
     def ratio(self) -> str:
         """The program's actions in units of F (`cost_ratio`)."""
@@ -102,7 +113,7 @@ def action_flops(jaxpr: core.Jaxpr | core.ClosedJaxpr) -> ActionFlops:
     branches = action_branches(jaxpr)
     if branches is None:
         raise ValueError(
-            "the traced step has no switch over the actions IDLE, F, B, W, BW: it is not a "
+            "the traced step has no switch over the actions IDLE, F, B, W, BW, R: it is not a "
             "step of the 1F1B-family executor (price a forward schedule with the step of "
             "`pricing_schedule`)"
         )
@@ -119,12 +130,13 @@ def action_flops(jaxpr: core.Jaxpr | core.ClosedJaxpr) -> ActionFlops:
         input_grad=present(B),
         weight_grad=present(W),
         both=present(BW),
+        recompute=present(RECOMPUTE),
         head=dearest - cheapest[F],
     )
 
 
 def branch_matmul_flops(jaxpr: core.Jaxpr | core.ClosedJaxpr) -> list[int]:
-    """`action_flops` as a list indexed by action (IDLE, F, B, W, BW; 0 where the program
+    """`action_flops` as a list indexed by action (IDLE, F, B, W, BW, R; 0 where the program
     has no such action), or ``[]`` when the step has no 1F1B-family switch."""
     branches = action_branches(jaxpr)
     return [] if branches is None else [_branch_flops(branch, min) for branch in branches]
@@ -132,7 +144,7 @@ def branch_matmul_flops(jaxpr: core.Jaxpr | core.ClosedJaxpr) -> list[int]:
 
 def action_branches(jaxpr: core.Jaxpr | core.ClosedJaxpr) -> list[core.Jaxpr] | None:
     """The branches of the executor's switch over the actions, in action order (IDLE, F, B,
-    W, BW): the first conditional with one branch per action, nested jaxprs included."""
+    W, BW, R): the first conditional with one branch per action, nested jaxprs included."""
     if isinstance(jaxpr, core.ClosedJaxpr):
         jaxpr = jaxpr.jaxpr
     for eqn in jaxpr.eqns:
@@ -202,6 +214,13 @@ def measured_bubble_fraction(schedule: Schedule, flops: ActionFlops) -> float:
 
 def _costs_for(schedule: Schedule, flops: ActionFlops) -> Costs:
     """``flops``' `Costs`, checked to price every action ``schedule``'s table runs."""
+    if schedule.splits_backward and schedule.recompute != (flops.recompute is not None):
+        has = "has" if flops.recompute is not None else "has no"
+        raise ValueError(
+            f"the measured program {has} R ({flops.ratio()}), the {schedule.name} table "
+            f"{'runs' if schedule.recompute else 'runs no'} R: price the schedule as the step "
+            "runs it (`Schedule.for_stage_remat`)"
+        )
     costs = flops.costs()
     prices = costs.prices()
     runs = np.unique(schedule.actions().action)

@@ -14,7 +14,11 @@ tick every stage looks up its action and runs it inside one `jax.lax.switch`:
   from the stashed vjp residuals without) applied to the item's cotangent: the input
   cotangent goes one stage back, BW also adds the weight gradient (on the first virtual stage
   the input cotangent flows into the embedding's gradient instead);
-- W: the weight gradient only (zero bubble schedules defer it into the drain).
+- W: the weight gradient only (zero bubble schedules defer it into the drain);
+- R (zero bubble schedules with ``remat_stages``): the stage's forward again from the
+  stashed input, keeping the residuals the next tick's B reads (one stage's worth, one
+  buffer): B and W then each cost about a forward, as F does, and no tick of the lockstep
+  waits for a B that recomputes.
 
 A stage sends one thing a tick (an F's activation, a B's cotangent), up the ring and down
 it in two `jax.lax.ppermute` outside the switch; the table says which arrival a stage
@@ -59,7 +63,18 @@ from eqxzoo.parallel.rules import (
     rule_axes,
     tree_shardings,
 )
-from eqxzoo.parallel.schedule import BW, FROM_ABOVE, FROM_BELOW, IDLE, SOURCES, B, F, Schedule, W
+from eqxzoo.parallel.schedule import (
+    BW,
+    FROM_ABOVE,
+    FROM_BELOW,
+    IDLE,
+    RECOMPUTE,
+    SOURCES,
+    B,
+    F,
+    Schedule,
+    W,
+)
 
 FirstFn = Callable[[PyTree, Int[Array, "batch seq"]], Float[Array, "batch seq embed"]]
 LastFn = Callable[
@@ -104,6 +119,7 @@ def pipeline_value_and_grad(
     assert schedule.fuses_backward, schedule
     assert mesh.shape["pp"] == schedule.stages, (mesh.shape, schedule)
     check_stage_loops(layers, mesh)
+    schedule = schedule.for_stage_remat(remat_stages)
     table = schedule.actions()
     n_stages, n_repeats = schedule.stages, schedule.repeats
     n_slots = table.slots
@@ -207,8 +223,7 @@ def pipeline_value_and_grad(
                 fit_cotangent,
             )
             w_stash_shapes = [_shape_of(leaf) for leaf in probe_stash]
-            if not remat_stages:
-                residual_shapes = [_shape_of(leaf) for leaf in probe_residuals]
+            residual_shapes = [_shape_of(leaf) for leaf in probe_residuals]
         elif not remat_stages:
             layout = PullbackResiduals.of(stage_with(data), weights, probe)
             residual_shapes = list(layout.shapes)
@@ -281,7 +296,10 @@ def pipeline_value_and_grad(
             weights, data = jax.tree.map(lambda p: p[r], (layer_params, layer_data))
             is_first = virtual_stages[r, stage] == 0
             is_last = virtual_stages[r, stage] == n_stages * n_repeats - 1
-            stashed_residuals = jax.tree.map(lambda buffer: buffer[slot], residuals)
+            # Without stage remat each item's F stashes its residuals in its slot; with it,
+            # R keeps them in the one buffer for the B at the next tick.
+            residual_slot = 0 if schedule.recompute else slot
+            stashed_residuals = jax.tree.map(lambda buffer: buffer[residual_slot], residuals)
 
             def stage_input():
                 return jax.lax.cond(
@@ -379,17 +397,12 @@ def pipeline_value_and_grad(
                     result = nothing()
                     w_stash = [buffer[slot] for buffer in carry.w_stash]
                     if input_grad:
-                        residuals_l = stashed_residuals
-                        if remat_stages:
-                            _, residuals_l = stage_forward(
-                                layer_fn, layer_layout, weights, data, inputs[slot]
-                            )
                         d_h, w_stash = stage_input_grad(
                             layer_fn,
                             layer_layout,
                             weights,
                             data,
-                            residuals_l,
+                            stashed_residuals,
                             grads[slot],
                             aux_grad,
                             fit_cotangent,
@@ -411,6 +424,12 @@ def pipeline_value_and_grad(
 
                 return run
 
+            def recompute() -> TickResult:
+                _, new_residuals = stage_forward(
+                    layer_fn, layer_layout, weights, data, inputs[slot]
+                )
+                return varying(nothing()._replace(residuals=new_residuals))
+
             chosen = split_backward if splits_backward else backward
             branches = {
                 IDLE: idle,
@@ -418,6 +437,7 @@ def pipeline_value_and_grad(
                 B: chosen(weight_grad=False, input_grad=True),
                 W: chosen(weight_grad=True, input_grad=False),
                 BW: chosen(weight_grad=True, input_grad=True),
+                RECOMPUTE: recompute,
             }
             # An action the table never names (1F1B's B and W, ZB-H1's BW) is not compiled.
             result = jax.lax.switch(
@@ -441,7 +461,9 @@ def pipeline_value_and_grad(
                 inputs=inputs, grads=grads, input_totals=input_totals, aux_grads=aux_grads
             )
             item = (kind, slot, row["microbatch"], r)
-            return _next_carry(stash, result, item, received), None
+            residual_writer = RECOMPUTE if schedule.recompute else F
+            residual_write = jnp.where(kind == residual_writer, residual_slot, -1)
+            return _next_carry(stash, result, item, received, residual_write), None
 
         slot_buffer = jnp.zeros((n_slots, *h_shape.shape), h_shape.dtype)
         total_slots = jax.tree.map(lambda s: jnp.zeros((n_slots, *s.shape), s.dtype), total_shapes)
@@ -456,7 +478,8 @@ def pipeline_value_and_grad(
                 input_totals=total_slots,
                 aux_grads=total_slots,
                 residuals=jax.tree.map(
-                    lambda s: jnp.zeros((n_slots, *s.shape), s.dtype), residual_shapes
+                    lambda s: jnp.zeros((1 if remat_stages else n_slots, *s.shape), s.dtype),
+                    residual_shapes,
                 ),
                 layer_grads=to_float32(jax.tree.map(jnp.zeros_like, layer_params)),
                 outer_grads=to_float32(jax.tree.map(jnp.zeros_like, outer_params)),
@@ -565,11 +588,13 @@ def _next_carry(
     result: TickResult,
     item: tuple[Array, Array, Array, Array],
     received: dict[int, tuple[Array, dict[str, Array]]],
+    residual_write: Array,
 ) -> TickCarry:
-    """The carry after a tick: what the neighbours sent, the item's stage input, output
-    cotangent and residuals stashed in its slot (the input and residuals by its F), and the
-    result added to the sums (weight gradients of its repeat, aux values of its microbatch
-    and repeat). ``item`` is the tick's action, slot, microbatch and repeat."""
+    """The carry after a tick: what the neighbours sent, the item's stage input and output
+    cotangent stashed in its slot (the input by its F), its residuals at ``residual_write``
+    (-1: none), and the result added to the sums (weight gradients of its repeat, aux values
+    of its microbatch and repeat). ``item`` is the tick's action, slot, microbatch and
+    repeat."""
     kind, slot, microbatch, repeat = item
     forward_slot = jnp.where(kind == F, slot, -1)
     grad_slot = jnp.where(result.write_grad, slot, -1)
@@ -584,7 +609,7 @@ def _next_carry(
             result.aux_grad,
         ),
         residuals=jax.tree.map(
-            lambda buffer, value: _write(buffer, forward_slot, value),
+            lambda buffer, value: _write(buffer, residual_write, value),
             carry.residuals,
             result.residuals,
         ),

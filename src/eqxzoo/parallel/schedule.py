@@ -63,8 +63,8 @@ from eqxzoo.typed_config import check_fields
 
 ScheduleName = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v"]
 
-IDLE, F, B, W, BW = 0, 1, 2, 3, 4
-ACTION_NAMES = {IDLE: "idle", F: "F", B: "B", W: "W", BW: "BW"}
+IDLE, F, B, W, BW, RECOMPUTE = 0, 1, 2, 3, 4, 5
+ACTION_NAMES = {IDLE: "idle", F: "F", B: "B", W: "W", BW: "BW", RECOMPUTE: "R"}
 # Where what a stage receives was sent from (`ActionTable.arrive_input`, ``arrive_grad``).
 FROM_BELOW, FROM_ABOVE, FROM_SELF = 0, 1, 2
 SOURCES = (FROM_BELOW, FROM_ABOVE, FROM_SELF)
@@ -77,21 +77,24 @@ class ScheduleError(UserError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class Costs:
     """Time of one stage's action on a whole stage's layers, in units of a forward:
-    F (``forward``), B (``input_grad``), W (``weight_grad``) and BW (``both``; ``None``: B
-    plus W, as when the backward is cut into B and W without repeating work)."""
+    F (``forward``), B (``input_grad``), W (``weight_grad``), BW (``both``; ``None``: B
+    plus W, as when the backward is cut into B and W without repeating work) and R
+    (``recompute``: the forward again, keeping what B needs)."""
 
     forward: float = 1.0
     input_grad: float = 1.0
     weight_grad: float = 1.0
     both: float | None = None
+    recompute: float = 1.0
 
     def prices(self) -> np.ndarray:
-        """The cost of each action kind, indexed by IDLE, F, B, W, BW."""
-        price = np.zeros(5)
+        """The cost of each action kind, indexed by IDLE, F, B, W, BW, R."""
+        price = np.zeros(len(ACTION_NAMES))
         price[F] = self.forward
         price[B] = self.input_grad
         price[W] = self.weight_grad
         price[BW] = self.input_grad + self.weight_grad if self.both is None else self.both
+        price[RECOMPUTE] = self.recompute
         return price
 
 
@@ -99,7 +102,7 @@ class Costs:
 class ActionTable:
     """A forward-and-backward schedule, each array ``(ticks, stages)``.
 
-    ``action`` (IDLE, F, B, W, BW), ``microbatch`` and ``repeat`` (chunk) of the item acted
+    ``action`` (IDLE, F, B, W, BW, R), ``microbatch`` and ``repeat`` (chunk) of the item acted
     on, ``slot``: its stash slot. What a stage sent at the tick before arrives from one of
     three ``SOURCES`` (`FROM_BELOW`: stage ``p - 1``, around the ring; `FROM_ABOVE`: stage
     ``p + 1``; `FROM_SELF`: the stage itself, on a V's turn), each ``(3, ticks, stages)``:
@@ -123,10 +126,17 @@ class ActionTable:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
+    """A schedule of ``stages`` over ``microbatches`` and ``repeats`` chunks per stage.
+    ``recompute`` (schedules that cut the backward into B and W, with stage remat): each B
+    is preceded by an action of its own, R, that runs the stage's forward again and keeps
+    what B reads, so that a B costs a backward, not a forward and a backward: in lockstep a
+    tick waits for its slowest action (`for_stage_remat` sets it)."""
+
     name: ScheduleName
     stages: int
     microbatches: int
     repeats: int
+    recompute: bool = False
 
     def __post_init__(self):
         check_fields(self)
@@ -136,6 +146,22 @@ class Schedule:
                 f"{self.stages}, {self.microbatches}, {self.repeats}"
             )
         self.spec.check(self)
+        if self.recompute and not self.splits_backward:
+            raise ScheduleError(
+                f"the {self.name} schedule has no B of its own to recompute for: "
+                "recompute needs zb_h1 or zb_v",
+                field="recompute",
+            )
+
+    def for_stage_remat(self, remat_stages: bool) -> "Schedule":
+        """The schedule the 1F1B-family executor runs with ``remat_stages``: with a recompute
+        action before each B where the schedule splits the backward."""
+        return dataclasses.replace(self, recompute=remat_stages and self.splits_backward)
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule cuts each backward into B and W (the zero-bubble ones)."""
+        return self.spec.splits_backward
 
     @property
     def spec(self) -> "ScheduleSpec":
@@ -214,9 +240,11 @@ class Schedule:
 
 
 def stage_orders(schedule: Schedule) -> list[list[tuple[int, int, int]]]:
-    """Each stage's actions ``(kind, microbatch, repeat)`` in the order it runs them."""
-    P, M, R = schedule.stages, schedule.microbatches, schedule.repeats
-    return [schedule.spec.stage_order(P, M, R, stage) for stage in range(P)]
+    """Each stage's actions ``(kind, microbatch, repeat)`` in the order it runs them (with
+    ``recompute``, an R right before each B)."""
+    P, M, spec = schedule.stages, schedule.microbatches, schedule.spec
+    extra = {"recompute": schedule.recompute} if spec.splits_backward else {}
+    return [spec.stage_order(P, M, schedule.repeats, stage, **extra) for stage in range(P)]
 
 
 Action = tuple[int, int, int]  # (kind, microbatch, repeat)
@@ -237,13 +265,16 @@ class ScheduleSpec:
     which refuses the (stages, microbatches, repeats) it cannot run with a `ScheduleError`;
     ``stage_order(P, M, R, stage)``, the stage's actions in the order it runs them, from
     which the action table (and a forward schedule's forward table) is built; and
-    ``placement(P, R)``, the ``(R, P)`` virtual stage of each chunk of each stage."""
+    ``placement(P, R)``, the ``(R, P)`` virtual stage of each chunk of each stage;
+    ``splits_backward``: whether its backward is cut into B and W (its ``stage_order`` then
+    takes ``recompute``: an R before each B)."""
 
     name: str
     fuses_backward: bool
     check: Callable[[Schedule], None]
-    stage_order: Callable[[int, int, int, int], list[Action]]
+    stage_order: Callable[..., list[Action]]
     placement: Callable[[int, int], np.ndarray] = _looped
+    splits_backward: bool = False
 
 
 def _one_repeat(schedule: Schedule) -> None:
@@ -311,8 +342,21 @@ def _interleaved_one_f_one_b(P: int, M: int, R: int, stage: int) -> list[Action]
     return _alternate(forward, backward, warmup=min(2 * (P - 1 - stage) + (R - 1) * P, M * R))
 
 
-def _zero_bubble_h1(P: int, M: int, R: int, stage: int) -> list[Action]:
-    return _split_and_defer_weight_grads(_one_f_one_b(P, M, R, stage), delay=stage)
+def _zero_bubble_h1(P: int, M: int, R: int, stage: int, recompute: bool) -> list[Action]:
+    """1F1B's order with each BW cut into B and W, the Ws deferred by ``stage`` Bs; with
+    ``recompute`` an R before each B, and the Ws deferred one B less: each B then runs a
+    tick later, and deferring by ``stage`` would keep one more microbatch in flight than
+    1F1B's ``P`` (at P = 4, M = 8: bubble 0.111 at unit costs with 4 in flight; with R 0.111
+    with 4, where deferring by ``stage`` gives 0.086 with 5)."""
+    delay = max(stage - 1, 0) if recompute else stage
+    order = _split_and_defer_weight_grads(_one_f_one_b(P, M, R, stage), delay=delay)
+    if not recompute:
+        return order
+    return [
+        action
+        for kind, m, r in order
+        for action in [(RECOMPUTE, m, r)] * (kind == B) + [(kind, m, r)]
+    ]
 
 
 def _check_v(schedule: Schedule) -> None:
@@ -324,20 +368,24 @@ def _check_v(schedule: Schedule) -> None:
         )
 
 
-def _zero_bubble_v(P: int, M: int, R: int, stage: int) -> list[Action]:
-    return _zero_bubble_v_orders(P, M)[stage]
+def _zero_bubble_v(P: int, M: int, R: int, stage: int, recompute: bool) -> list[Action]:
+    return _zero_bubble_v_orders(P, M, recompute)[stage]
 
 
 @functools.lru_cache(maxsize=64)
-def _zero_bubble_v_orders(P: int, M: int) -> list[list[Action]]:
+def _zero_bubble_v_orders(P: int, M: int, recompute: bool) -> list[list[Action]]:
     """Every stage's ZB-V actions, from a greedy lockstep list schedule on the V placement.
 
     Each tick, each stage runs the first of: a ready B (the chunk nearer the loss first: the
     backward's critical path), a ready F while fewer than ``2P`` of its chunks are in flight
     (from F to W; the chunk nearer the loss first), its oldest pending W. An action is ready
-    once what it reads was done at an earlier tick, as `_action_table` requires.
+    once what it reads was done at an earlier tick, as `_action_table` requires. With
+    ``recompute`` a B is first an R, and the B follows at the next tick: the R runs once
+    the B's cotangent is on its way (at the tick the B above runs, in place of an F or a W),
+    so the backward still moves one stage a tick.
     """
     placement = _v_shaped(P, 2)
+    where = {int(placement[chunk, stage]): (stage, chunk) for chunk in (0, 1) for stage in range(P)}
     last = 2 * P - 1
     done: dict[tuple[int, int, int], int] = {}  # (kind, m, virtual stage) -> tick
     orders: list[list[Action]] = [[] for _ in range(P)]
@@ -345,15 +393,18 @@ def _zero_bubble_v_orders(P: int, M: int) -> list[list[Action]]:
     next_backward = [[0, 0] for _ in range(P)]
     pending = [[] for _ in range(P)]  # per stage: (m, chunk) whose W is still to run
     in_flight = [0] * P
+    recomputed: list[Action | None] = [None] * P  # per stage: the B its R was for
 
     def before(key, tick: int) -> bool:
         return done.get(key, tick) < tick
 
     def choose(stage: int, tick: int) -> Action | None:
+        if recomputed[stage] is not None:
+            return recomputed[stage]
         for chunk in (1, 0):
             m, v = next_backward[stage][chunk], int(placement[chunk, stage])
             if m < M and before((F, m, v), tick) and (v == last or before((B, m, v + 1), tick)):
-                return (B, m, chunk)
+                return (RECOMPUTE if recompute else B, m, chunk)
         if in_flight[stage] < 2 * P:
             for chunk in (1, 0):
                 m, v = next_forward[stage][chunk], int(placement[chunk, stage])
@@ -363,9 +414,26 @@ def _zero_bubble_v_orders(P: int, M: int) -> list[list[Action]]:
             return (W, *pending[stage][0])
         return None
 
+    def recompute_ahead(stage: int, row: list[Action | None]) -> Action | None:
+        """An R whose B's cotangent is being computed at this tick (by ``row``), if any."""
+        for chunk in (1, 0):
+            m, v = next_backward[stage][chunk], int(placement[chunk, stage])
+            if m < M and v < last and before((F, m, v), tick):
+                above, above_chunk = where[v + 1]
+                if row[above] == (B, m, above_chunk):
+                    return (RECOMPUTE, m, chunk)
+        return None
+
     tick = 0
-    while any(len(order) < 3 * M * 2 for order in orders):
+    while any(len(order) < (3 + recompute) * M * 2 for order in orders):
         row = [choose(stage, tick) for stage in range(P)]
+        if recompute:
+            row = [
+                (recompute_ahead(stage, row) or action)
+                if action is None or action[0] in (F, W)
+                else action
+                for stage, action in enumerate(row)
+            ]
         assert any(row), f"zb_v P={P} M={M}: the greedy schedule stalls at tick {tick}"
         for stage, action in enumerate(row):
             if action is None:
@@ -376,7 +444,10 @@ def _zero_bubble_v_orders(P: int, M: int) -> list[list[Action]]:
             if kind == F:
                 next_forward[stage][chunk] += 1
                 in_flight[stage] += 1
+            elif kind == RECOMPUTE:
+                recomputed[stage] = (B, m, chunk)
             elif kind == B:
+                recomputed[stage] = None
                 next_backward[stage][chunk] += 1
                 pending[stage].append((m, chunk))
             else:
@@ -393,8 +464,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         ScheduleSpec("circular", False, _check_circular, _forward_then_backward),
         ScheduleSpec("1f1b", True, _one_repeat, _one_f_one_b),
         ScheduleSpec("interleaved_1f1b", True, _check_interleaved, _interleaved_one_f_one_b),
-        ScheduleSpec("zb_h1", True, _one_repeat, _zero_bubble_h1),
-        ScheduleSpec("zb_v", True, _check_v, _zero_bubble_v, _v_shaped),
+        ScheduleSpec("zb_h1", True, _one_repeat, _zero_bubble_h1, splits_backward=True),
+        ScheduleSpec("zb_v", True, _check_v, _zero_bubble_v, _v_shaped, splits_backward=True),
     )
 }
 
@@ -423,28 +494,33 @@ def _action_table(schedule: Schedule) -> ActionTable:
     position = [0] * P
     rows: list[list[tuple[int, int, int]]] = []
 
-    def ready(kind: int, m: int, r: int, stage: int, tick: int) -> bool:
+    def ready(kind: int, m: int, r: int, stage: int, tick: int, row) -> bool:
         v = int(placement[r, stage])
         if kind == F:
             return v == 0 or done.get((F, m, v - 1), tick) < tick
-        if kind in (B, BW):
+        if kind in (B, BW, RECOMPUTE):
             after_forward = done.get((F, m, v), tick) < tick
+            if kind == B and schedule.recompute:
+                after_forward = done.get((RECOMPUTE, m, v), tick) < tick
             if v == V - 1:
                 return after_forward
             upstream = done.get((B, m, v + 1), done.get((BW, m, v + 1), tick))
+            if kind == RECOMPUTE:  # it may run beside the B that computes its cotangent
+                above, above_chunk = schedule.place(v + 1)
+                return after_forward and (upstream < tick or row[above] == (B, m, above_chunk))
             return after_forward and upstream < tick
         return done.get((B, m, v), tick) < tick  # W
 
     tick = 0
     while any(position[stage] < len(orders[stage]) for stage in range(P)):
-        row = []
-        for stage in range(P):
-            if position[stage] < len(orders[stage]):
-                kind, m, r = orders[stage][position[stage]]
-                if ready(kind, m, r, stage, tick):
-                    row.append((kind, m, r))
-                    continue
-            row.append((IDLE, 0, 0))
+        row: list[tuple[int, int, int] | None] = [None] * P
+        for _ in range(2):  # the second pass runs the Rs beside their cotangents' Bs
+            for stage in range(P):
+                if row[stage] is None and position[stage] < len(orders[stage]):
+                    kind, m, r = orders[stage][position[stage]]
+                    if ready(kind, m, r, stage, tick, row):
+                        row[stage] = (kind, m, r)
+        row = [(IDLE, 0, 0) if action is None else action for action in row]
         if all(kind == IDLE for kind, _, _ in row):
             raise AssertionError(f"{schedule}: the stage orders deadlock at tick {tick}")
         for stage, (kind, m, r) in enumerate(row):

@@ -234,13 +234,14 @@ class RunConfig:
 
     @property
     def schedule(self) -> Schedule:
-        """The pipeline schedule: ``mesh.pp`` stages, ``pipeline.microbatches``, ``repeats``."""
+        """The pipeline schedule: ``mesh.pp`` stages, ``pipeline.microbatches``, ``repeats``,
+        with R actions where ``pipeline.remat_stages`` asks for them."""
         return Schedule(
             self.pipeline.schedule,
             stages=self.mesh.pp,
             microbatches=self.pipeline.microbatches,
             repeats=self.pipeline.repeats,
-        )
+        ).for_stage_remat(self.pipeline.remat_stages)
 
     @property
     def global_batch_size(self) -> int:

@@ -49,6 +49,11 @@ class StepConfig:
     skip_bubbles: bool = True
     sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)
 
+    def __post_init__(self):
+        # The schedule as the executor runs it: with R actions where stage remat asks for
+        # them (`Schedule.for_stage_remat`), so that what prices it prices what runs.
+        object.__setattr__(self, "schedule", self.schedule.for_stage_remat(self.remat_stages))
+
     @property
     def rules(self) -> Mapping[str, MeshAxes]:
         return self.sharding.rules
