@@ -16,6 +16,7 @@ from eqxzoo.parallel.action_costs import (
     measured_step_time,
     pricing_schedule,
 )
+from eqxzoo.parallel.pipeline_grad import action_scope
 from eqxzoo.parallel.schedule import BW, IDLE, RECOMPUTE, B, Costs, F, W
 from eqxzoo.run.plan import step_tracer
 from eqxzoo.train.layout import to_pipeline_layout
@@ -144,7 +145,7 @@ def test_forward_schedules_are_priced_by_the_1f1b_step(measured):
     # 1f1b's step has no B or W: it cannot price a table that runs them.
     with pytest.raises(ValueError, match="the zb_h1 table runs B, W, which the measured"):
         measured_bubble_fraction(Schedule("zb_h1", 4, 8, 1), measured["1f1b"])
-    with pytest.raises(ValueError, match="no switch over the actions"):
+    with pytest.raises(ValueError, match="no conditionals of the actions F, B, W, BW, R"):
         action_flops(jax.make_jaxpr(jnp.dot)(jnp.ones((2, 2)), jnp.ones((2, 2))))
 
 
@@ -162,30 +163,31 @@ def test_the_dry_run_prices_circular_with_the_1f1b_train_step(measured):
 
 
 def test_conditionals_the_executor_chooses_by_stage_count_their_cheaper_branch():
-    """A stand-in for the executor's switch: F's top-level conditional (the head, on the last
-    stage) counts its cheaper branch, its extra going to ``head``; a conditional inside the
-    layers (a scan of 3) counts its dearest; the idle branch marks W as absent."""
+    """A stand-in for the executor's tick: each action a conditional in its name scope
+    (`action_scope`). F's top-level conditional (the head, on the last stage) counts its
+    cheaper branch, its extra going to ``head``; a conditional inside the layers (a scan of
+    3) counts its dearest; an action with no conditional (W, R) is absent."""
     n = 4
     one_matmul = 2 * n**3
 
     def step(kind, last_stage, x, w):
-        def idle():
-            return x
-
-        def forward():
+        def forward(x):
             h = x @ w
             return jax.lax.cond(last_stage, lambda: h @ w @ w, lambda: h)
 
-        def input_grad():
+        def input_grad(x):
             def layer(h, _):
                 return jax.lax.cond(h.sum() > 0, lambda: h @ w @ w, lambda: h @ w), None
 
             return jax.lax.scan(layer, x, None, length=3)[0]
 
-        def both():
+        def both(x):
             return x @ w @ w @ w
 
-        return jax.lax.switch(kind, [idle, forward, input_grad, idle, both, idle])
+        for action, run in ((F, forward), (B, input_grad), (BW, both)):
+            with jax.named_scope(action_scope(action)):
+                x = jax.lax.cond(kind == action, run, lambda x: x, x)
+        return x
 
     jaxpr = jax.make_jaxpr(step)(0, True, jnp.ones((n, n)), jnp.ones((n, n))).jaxpr
     flops = action_flops(jaxpr)

@@ -6,9 +6,10 @@ default F = B = W = R = 1 and BW = 2. The program's actions cost otherwise: with
 a BW recomputes the stage's forward first (a split schedule's B has an R of its own for
 that), a W is only the weight half of the backward.
 Here the costs come from the 1F1B-family executor itself (`eqxzoo.parallel.pipeline_grad`):
-each tick it runs one `jax.lax.switch` over the actions (IDLE, F, B, W, BW, R), so the traced
-step holds each action's program as one branch, and each branch's matrix FLOPs are its
-price (`action_flops`). Forward schedules (``gpipe``, ``circular``) have no such switch:
+each tick it runs each action its table names in a conditional of its own, in the name
+scope `action_scope` gives, so the traced step holds each action's program as that
+conditional's branch, and the branch's matrix FLOPs are its price (`action_flops`). Forward
+schedules (``gpipe``, ``circular``) have no such switch:
 autodiff differentiates their forward table. They are priced with the step of the 1F1B
 schedule over the same stages and microbatches (`pricing_schedule`), whose F and BW are a
 stage's forward and its whole backward, as theirs are.
@@ -32,6 +33,7 @@ import numpy as np
 from jax.extend import core
 
 from eqxzoo.parallel.backward_split import _inner_jaxprs, matmul_flops
+from eqxzoo.parallel.pipeline_grad import action_scope
 from eqxzoo.parallel.schedule import ACTION_NAMES, BW, IDLE, RECOMPUTE, B, Costs, F, Schedule, W
 
 MATMULS = ("dot_general", "ragged_dot_general")
@@ -102,27 +104,25 @@ def action_flops(jaxpr: core.Jaxpr | core.ClosedJaxpr) -> ActionFlops:
     """Each action's matrix FLOPs in a traced step of the 1F1B-family executor, e.g.
     ``jax.make_jaxpr(step)(...).jaxpr`` or ``jax.jit(step).trace(...).jaxpr``.
 
-    The action's program is its branch of the executor's switch. A branch that does no matrix
-    work is the idle one, which the executor puts where the table names no such action.
-    Conditionals at the top of a branch are the executor's choice of the stage's part (the
+    The action's program is the taken branch of its conditional (`action_branches`); an
+    action the table never names has none. Conditionals at the top of a branch are the executor's choice of the stage's part (the
     embedding on the first virtual stage, the head and loss on the last): they count their
     cheaper branch, a middle stage's, the head's extra going to ``head``. Conditionals inside
     the layers (an MoE layer's overflow path) count their dearest branch, what a tick may
     have to wait for. A ``scan`` counts its body ``length`` times; a ``while`` loop once.
     """
     branches = action_branches(jaxpr)
-    if branches is None:
+    if F not in branches:
         raise ValueError(
-            "the traced step has no switch over the actions IDLE, F, B, W, BW, R: it is not a "
+            "the traced step has no conditionals of the actions F, B, W, BW, R: it is not a "
             "step of the 1F1B-family executor (price a forward schedule with the step of "
             "`pricing_schedule`)"
         )
-    cheapest = [_branch_flops(branch, min) for branch in branches]
+    cheapest = {kind: _branch_flops(branch, min) for kind, branch in branches.items()}
     dearest = _branch_flops(branches[F], max)
-    assert cheapest[IDLE] == 0, cheapest
 
     def present(kind: int) -> int | None:
-        return cheapest[kind] or None
+        return cheapest.get(kind)
 
     assert cheapest[F] > 0, "a stage whose forward does no matrix work"
     return ActionFlops(
@@ -137,24 +137,28 @@ def action_flops(jaxpr: core.Jaxpr | core.ClosedJaxpr) -> ActionFlops:
 
 def branch_matmul_flops(jaxpr: core.Jaxpr | core.ClosedJaxpr) -> list[int]:
     """`action_flops` as a list indexed by action (IDLE, F, B, W, BW, R; 0 where the program
-    has no such action), or ``[]`` when the step has no 1F1B-family switch."""
+    has no such action, all 0 when the step is not the 1F1B-family executor's)."""
     branches = action_branches(jaxpr)
-    return [] if branches is None else [_branch_flops(branch, min) for branch in branches]
+    return [_branch_flops(branches[kind], min) if kind in branches else 0 for kind in ACTION_NAMES]
 
 
-def action_branches(jaxpr: core.Jaxpr | core.ClosedJaxpr) -> list[core.Jaxpr] | None:
-    """The branches of the executor's switch over the actions, in action order (IDLE, F, B,
-    W, BW, R): the first conditional with one branch per action, nested jaxprs included."""
+def action_branches(jaxpr: core.Jaxpr | core.ClosedJaxpr) -> dict[int, core.Jaxpr]:
+    """``{action: program}``: the taken branch of each conditional in an action's name scope
+    (`eqxzoo.parallel.pipeline_grad.action_scope`), nested jaxprs included; the first of
+    each (every tick traces the same)."""
     if isinstance(jaxpr, core.ClosedJaxpr):
         jaxpr = jaxpr.jaxpr
+    scopes = {action_scope(kind): kind for kind in ACTION_NAMES if kind != IDLE}
+    found: dict[int, core.Jaxpr] = {}
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "cond" and len(eqn.params["branches"]) == len(ACTION_NAMES):
-            return [branch.jaxpr for branch in eqn.params["branches"]]
+        scope = str(eqn.source_info.name_stack).rsplit("/", 1)[-1]
+        if eqn.primitive.name == "cond" and scope in scopes:
+            found.setdefault(scopes[scope], eqn.params["branches"][-1].jaxpr)
+            continue
         for inner in _inner_jaxprs(eqn.params):
-            found = action_branches(inner)
-            if found is not None:
-                return found
-    return None
+            for kind, branch in action_branches(inner).items():
+                found.setdefault(kind, branch)
+    return found
 
 
 def _branch_flops(branch: core.Jaxpr, choose: Callable[[list[int]], int]) -> int:

@@ -64,10 +64,10 @@ from eqxzoo.parallel.rules import (
     tree_shardings,
 )
 from eqxzoo.parallel.schedule import (
+    ACTION_NAMES,
     BW,
     FROM_ABOVE,
     FROM_BELOW,
-    IDLE,
     RECOMPUTE,
     SOURCES,
     B,
@@ -228,10 +228,6 @@ def pipeline_value_and_grad(
             layout = PullbackResiduals.of(stage_with(data), weights, probe)
             residual_shapes = list(layout.shapes)
 
-        one_repeat_shapes = jax.tree.map(
-            lambda p: jax.ShapeDtypeStruct(p.shape[1:], jnp.float32), layer_params
-        )
-
         def embedding_grads(tokens_m, d_h):
             """The outer parameters' gradient through ``first`` of a microbatch's tokens."""
             _, pullback = jax.vjp(lambda o: first_fn(o, tokens_m), outer_params)
@@ -252,87 +248,86 @@ def pipeline_value_and_grad(
             }
             return pullback, fit_cotangent(outputs, (h_grad, per_layer))
 
-        def nothing() -> TickResult:
-            zeros = jnp.zeros(h_shape.shape, h_shape.dtype)
-            return TickResult(
-                send=zeros,
-                send_totals=zeros_like(total_shapes),
-                input=zeros,
-                grad=zeros,
-                aux_grad=zeros_like(total_shapes),
-                write_grad=jnp.zeros((), bool),
-                residuals=varying(zeros_like(residual_shapes)),
-                d_layers=zeros_like(one_repeat_shapes),
-                d_outer=zeros_like(outer_params),
-                loss=jnp.zeros(loss_shape, jnp.float32),
-                aux=zeros_like(aux_shapes),
-                w_stash=varying(zeros_like(w_stash_shapes)),
-            )
-
         def tick(carry: TickCarry, tick_inputs) -> tuple[TickCarry, None]:
             """One tick of every stage: the action the table names, then the exchange with
             the neighbouring stages."""
             t, tokens_m, targets_m = tick_inputs
-            residuals = carry.residuals
             row = {name: column[t, stage] for name, column in columns.items()}
-            kind, r, slot = row["action"], row["repeat"], row["slot"]
+            kind, r, slot, m = row["action"], row["repeat"], row["slot"], row["microbatch"]
             # What was sent at the tick before (by the stage below, the stage above or this
             # one) lands in the slot the table names: activations with the aux totals so
             # far, cotangents with the aux loss's gradient.
-            stash = {
-                "input": (carry.inputs, carry.input_totals),
-                "grad": (carry.grads, carry.aux_grads),
+            buffers = {
+                "input": (carry.stash.inputs, carry.stash.input_totals),
+                "grad": (carry.stash.grads, carry.stash.aux_grads),
             }
             for name, sides in arrivals.items():
                 for source in sides:
                     at = arrive[name][source, t, stage]
                     value, tree = carry.received[source]
-                    buffer, trees = stash[name]
-                    stash[name] = (
+                    buffer, trees = buffers[name]
+                    buffers[name] = (
                         _write(buffer, at, value.astype(h_shape.dtype)),
                         jax.tree.map(lambda b, v, at=at: _write(b, at, v), trees, tree),
                     )
-            (inputs, input_totals), (grads, aux_grads) = stash["input"], stash["grad"]
+            (inputs, input_totals), (grads, aux_grads) = buffers["input"], buffers["grad"]
+            stash = carry.stash._replace(
+                inputs=inputs, grads=grads, input_totals=input_totals, aux_grads=aux_grads
+            )
             weights, data = jax.tree.map(lambda p: p[r], (layer_params, layer_data))
             is_first = virtual_stages[r, stage] == 0
             is_last = virtual_stages[r, stage] == n_stages * n_repeats - 1
             # Without stage remat each item's F stashes its residuals in its slot; with it,
             # R keeps them in the one buffer for the B at the next tick.
             residual_slot = 0 if schedule.recompute else slot
-            stashed_residuals = jax.tree.map(lambda buffer: buffer[residual_slot], residuals)
 
-            def stage_input():
+            def add_outer_grads(outer_grads, when, grads_fn):
+                """``outer_grads`` plus ``grads_fn()`` where ``when`` (the embedding's on the
+                first virtual stage, the head's on the last); elsewhere no outer-sized work."""
                 return jax.lax.cond(
+                    when,
+                    lambda acc: jax.tree.map(
+                        lambda a, g: a + g.astype(a.dtype), acc, varying(grads_fn())
+                    ),
+                    lambda acc: acc,
+                    outer_grads,
+                )
+
+            def add_layer_grads(layer_grads, d_weights):
+                return jax.tree.map(
+                    lambda acc, d: acc.at[r].add(d.astype(acc.dtype)), layer_grads, d_weights
+                )
+
+            def forward(written: dict, sent: Sent) -> tuple[dict, Sent]:
+                h_in = jax.lax.cond(
                     is_first,
                     lambda: varying(first_fn(outer_params, tokens_m)),
-                    lambda: inputs[slot],
+                    lambda: stash.inputs[slot],
                 )
-
-            def idle() -> TickResult:
-                fill = jnp.full(h_shape.shape, bubble_fill, h_shape.dtype)
-                fill_totals = jax.tree.map(
-                    lambda s: jnp.full(s.shape, bubble_fill, s.dtype), total_shapes
-                )
-                return varying(nothing()._replace(send=fill, send_totals=fill_totals))
-
-            def forward() -> TickResult:
-                h_in = stage_input()
                 if remat_stages:
-                    (h_out, aux), new_residuals = stage_fn(weights, data, h_in), stashed_residuals
-                elif splits_backward:
-                    (h_out, aux), new_residuals = stage_forward(
-                        layer_fn, layer_layout, weights, data, h_in
-                    )
+                    h_out, aux = stage_fn(weights, data, h_in)
                 else:
-                    (h_out, aux), pullback = jax.vjp(stage_with(data), weights, h_in)
-                    new_residuals = layout.residuals(pullback)
+                    if splits_backward:
+                        (h_out, aux), new_residuals = stage_forward(
+                            layer_fn, layer_layout, weights, data, h_in
+                        )
+                    else:
+                        (h_out, aux), pullback = jax.vjp(stage_with(data), weights, h_in)
+                        new_residuals = layout.residuals(pullback)
+                    written["residuals"] = [
+                        buffer.at[slot].set(value)
+                        for buffer, value in zip(written["residuals"], new_residuals, strict=True)
+                    ]
                 totals = jax.tree.map(
                     lambda arrived, values: jnp.where(is_first, 0, arrived) + values.sum(axis=0),
-                    jax.tree.map(lambda buffer: buffer[slot], input_totals),
+                    jax.tree.map(lambda buffer: buffer[slot], stash.input_totals),
                     aux,
                 )
 
-                def head():
+                def head(sums):
+                    """The last virtual stage's loss: its parts, the outer parameters'
+                    gradient, and the item's cotangent with the aux loss's gradient."""
+                    grads, aux_grads, outer_grads, loss_sum = sums
                     loss, pullback = jax.vjp(
                         lambda o, h: last_fn(o, h, targets_m), outer_params, h_out
                     )
@@ -340,51 +335,45 @@ def pipeline_value_and_grad(
                         jnp.ones_like(loss) * jnp.asarray(part_weights, loss.dtype)
                     )
                     aux_grad = jax.grad(aux_loss)(totals)
-                    return varying((loss.astype(jnp.float32), d_outer, d_h, aux_grad))
-
-                def no_head():
                     return varying(
                         (
-                            jnp.zeros(loss_shape, jnp.float32),
-                            zeros_like(outer_params),
-                            jnp.zeros_like(h_out),
-                            zeros_like(total_shapes),
+                            grads.at[slot].set(d_h.astype(h_shape.dtype)),
+                            jax.tree.map(lambda b, v: b.at[slot].set(v), aux_grads, aux_grad),
+                            jax.tree.map(lambda a, g: a + g.astype(a.dtype), outer_grads, d_outer),
+                            loss_sum + loss.astype(jnp.float32),
                         )
                     )
 
-                loss, d_outer, d_h, aux_grad = jax.lax.cond(is_last, head, no_head)
-                result = nothing()._replace(
-                    send=h_out,
-                    send_totals=totals,
-                    input=h_in,
-                    grad=d_h,
-                    aux_grad=aux_grad,
-                    write_grad=is_last,
-                    residuals=new_residuals,
-                    d_outer=d_outer,
-                    loss=loss.astype(jnp.float32),
-                    aux=aux,
+                names = ("grads", "aux_grads", "outer_grads", "loss")
+                sums = jax.lax.cond(
+                    is_last, head, lambda sums: sums, tuple(written[name] for name in names)
                 )
-                return varying(result)
+                written |= dict(zip(names, sums, strict=True))
+                written["aux"] = jax.tree.map(
+                    lambda acc, v: acc.at[m, r].add(v), written["aux"], aux
+                )
+                return written, (h_out.astype(h_shape.dtype), totals, h_in)
 
             def backward(weight_grad: bool, input_grad: bool):
-                def run() -> TickResult:
-                    aux_grad = jax.tree.map(lambda buffer: buffer[slot], aux_grads)
+                def run(written: dict, sent: Sent) -> tuple[dict, Sent]:
+                    aux_grad = jax.tree.map(lambda buffer: buffer[slot], stash.aux_grads)
+                    residuals = [buffer[residual_slot] for buffer in stash.residuals]
                     pullback, cotangent = vjp_of_stage(
-                        weights, data, inputs[slot], grads[slot], aux_grad, stashed_residuals
+                        weights, data, stash.inputs[slot], stash.grads[slot], aux_grad, residuals
                     )
                     d_weights, d_h = pullback(cotangent)
-                    result = nothing()
                     if weight_grad:
-                        result = result._replace(d_layers=to_float32(d_weights))
-                    if input_grad:
-                        d_outer = jax.lax.cond(
-                            is_first,
-                            lambda: varying(embedding_grads(tokens_m, d_h)),
-                            lambda: varying(zeros_like(outer_params)),
+                        written["layer_grads"] = add_layer_grads(
+                            written["layer_grads"], to_float32(d_weights)
                         )
-                        result = result._replace(send=d_h, send_totals=aux_grad, d_outer=d_outer)
-                    return varying(result)
+                    if input_grad:
+                        written["outer_grads"] = add_outer_grads(
+                            written["outer_grads"],
+                            is_first,
+                            lambda: embedding_grads(tokens_m, d_h),
+                        )
+                        sent = (d_h.astype(h_shape.dtype), aux_grad, sent[2])
+                    return written, sent
 
                 return run
 
@@ -392,78 +381,118 @@ def pipeline_value_and_grad(
                 """B, W or both with the backward cut layer by layer: B keeps W's stash in
                 the item's slot, W reads it from there."""
 
-                def run() -> TickResult:
-                    aux_grad = jax.tree.map(lambda buffer: buffer[slot], aux_grads)
-                    result = nothing()
-                    w_stash = [buffer[slot] for buffer in carry.w_stash]
+                def run(written: dict, sent: Sent) -> tuple[dict, Sent]:
+                    aux_grad = jax.tree.map(lambda buffer: buffer[slot], stash.aux_grads)
                     if input_grad:
                         d_h, w_stash = stage_input_grad(
                             layer_fn,
                             layer_layout,
                             weights,
                             data,
-                            stashed_residuals,
-                            grads[slot],
+                            [buffer[residual_slot] for buffer in stash.residuals],
+                            stash.grads[slot],
                             aux_grad,
                             fit_cotangent,
                         )
-                        d_outer = jax.lax.cond(
+                        if not weight_grad:
+                            written["w_stash"] = [
+                                buffer.at[slot].set(value)
+                                for buffer, value in zip(written["w_stash"], w_stash, strict=True)
+                            ]
+                        written["outer_grads"] = add_outer_grads(
+                            written["outer_grads"],
                             is_first,
-                            lambda: varying(embedding_grads(tokens_m, d_h)),
-                            lambda: varying(zeros_like(outer_params)),
+                            lambda: embedding_grads(tokens_m, d_h),
                         )
-                        result = result._replace(
-                            send=d_h, send_totals=aux_grad, d_outer=d_outer, w_stash=list(w_stash)
-                        )
+                        sent = (d_h.astype(h_shape.dtype), aux_grad, sent[2])
+                    else:
+                        w_stash = [buffer[slot] for buffer in stash.w_stash]
                     if weight_grad:
                         d_weights = stage_weight_grad(
-                            layer_fn, weights, data, w_stash, grads[slot], aux_grad, fit_cotangent
+                            layer_fn,
+                            weights,
+                            data,
+                            w_stash,
+                            stash.grads[slot],
+                            aux_grad,
+                            fit_cotangent,
                         )
-                        result = result._replace(d_layers=to_float32(d_weights))
-                    return varying(result)
+                        written["layer_grads"] = add_layer_grads(
+                            written["layer_grads"], to_float32(d_weights)
+                        )
+                    return written, sent
 
                 return run
 
-            def recompute() -> TickResult:
+            def recompute(written: dict, sent: Sent) -> tuple[dict, Sent]:
                 _, new_residuals = stage_forward(
-                    layer_fn, layer_layout, weights, data, inputs[slot]
+                    layer_fn, layer_layout, weights, data, stash.inputs[slot]
                 )
-                return varying(nothing()._replace(residuals=new_residuals))
+                written["residuals"] = [
+                    buffer.at[0].set(value)
+                    for buffer, value in zip(written["residuals"], new_residuals, strict=True)
+                ]
+                return written, sent
 
             chosen = split_backward if splits_backward else backward
-            branches = {
-                IDLE: idle,
-                F: forward,
-                B: chosen(weight_grad=False, input_grad=True),
-                W: chosen(weight_grad=True, input_grad=False),
-                BW: chosen(weight_grad=True, input_grad=True),
-                RECOMPUTE: recompute,
+            # Each action, with the stash buffers it writes (and reads none of, or XLA copies
+            # them whole).
+            actions = {
+                F: (
+                    forward,
+                    ("grads", "aux_grads", "outer_grads", "loss", "aux")
+                    + (() if remat_stages else ("residuals",)),
+                ),
+                B: (chosen(weight_grad=False, input_grad=True), ("w_stash", "outer_grads")),
+                W: (chosen(weight_grad=True, input_grad=False), ("layer_grads",)),
+                BW: (chosen(weight_grad=True, input_grad=True), ("layer_grads", "outer_grads")),
+                RECOMPUTE: (recompute, ("residuals",)),
             }
-            # An action the table never names (1F1B's B and W, ZB-H1's BW) is not compiled.
-            result = jax.lax.switch(
-                kind,
-                [branches[action] if action in scheduled else idle for action in sorted(branches)],
+            # An idle tick (and one that sends nothing) sends the fill.
+            sent = varying(
+                (
+                    jnp.full(h_shape.shape, bubble_fill, h_shape.dtype),
+                    jax.tree.map(lambda s: jnp.full(s.shape, bubble_fill, s.dtype), total_shapes),
+                    jnp.zeros(h_shape.shape, h_shape.dtype),
+                )
             )
+            # Each action the table names runs in a conditional of its own that takes and
+            # returns only the buffers it writes: XLA updates them in place, and a tick that
+            # runs another action pays nothing for them (one switch over all the actions
+            # would have every branch fill every action's outputs). An action the table
+            # never names (1F1B's B and W, ZB-H1's BW) is not compiled.
+            for action, (run, writes) in actions.items():
+                if action not in scheduled:
+                    continue
+
+                def active(operands, run=run):
+                    written, sent = operands
+                    return varying(run(dict(written), sent))
+
+                written = {name: getattr(stash, name) for name in writes}
+                with jax.named_scope(action_scope(action)):
+                    written, sent = jax.lax.cond(
+                        kind == action, active, lambda operands: operands, (written, sent)
+                    )
+                stash = stash._replace(**written)
+            send, send_totals, first_input = sent
+            # The first virtual stage's F made its input (the embedding) itself.
+            first_slot = jnp.where((kind == F) & is_first, slot, -1)
+            stash = stash._replace(inputs=_write(stash.inputs, first_slot, first_input))
             # A stage sends one thing a tick (an F's activation, a B's cotangent) to the
             # stage below or above (or keeps it, on a V's turn): around the ring both ways,
             # in float32 (XLA:CPU fails to compile bfloat16 collectives).
-            sent = (result.send.astype(transport_dtype), result.send_totals)
+            message = (send.astype(transport_dtype), send_totals)
             shifts = {FROM_BELOW: forward_shift, FROM_ABOVE: backward_shift}
             received = {
                 source: (
-                    jax.lax.ppermute(sent, "pp", shifts[source])
+                    jax.lax.ppermute(message, "pp", shifts[source])
                     if manual and source in shifts
-                    else sent
+                    else message
                 )
                 for source in sources
             }
-            stash = carry._replace(
-                inputs=inputs, grads=grads, input_totals=input_totals, aux_grads=aux_grads
-            )
-            item = (kind, slot, row["microbatch"], r)
-            residual_writer = RECOMPUTE if schedule.recompute else F
-            residual_write = jnp.where(kind == residual_writer, residual_slot, -1)
-            return _next_carry(stash, result, item, received, residual_write), None
+            return TickCarry(received=received, stash=stash), None
 
         slot_buffer = jnp.zeros((n_slots, *h_shape.shape), h_shape.dtype)
         total_slots = jax.tree.map(lambda s: jnp.zeros((n_slots, *s.shape), s.dtype), total_shapes)
@@ -473,25 +502,28 @@ def pipeline_value_and_grad(
                     source: (jnp.zeros(h_shape.shape, transport_dtype), zeros_like(total_shapes))
                     for source in sources
                 },
-                inputs=slot_buffer,
-                grads=slot_buffer,
-                input_totals=total_slots,
-                aux_grads=total_slots,
-                residuals=jax.tree.map(
-                    lambda s: jnp.zeros((1 if remat_stages else n_slots, *s.shape), s.dtype),
-                    residual_shapes,
+                stash=Stash(
+                    inputs=slot_buffer,
+                    grads=slot_buffer,
+                    input_totals=total_slots,
+                    aux_grads=total_slots,
+                    residuals=[
+                        jnp.zeros((1 if remat_stages else n_slots, *s.shape), s.dtype)
+                        for s in residual_shapes
+                    ],
+                    w_stash=[jnp.zeros((n_slots, *s.shape), s.dtype) for s in w_stash_shapes],
+                    layer_grads=to_float32(jax.tree.map(jnp.zeros_like, layer_params)),
+                    outer_grads=to_float32(jax.tree.map(jnp.zeros_like, outer_params)),
+                    loss=jnp.zeros(loss_shape, jnp.float32),
+                    aux=jax.tree.map(
+                        lambda s: jnp.zeros((n_micro, n_repeats, *s.shape), s.dtype), aux_shapes
+                    ),
                 ),
-                layer_grads=to_float32(jax.tree.map(jnp.zeros_like, layer_params)),
-                outer_grads=to_float32(jax.tree.map(jnp.zeros_like, outer_params)),
-                loss=jnp.zeros(loss_shape, jnp.float32),
-                aux=jax.tree.map(
-                    lambda s: jnp.zeros((n_micro, n_repeats, *s.shape), s.dtype), aux_shapes
-                ),
-                w_stash=[jnp.zeros((n_slots, *s.shape), s.dtype) for s in w_stash_shapes],
             )
         )
         ticks = (jnp.arange(table.ticks), tick_tokens[:, 0], tick_targets[:, 0])
-        sums, _ = jax.lax.scan(tick, init, ticks)
+        final, _ = jax.lax.scan(tick, init, ticks)
+        sums = final.stash
         layer_grads = jax.tree.map(lambda g: g[:, None], sums.layer_grads)
         stacked = jax.tree.map(lambda v: v[None], (sums.outer_grads, sums.loss, sums.aux))
         return layer_grads, *stacked
@@ -539,95 +571,44 @@ def pipeline_value_and_grad(
     return loss_sums.sum(axis=0), layer_aux, layer_grads, outer_grads
 
 
-class TickResult(NamedTuple):
-    """What one stage's action produces in one tick (zeros for what it does not): what it
-    sends (``send`` with ``send_totals``: an F's activation with the microbatch's aux totals
-    so far, or a B's cotangent with the aux loss's gradient); the stage input and output
-    cotangent it stashes
-    (``input``, and ``grad`` with ``aux_grad`` when ``write_grad``) with the residuals of its
-    pullback (``residuals``, without stage remat); its share of the weight gradient of the
-    repeat it ran (``d_layers``), of the outer parameters (``d_outer``), of the loss's parts
-    (``loss``) and the layers' aux values (``aux``)."""
+class Stash(NamedTuple):
+    """What a stage keeps from tick to tick besides what was just sent to it: per item in
+    flight (one slot each) its stage input with the aux totals so far (``inputs``,
+    ``input_totals``), its output cotangent with the aux loss's gradient (``grads``,
+    ``aux_grads``), its pullback's residuals (``residuals``: per slot without stage remat,
+    R's one buffer with it) and B's stash for W (``w_stash``); and its sums: ``layer_grads``
+    per repeat, ``outer_grads``, ``loss``, ``aux`` per microbatch and repeat."""
 
-    send: Array
-    send_totals: dict[str, Array]
-    input: Array
-    grad: Array
-    aux_grad: dict[str, Array]
-    write_grad: Array
-    residuals: list[Array]
-    d_layers: PyTree
-    d_outer: PyTree
-    loss: Array
-    aux: dict[str, Array]
-    w_stash: list[Array]
-
-
-class TickCarry(NamedTuple):
-    """What a stage carries from tick to tick: what was sent to it at the tick before,
-    ``received[source]`` (the value and its aux tree, from each source some arrival of the
-    table reads: `eqxzoo.parallel.schedule.SOURCES`), its stash (``inputs``, ``grads``, ``input_totals``, ``aux_grads``, ``residuals``: one
-    slot per item in flight) and its sums (``layer_grads`` per repeat, ``outer_grads``,
-    ``loss``, ``aux`` per microbatch and repeat)."""
-
-    received: dict[int, tuple[Array, dict[str, Array]]]
     inputs: Array
     grads: Array
     input_totals: dict[str, Array]
     aux_grads: dict[str, Array]
     residuals: list[Array]
+    w_stash: list[Array]
     layer_grads: PyTree
     outer_grads: PyTree
     loss: Array
     aux: dict[str, Array]
-    w_stash: list[Array]
 
 
-def _next_carry(
-    carry: TickCarry,
-    result: TickResult,
-    item: tuple[Array, Array, Array, Array],
-    received: dict[int, tuple[Array, dict[str, Array]]],
-    residual_write: Array,
-) -> TickCarry:
-    """The carry after a tick: what the neighbours sent, the item's stage input and output
-    cotangent stashed in its slot (the input by its F), its residuals at ``residual_write``
-    (-1: none), and the result added to the sums (weight gradients of its repeat, aux values
-    of its microbatch and repeat). ``item`` is the tick's action, slot, microbatch and
-    repeat."""
-    kind, slot, microbatch, repeat = item
-    forward_slot = jnp.where(kind == F, slot, -1)
-    grad_slot = jnp.where(result.write_grad, slot, -1)
-    return TickCarry(
-        received=received,
-        inputs=_write(carry.inputs, forward_slot, result.input),
-        grads=_write(carry.grads, grad_slot, result.grad),
-        input_totals=carry.input_totals,
-        aux_grads=jax.tree.map(
-            lambda buffer, value: _write(buffer, grad_slot, value),
-            carry.aux_grads,
-            result.aux_grad,
-        ),
-        residuals=jax.tree.map(
-            lambda buffer, value: _write(buffer, residual_write, value),
-            carry.residuals,
-            result.residuals,
-        ),
-        layer_grads=jax.tree.map(
-            lambda acc, d: acc.at[repeat].add(d.astype(acc.dtype)),
-            carry.layer_grads,
-            result.d_layers,
-        ),
-        outer_grads=jax.tree.map(
-            lambda acc, d: acc + d.astype(acc.dtype), carry.outer_grads, result.d_outer
-        ),
-        loss=carry.loss + result.loss,
-        aux=jax.tree.map(lambda acc, v: acc.at[microbatch, repeat].add(v), carry.aux, result.aux),
-        w_stash=[
-            _write(buffer, jnp.where(kind == B, slot, -1), value)
-            for buffer, value in zip(carry.w_stash, result.w_stash, strict=True)
-        ],
-    )
+class TickCarry(NamedTuple):
+    """What a stage carries from tick to tick: what was sent to it at the tick before,
+    ``received[source]`` (the value and its aux tree, from each source some arrival of the
+    table reads: `eqxzoo.parallel.schedule.SOURCES`), and its `Stash`."""
+
+    received: dict[int, tuple[Array, dict[str, Array]]]
+    stash: Stash
+
+
+# What a tick's action sends (value and aux tree), and the input an F on the first virtual
+# stage made (its embedding).
+Sent = tuple[Array, dict[str, Array], Array]
+
+
+def action_scope(kind: int) -> str:
+    """The name scope of the conditional that runs action ``kind`` in a tick (its true
+    branch is the action's program: `eqxzoo.parallel.action_costs` prices it)."""
+    return f"pipeline_action_{ACTION_NAMES[kind]}"
 
 
 def _shape_of(value: Array) -> jax.ShapeDtypeStruct:
