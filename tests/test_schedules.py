@@ -197,6 +197,9 @@ def test_r_apart_keeps_zero_bubble_in_lockstep_at_p4_m8():
     assert Schedule("zb_v", 4, 8, 2, recompute=True).bubble_fraction() == pytest.approx(
         0.045, abs=5e-4
     )
+    # A stage's work at unit costs: F, B and W per microbatch, and R with it.
+    assert Schedule("zb_h1", 4, 8, 1).modelled_work() == 3 * 8
+    assert Schedule("zb_h1", 4, 8, 1, recompute=True).modelled_work() == 4 * 8
 
 
 def test_for_stage_remat_adds_r_only_where_the_backward_is_split():

@@ -9,7 +9,7 @@ Here the costs come from the 1F1B-family executor itself (`eqxzoo.parallel.pipel
 each tick it runs each action its table names in a conditional of its own, in the name
 scope `action_scope` gives, so the traced step holds each action's program as that
 conditional's branch, and the branch's matrix FLOPs are its price (`action_flops`). Forward
-schedules (``gpipe``, ``circular``) have no such switch:
+schedules (``gpipe``, ``circular``) have no such actions:
 autodiff differentiates their forward table. They are priced with the step of the 1F1B
 schedule over the same stages and microbatches (`pricing_schedule`), whose F and BW are a
 stage's forward and its whole backward, as theirs are.

@@ -4,7 +4,8 @@
 Autodiff of a forward pipeline keeps every microbatch's stage inputs until the backward
 starts; here the backward of a microbatch runs as soon as its loss exists, so a stage keeps
 only the items in flight (the table's ``slots``, at most ``P`` for ``1f1b``/``zb_h1``). Each
-tick every stage looks up its action and runs it inside one `jax.lax.switch`:
+tick every stage looks up its action and runs it, each action a `jax.lax.cond` of its own
+that takes and returns only the stash buffers it writes (updated in place):
 
 - F: its layers on the item's input (the embedding of the microbatch's tokens on the first
   virtual stage, else the activation that arrived into the item's stash slot); on the last
@@ -21,7 +22,7 @@ tick every stage looks up its action and runs it inside one `jax.lax.switch`:
   waits for a B that recomputes.
 
 A stage sends one thing a tick (an F's activation, a B's cotangent), up the ring and down
-it in two `jax.lax.ppermute` outside the switch; the table says which arrival a stage
+it in two `jax.lax.ppermute` after the actions; the table says which arrival a stage
 keeps and in which slot it lands (looped placements read activations from below and
 cotangents from above; ``zb_v`` reads both from either side, and keeps what its V's turn
 on stage ``P - 1`` hands to itself). Weight gradients accumulate stage-locally in the

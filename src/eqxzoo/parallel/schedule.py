@@ -227,11 +227,14 @@ class Schedule:
         price = costs.prices()
         return float(price[self.actions().action].max(axis=1).sum() / self.repeats)
 
+    def modelled_work(self, costs: Costs = Costs()) -> float:
+        """A stage's own work in the lockstep model: the mean over stages of its actions'
+        costs (``3 M`` stage forwards at unit costs, ``4 M`` with R)."""
+        return float(costs.prices()[self.actions().action].sum() / (self.stages * self.repeats))
+
     def bubble_fraction(self, costs: Costs = Costs()) -> float:
-        """The idle share of the modelled step: ``1 - busy / modelled_time``, ``busy`` a
-        stage's own work (the mean over stages of its actions' costs)."""
-        busy = costs.prices()[self.actions().action].sum() / (self.stages * self.repeats)
-        return 1.0 - busy / self.modelled_time(costs)
+        """The idle share of the modelled step: ``1 - work / modelled_time``."""
+        return 1.0 - self.modelled_work(costs) / self.modelled_time(costs)
 
     def in_flight(self) -> int:
         """The most microbatch chunks a stage keeps at once (its stash, in chunks of ``1/R``

@@ -129,7 +129,7 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
         f"schedule {schedule.name}: P={schedule.stages} stages, M={schedule.microbatches} "
         f"microbatches, R={schedule.repeats} repeats; modelled bubble "
         f"{schedule.bubble_fraction():.1%} (lockstep, F = B = W = 1: a step of "
-        f"{schedule.modelled_time():g} stage forwards for {3 * schedule.microbatches} of "
+        f"{schedule.modelled_time():g} stage forwards for {schedule.modelled_work():g} of "
         f"work), {measured}; at most {schedule.in_flight()} microbatch "
         + ("chunks" if schedule.repeats > 1 else "inputs")
         + " in flight per stage"
