@@ -31,7 +31,11 @@ import time
 from pathlib import Path
 
 from eqxzoo.errors import EXIT_LOST_PEER, EXIT_OK, UserError, fail, run_command
-from eqxzoo.train.stop_signal import StoppedBeforeFirstStep, stopping_before_first_step
+from eqxzoo.train.stop_signal import (
+    StoppedBeforeFirstStep,
+    stopped_by_signal,
+    stopping_before_first_step,
+)
 from pipelines.cli import absolute_path
 
 STARTED_AT = time.perf_counter()
@@ -102,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             args = parse_args(argv)
             return run_command(lambda: run(args))
-        except StoppedBeforeFirstStep:
+        except BaseException as error:
+            if not stopped_by_signal(error):
+                raise
             print(StoppedBeforeFirstStep.MESSAGE, flush=True)
             return EXIT_OK
 

@@ -359,3 +359,27 @@ def test_a_checkpoint_of_another_model_is_refused_naming_an_array_and_both_shape
     )
     assert finished_steps(tmp_path) == [3]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["3"]
+
+
+def test_an_error_raised_while_a_stop_unwinds_is_still_the_stop(monkeypatch, capsys):
+    """A signal that lands inside JAX's tracing can break the cleanup around it (seen once:
+    ``AttributeError: 'int' object has no attribute '_get_vars'`` with the stop as its
+    context): the run still ends with the stop's one line and exit code 0."""
+    import pipelines.run
+
+    def broken_by_a_stop(args):
+        try:
+            raise StoppedBeforeFirstStep(signal.SIGTERM)
+        except StoppedBeforeFirstStep:
+            raise AttributeError("'int' object has no attribute '_get_vars'")  # noqa: B904
+
+    monkeypatch.setattr(pipelines.run, "run", broken_by_a_stop)
+    assert pipelines.run.main([str(TINY)]) == 0
+    assert capsys.readouterr().out.splitlines() == [StoppedBeforeFirstStep.MESSAGE]
+
+    def broken(args):
+        raise AttributeError("not a stop")
+
+    monkeypatch.setattr(pipelines.run, "run", broken)
+    with pytest.raises(AttributeError, match="not a stop"):
+        pipelines.run.main([str(TINY)])

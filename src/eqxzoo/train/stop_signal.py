@@ -33,6 +33,20 @@ class StoppedBeforeFirstStep(BaseException):
         self.signum = signum
 
 
+def stopped_by_signal(error: BaseException) -> bool:
+    """Whether ``error`` is a `StoppedBeforeFirstStep` or was raised while one was handled
+    (its ``__cause__`` / ``__context__`` chain holds one): a signal that lands inside JAX's
+    tracing can break the cleanup around it, and the error that cleanup raises must not
+    hide the stop."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, StoppedBeforeFirstStep):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def _stop_now(signum: int, frame: Any) -> None:
     if signum == signal.SIGINT and _preemption_service():
         os.kill(os.getpid(), signal.SIGTERM)  # as `StopSignal` passes it on: see below
