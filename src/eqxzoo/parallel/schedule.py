@@ -42,6 +42,12 @@ gradient), W (weight gradient) and BW (both at once):
   with at most ``2P + 2`` chunks of half a stage in its stash (counted from their arrival),
   one stage's worth more than 1F1B's first stage.
 
+With stage remat the split schedules (``zb_h1``, ``zb_v``) run an R before each B
+(`Schedule.for_stage_remat`): the stage's forward again, keeping what B reads, so that no
+tick waits for a B that recomputes; the R runs beside the B above that computes its
+cotangent, and ZB-H1 then defers its Ws by ``p - 1`` Bs to keep ``P`` in flight (ZB-V's
+unit-cost bubble at P = 4, M = 8 becomes 0.045).
+
 Each table is built by running every stage's ordered list of actions in lockstep (an action
 runs at the first tick its inputs exist: an F after the previous chunk's F, a B after the
 next chunk's B and its own F, a W after its B), which checks the dependencies; stash slots
