@@ -105,11 +105,12 @@ def action_flops(jaxpr: core.Jaxpr | core.ClosedJaxpr) -> ActionFlops:
     ``jax.make_jaxpr(step)(...).jaxpr`` or ``jax.jit(step).trace(...).jaxpr``.
 
     The action's program is the taken branch of its conditional (`action_branches`); an
-    action the table never names has none. Conditionals at the top of a branch are the executor's choice of the stage's part (the
-    embedding on the first virtual stage, the head and loss on the last): they count their
-    cheaper branch, a middle stage's, the head's extra going to ``head``. Conditionals inside
-    the layers (an MoE layer's overflow path) count their dearest branch, what a tick may
-    have to wait for. A ``scan`` counts its body ``length`` times; a ``while`` loop once.
+    action the table never names has none. Conditionals at the top of a branch are the
+    executor's choice of the stage's part (the embedding on the first virtual stage, the head
+    and loss on the last): they count their cheaper branch, a middle stage's, the head's extra
+    going to ``head``. Conditionals inside the layers (an MoE layer's overflow path) count
+    their dearest branch, what a tick may have to wait for. A ``scan`` counts its body
+    ``length`` times; a ``while`` loop once.
     """
     branches = action_branches(jaxpr)
     if F not in branches:
