@@ -311,9 +311,17 @@ def error_for(overrides, path=TINY) -> str:
         ),
         (
             ["sharding.embed=['dp', 'xp']"],
-            r"^sharding\.embed: \['xp'\] are not mesh axes; choose from \['dp', 'pp', 'tp', 'ep'\]$",
+            r"^sharding\.embed: \['xp'\] are not mesh axes; choose from \['dp', 'pp', 'tp', 'ep', 'dp_ici'\]$",
         ),
         (["sharding.mlp=['tp', 'tp']"], r"^sharding\.mlp: \['tp', 'tp'\] names a mesh axis twice$"),
+        (
+            ["sharding.embed=['dp', 'dp_ici']"],
+            r"^sharding\.embed: \['dp', 'dp_ici'\] names a mesh axis twice$",
+        ),
+        (
+            ["mesh.dcn.dp=3"],
+            r"^mesh\.dcn\.dp: 3 slices do not divide mesh\.dp=2: choose a divisor of 2$",
+        ),
         (
             ["sharding.stages=['dp']"],
             r"^sharding\.stages: must be \['pp'\] \(fixed by the trainer\), got \['dp'\]$",

@@ -35,11 +35,13 @@ from grids import case_id, cover, covering, levels_of, pairs_of
 
 import models
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh
+from eqxzoo.parallel.mesh import DcnConfig
 from eqxzoo.parallel.schedule import ScheduleError
 from eqxzoo.train.layout import from_pipeline_layout, to_pipeline_layout
 from eqxzoo.train.loss import pipelined_loss, pipelined_loss_and_grad, sequential_loss
 from eqxzoo.train.loss_terms import LossConfig
 from eqxzoo.train.settings import StepConfig
+from eqxzoo.typed_config import ConfigError
 
 N_LAYERS = 8
 BATCH, SEQ = 4, 8
@@ -57,6 +59,13 @@ MESHES = {
     "pp2": MeshConfig(pp=2),
     "dp2,tp2": MeshConfig(dp=2, tp=2),
     "dp2,tp2,ep2": MeshConfig(dp=2, tp=2, ep=2),
+}
+# Meshes across slices (`test_slices_of_a_hybrid_mesh_run_the_same_step`), outside the grid.
+HYBRID_MESHES = {
+    "dp4,pp2/dcn.dp2": MeshConfig(dp=4, pp=2, dcn=DcnConfig(dp=2)),
+    "dp2,pp2,tp2/dcn.dp2": MeshConfig(dp=2, pp=2, tp=2, dcn=DcnConfig(dp=2)),
+    "dp2,pp4/dcn.pp2": MeshConfig(dp=2, pp=4, dcn=DcnConfig(pp=2)),
+    "dp4,tp2/dcn.dp2": MeshConfig(dp=4, tp=2, dcn=DcnConfig(dp=2)),
 }
 MICROBATCHES = {"M=2P+1": lambda P: 2 * P + 1, "M=P": lambda P: P, "M=4P": lambda P: 4 * P}
 # What a case changes in the stage: its StepConfig and model config fields.
@@ -99,8 +108,12 @@ def family_meets_schedule(case: dict) -> list[tuple]:
     ]
 
 
+def mesh_of(case: dict) -> MeshConfig:
+    return (MESHES | HYBRID_MESHES)[case["mesh"]]
+
+
 def schedule_of(case: dict) -> Schedule:
-    stages = MESHES[case["mesh"]].pp
+    stages = mesh_of(case).pp
     microbatches = MICROBATCHES[case["microbatches"]](stages)
     return Schedule(case["schedule"], stages, microbatches, REPEATS[case["schedule"]])
 
@@ -181,9 +194,11 @@ def loss_and_grads(tiny_config, random_batch, case: dict):
     step_fields, model_fields = VARIANTS[case["variant"]]
     step_fields = dict(step_fields)
     loss = LossConfig(load_balance_weight=0.1, router_z_weight=0.01, **step_fields.pop("loss", {}))
-    config = StepConfig(schedule=schedule, loss=loss, **step_fields)
+    mesh_config = mesh_of(case)
+    config = StepConfig(
+        schedule=schedule, loss=loss, mesh_axes=mesh_config.axis_names, **step_fields
+    )
     pipelined_config = dataclasses.replace(config, bubble_fill=jnp.nan)
-    mesh_config = MESHES[case["mesh"]]
     mesh = make_mesh(mesh_config, jax.devices()[: mesh_config.size])
     model_config = tiny_config(case["family"], n_layers=N_LAYERS)
     model_config = dataclasses.replace(model_config, **model_fields)
@@ -241,6 +256,43 @@ def test_pipelined_loss_and_gradients_equal_sequential(
         assert pp_aux["expert_fraction"].shape == (N_LAYERS, model_config.moe.n_experts)
     window = getattr(pp_grads.blocks.layers.attention, "window", None)
     assert window is None, "per-layer data is staged with its layers and never trained"
+
+
+HYBRID_CASES = [
+    dict(zip(FACTORS, case, strict=True))
+    for case in (
+        ("llama", "circular", "dp4,pp2/dcn.dp2", "M=2P+1", "plain"),
+        ("qwen_moe", "zb_h1", "dp2,pp2,tp2/dcn.dp2", "M=P", "plain"),
+        ("deepseek_v3", "1f1b", "dp2,pp4/dcn.pp2", "M=P", "plain"),
+        ("mixtral", "gpipe", "dp4,tp2/dcn.dp2", "M=2P+1", "chunked-z-pooled"),
+    )
+]
+
+
+@pytest.mark.parametrize("case", HYBRID_CASES, ids=case_id)
+def test_slices_of_a_hybrid_mesh_run_the_same_step(
+    case, tiny_config, random_batch, assert_trees_close
+):
+    """Where dp spans slices the pipeline and the loss run manual over them (each slice on
+    its own sequences, its gradients summed once); where pp does, the stages' devices come
+    from two slices: the same loss, aux values and gradients as one device (fp32, 1e-5),
+    dense, MoE (split backward; one stage with the load-balance loss pooled over the
+    microbatch), a dense prefix."""
+    ((loss, aux), grads), ((pp_loss, pp_aux), pp_grads) = loss_and_grads(
+        tiny_config, random_batch, case
+    )
+    np.testing.assert_allclose(pp_loss, loss, rtol=1e-5)
+    assert_trees_close(pp_aux, aux)
+    assert_trees_close(pp_grads, grads)
+
+
+def test_a_pooled_load_balance_loss_is_refused_where_a_split_backward_meets_slices():
+    mesh_axes = HYBRID_MESHES["dp2,pp2,tp2/dcn.dp2"].axis_names
+    pooled = LossConfig(load_balance_pooling="microbatch")
+    with pytest.raises(ConfigError, match=r"^loss\.load_balance_pooling: \"microbatch\" pools"):
+        StepConfig(schedule=Schedule("zb_h1", 2, 2), loss=pooled, mesh_axes=mesh_axes)
+    StepConfig(schedule=Schedule("circular", 2, 2, 2), loss=pooled, mesh_axes=mesh_axes)
+    StepConfig(schedule=Schedule("zb_h1", 2, 2), loss=pooled)
 
 
 def without_key_bias_gradient(grads):

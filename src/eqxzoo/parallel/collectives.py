@@ -8,11 +8,18 @@ iteration (XLA's ``known_trip_count``); of a ``conditional``'s branches the cost
 whole buffer (the gathered result of an all-gather, the operand of a reduce-scatter, the
 reduced buffer of an all-reduce): a measure to compare programs by, not wire bytes, which
 depend on the algorithm and the topology.
+
+`links` splits the same traffic by where it runs: for each collective, the mesh axes its
+device groups span (read from ``replica_groups`` or ``source_target_pairs``: SPMD programs
+name devices by their position in the mesh) and whether a group spans several slices
+(`eqxzoo.parallel.MeshConfig.slice_indices`), which puts its bytes on the slow network.
 """
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+
+import numpy as np
 
 COLLECTIVES = (
     "all-gather",
@@ -45,6 +52,12 @@ _CALLED = re.compile(r"\b(?:body|to_apply|calls)=%?([\w.\-]+)")
 _BRANCHES = re.compile(
     r"(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+))"
 )
+_GROUP_LIST = re.compile(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}")
+_GROUP_MESH = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\]"
+    r"(?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}"
+)
+_GROUP_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,21 +106,32 @@ def _parse(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     return computations, entry
 
 
-def collective_traffic(hlo_text: str) -> dict[str, Traffic]:
-    """``{kind: Traffic}`` of the program ``hlo_text`` (optimized HLO), for every kind in
-    `COLLECTIVES` that it runs."""
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction: its kind, the bytes of its buffer, how many times one
+    execution of the program runs it, and its instruction text (its device groups)."""
+
+    kind: str
+    bytes: int
+    times: int
+    text: str
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective the program ``hlo_text`` (optimized HLO) runs, with how many times:
+    a ``while`` body's by its known trip count, a ``conditional``'s costliest branch's once."""
     computations, entry = _parse(hlo_text)
-    memo: dict[str, dict[str, Traffic]] = {}
+    memo: dict[str, list[Collective]] = {}
 
-    def add(into: dict[str, Traffic], part: Mapping[str, Traffic], times: int = 1) -> None:
-        for kind, traffic in part.items():
-            into[kind] = into.get(kind, Traffic()) + traffic * times
+    def repeated(found: list[Collective], times: int) -> Iterator[Collective]:
+        for c in found:
+            yield dataclasses.replace(c, times=c.times * times)
 
-    def traffic_of(name: str) -> dict[str, Traffic]:
+    def collectives_of(name: str) -> list[Collective]:
         if name in memo:
             return memo[name]
-        memo[name] = {}
-        total: dict[str, Traffic] = {}
+        memo[name] = []
+        found: list[Collective] = []
         for line in computations.get(name, ()):
             instruction = _INSTRUCTION.match(line)
             if instruction is None:
@@ -117,7 +141,7 @@ def collective_traffic(hlo_text: str) -> dict[str, Traffic]:
             if kind is not None:
                 operands = rest.split("), ")[0]
                 size = max(_shape_bytes(result), _shape_bytes(operands))
-                add(total, {kind: Traffic(1, size)})
+                found.append(Collective(kind, size, 1, line))
                 continue
             branches = _BRANCHES.findall(rest)
             if opcode == "conditional" and branches:
@@ -127,19 +151,100 @@ def collective_traffic(hlo_text: str) -> dict[str, Traffic]:
                     for branch in (listed.split(",") if listed else [single])
                 ]
                 costliest = max(
-                    (traffic_of(branch) for branch in names),
-                    key=lambda t: sum(x.bytes for x in t.values()),
+                    (collectives_of(branch) for branch in names),
+                    key=lambda cs: sum(c.bytes * c.times for c in cs),
                 )
-                add(total, costliest)
+                found.extend(costliest)
                 continue
             trip = _TRIP_COUNT.search(rest)
             times = int(trip.group(1)) if opcode == "while" and trip else 1
             for called in _CALLED.findall(rest):
-                add(total, traffic_of(called), times)
-        memo[name] = total
-        return total
+                found.extend(repeated(collectives_of(called), times))
+        memo[name] = found
+        return found
 
-    return traffic_of(entry)
+    return collectives_of(entry)
+
+
+def collective_traffic(hlo_text: str) -> dict[str, Traffic]:
+    """``{kind: Traffic}`` of the program ``hlo_text`` (optimized HLO), for every kind in
+    `COLLECTIVES` that it runs."""
+    total: dict[str, Traffic] = {}
+    for c in collectives(hlo_text):
+        total[c.kind] = total.get(c.kind, Traffic()) + Traffic(c.times, c.bytes * c.times)
+    return total
+
+
+def device_groups(text: str, devices: int) -> list[list[int]]:
+    """The device groups of one collective instruction: its replica groups (explicit, XLA's
+    iota form ``[groups,size]<=[dims]T(perm)``, or its mesh form ``mesh['axis_0'=4,...],
+    device_ids=([dims]T(perm)) {'axis_0'}``: the devices along the braced axes of that
+    mesh), or its permute's source-target pairs; all ``devices`` in one group where it
+    lists none."""
+    on_mesh = _GROUP_MESH.search(text)
+    if on_mesh:
+        axes, dims, perm, over = on_mesh.groups()
+        sizes = [(name, int(size)) for name, size in re.findall(r"'(\w+)'=(\d+)", axes)]
+        shape = [size for _, size in sizes]
+        ids = np.arange(int(np.prod(shape)))
+        if dims:
+            ids = ids.reshape([int(x) for x in dims.split(",")])
+            if perm:
+                ids = ids.transpose([int(x) for x in perm.split(",")])
+        ids = ids.reshape(shape)
+        grouped = [i for i, (name, _) in enumerate(sizes) if f"'{name}'" in over]
+        kept = [i for i in range(len(shape)) if i not in grouped]
+        group_size = int(np.prod([shape[i] for i in grouped]))
+        return ids.transpose(kept + grouped).reshape(-1, group_size).tolist()
+    iota = _GROUP_IOTA.search(text)
+    if iota:
+        shape, dims, perm = (
+            [int(x) for x in part.split(",")] if part else None for part in iota.groups()
+        )
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if perm is not None:
+            ids = ids.transpose(perm)
+        return ids.reshape(shape).tolist()
+    listed = _GROUP_LIST.search(text)
+    if listed and listed.group(1):
+        return [
+            [int(x) for x in group.split(",") if x]
+            for group in re.findall(r"\{([\d,]*)\}", listed.group(1))
+        ]
+    return [list(range(devices))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """Where collectives run: over which mesh axes, and whether across slices."""
+
+    kind: str
+    axes: tuple[str, ...]
+    across_slices: bool
+
+
+def links(
+    hlo_text: str, axis_names: tuple[str, ...], slice_indices: np.ndarray
+) -> dict[Link, Traffic]:
+    """`collective_traffic` of the SPMD program ``hlo_text`` by `Link`: for each collective,
+    the mesh axes (of a mesh with ``axis_names`` and the shape of ``slice_indices``, each
+    device's slice) along which its groups' devices differ, and whether a group holds
+    devices of two slices."""
+    shape = slice_indices.shape
+    slice_of = slice_indices.reshape(-1)
+    total: dict[Link, Traffic] = {}
+    for c in collectives(hlo_text):
+        groups = device_groups(c.text, slice_of.size)
+        coordinates = [np.stack(np.unravel_index(group, shape)) for group in groups if group]
+        axes = tuple(
+            name
+            for index, name in enumerate(axis_names)
+            if any(len(set(coords[index])) > 1 for coords in coordinates)
+        )
+        across = any(len(set(slice_of[group])) > 1 for group in groups if group)
+        link = Link(c.kind, axes, across)
+        total[link] = total.get(link, Traffic()) + Traffic(c.times, c.bytes * c.times)
+    return total
 
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')

@@ -27,9 +27,11 @@ from eqxzoo.nn.varying import varying_axes
 from eqxzoo.parallel.mesh import check_stage_loops
 from eqxzoo.parallel.rules import (
     DEFAULT_RULES,
+    SLICES,
     MeshAxes,
     activation_sharding,
     activation_spec,
+    pipeline_axes,
     rule_axes,
 )
 from eqxzoo.parallel.schedule import Schedule
@@ -128,6 +130,7 @@ def run_pipeline(
     compute_dtype = microbatches.dtype
     if manual and jnp.dtype(compute_dtype).itemsize < 4:
         microbatches = microbatches.astype(jnp.float32)
+    manual_axes = pipeline_axes(rules) if manual else ()
     params, static = eqx.partition(layers, eqx.is_array)
     params = restage_layers(params, placed_by, schedule)
     table = {name: jnp.asarray(values) for name, values in schedule.table().items()}
@@ -153,7 +156,7 @@ def run_pipeline(
         return split_batch(h_out).astype(h.dtype), aux
 
     def run_stage(stage_params, h):
-        return _varying_over_pp(stage_compute(stage_params, h), manual)
+        return varying_over(stage_compute(stage_params, h), manual_axes)
 
     stage_param_shapes = jax.tree.map(lambda p: p[0, 0], params)
     _, aux_shapes = jax.eval_shape(stage_compute, stage_param_shapes, microbatches[0])
@@ -161,11 +164,16 @@ def run_pipeline(
     def skip_stage(stage_params, h):
         del stage_params
         aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes)
-        return _varying_over_pp((jnp.full_like(h, bubble_fill), aux), manual)
+        return varying_over((jnp.full_like(h, bubble_fill), aux), manual_axes)
 
     def per_stage(stage_params, inputs):
         stage = jax.lax.axis_index("pp") if manual else 0
-        stage_params = jax.tree.map(lambda p: p[:, 0], stage_params)
+        # Each slice's own copy of the weights (varying over the slices): their gradient is
+        # summed over the slices once, where this cast is transposed, after the last tick.
+        stage_params = varying_over(jax.tree.map(lambda p: p[:, 0], stage_params), manual_axes)
+        # Likewise the microbatches every stage holds (stage 0 reads them): their gradient
+        # is summed over the stages once, not at every tick.
+        inputs = varying_over(inputs, manual_axes)
 
         def tick(carry, t):
             received, returning, outputs, aux_sums = carry
@@ -212,12 +220,12 @@ def run_pipeline(
 
         zeros = jnp.zeros_like(inputs)
         init = (
-            _varying_over_pp(jnp.zeros_like(inputs[0]), manual),
-            _varying_over_pp(zeros if n_repeats > 1 else jnp.zeros((), inputs.dtype), manual),
-            _varying_over_pp(zeros, manual),
+            varying_over(jnp.zeros_like(inputs[0]), manual_axes),
+            varying_over(zeros if n_repeats > 1 else jnp.zeros((), inputs.dtype), manual_axes),
+            varying_over(zeros, manual_axes),
             jax.tree.map(
-                lambda s: _varying_over_pp(
-                    jnp.zeros((len(inputs), n_repeats, *s.shape), s.dtype), manual
+                lambda s: varying_over(
+                    jnp.zeros((len(inputs), n_repeats, *s.shape), s.dtype), manual_axes
                 ),
                 aux_shapes,
             ),
@@ -226,6 +234,9 @@ def run_pipeline(
             (_, _, outputs, aux_sums), _ = tick(init, 0)
         else:
             (_, _, outputs, aux_sums), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
+        slices = manual_axes[1:]
+        if slices:  # each slice's aux values are means over its own sequences
+            aux_sums = jax.tree.map(lambda v: jax.lax.pmean(v, slices), aux_sums)
         return outputs[None], jax.tree.map(lambda v: v[None], aux_sums)
 
     stage_spec = jax.tree.map(lambda _: activation_spec("repeats", "stages", rules=rules), params)
@@ -239,9 +250,12 @@ def run_pipeline(
         outputs, aux_sums = jax.shard_map(
             per_stage,
             mesh=mesh,
-            in_specs=(stage_spec, activation_spec(rules=rules)),
-            out_specs=(activation_spec("stages", rules=rules),) * 2,
-            axis_names={"pp"},
+            in_specs=(stage_spec, activation_spec(None, SLICES, rules=rules)),
+            out_specs=(
+                activation_spec("stages", None, SLICES, rules=rules),
+                activation_spec("stages", rules=rules),
+            ),
+            axis_names=set(manual_axes),
             check_vma=True,
         )(params, microbatches)
     layer_aux = jax.tree.map(lambda v: in_layer_order(v, schedule), aux_sums)
@@ -256,18 +270,17 @@ def in_layer_order(values: Array, schedule: Schedule) -> Array:
     return einops.rearrange(chunks, "m v k ... -> m (v k) ...")
 
 
-def _varying_over_pp(tree: PyTree, manual: bool = True) -> PyTree:
-    """Mark every array of ``tree`` as varying over ``pp`` (inside the pipeline's shard_map).
+def varying_over(tree: PyTree, axes: tuple[str, ...]) -> PyTree:
+    """Mark every array of ``tree`` as varying over the manual ``axes`` of the pipeline's
+    shard_map (`eqxzoo.parallel.rules.pipeline_axes`; none outside it).
 
-    Values computed from the stage's own weights already vary; constants (a skipped tick's
-    zeros, a fresh carry) do not, and `check_vma` requires both branches of a `cond` and
-    both sides of a scan carry to agree.
+    Values computed from the stage's own weights and its slice's sequences already vary;
+    constants (a skipped tick's zeros, a fresh carry) do not, and `check_vma` requires both
+    branches of a `cond` and both sides of a scan carry to agree.
     """
 
-    if not manual:
-        return tree
-
     def cast(x):
-        return x if "pp" in varying_axes(x) else jax.lax.pcast(x, ("pp",), to="varying")
+        missing = tuple(axis for axis in axes if axis not in varying_axes(x))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(cast, tree)

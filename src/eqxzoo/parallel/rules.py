@@ -5,11 +5,17 @@ batches name theirs where they are constrained (``("microbatches", "batch", "seq
 table (`ShardingConfig`, the run config's ``[sharding]`` section) says which mesh axes each
 name is split over; `partition_spec` turns a parameter's names into a PartitionSpec and
 `activation_spec` an activation's. No other module writes a PartitionSpec by hand.
+
+The table names the axes of `eqxzoo.parallel.MeshConfig` (``dp``, ``pp``, ``tp``, ``ep``) and
+``dp_ici``, the part of ``dp`` within one slice: where ``dp`` spans slices its mesh has two
+axes, ``dp_dcn x dp_ici``, and `ShardingConfig.rules_on` maps the table's names to them
+(``dp``: both; ``dp_ici``: the second). FSDP inside a slice is ``embed = ["dp_ici", "ep"]``:
+the weights are then whole in each slice and only the gradient reduction crosses slices.
 """
 
 import dataclasses
+import functools
 from collections.abc import Mapping
-from functools import cached_property
 from types import MappingProxyType
 
 import jax
@@ -17,10 +23,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from eqxzoo.nn import Axes
-from eqxzoo.parallel.mesh import MESH_AXES
+from eqxzoo.parallel.mesh import DP_ACROSS_SLICES, DP_WITHIN_SLICE, MESH_AXES, MeshError
 from eqxzoo.typed_config import check_fields, refuse, runtime_field
 
 MeshAxes = str | tuple[str, ...] | None
+RULE_AXES = (*MESH_AXES, DP_WITHIN_SLICE)
+# The logical axis of a batch's slices where dp spans them (``dp_dcn``; none otherwise): the
+# pipeline runs manual over it, each slice on its own sequences (`pipeline_axes`).
+SLICES = "slices"
 
 FIXED_RULES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
@@ -72,10 +82,10 @@ class ShardingConfig:
         check_fields(self)
         for field in dataclasses.fields(self):
             axes = getattr(self, field.name)
-            unknown = [axis for axis in axes if axis not in MESH_AXES]
+            unknown = [axis for axis in axes if axis not in RULE_AXES]
             if unknown:
-                refuse(field.name, f"{unknown} are not mesh axes; choose from {list(MESH_AXES)}")
-            if len(set(axes)) != len(axes):
+                refuse(field.name, f"{unknown} are not mesh axes; choose from {list(RULE_AXES)}")
+            if len(set(axes)) != len(axes) or {"dp", DP_WITHIN_SLICE} <= set(axes):
                 refuse(field.name, f"{list(axes)} names a mesh axis twice")
         for name, fixed in FIXED_RULES.items():
             if getattr(self, name) != fixed:
@@ -84,11 +94,30 @@ class ShardingConfig:
                     f"must be {list(fixed)} (fixed by the trainer), got {list(getattr(self, name))}",
                 )
 
-    @cached_property
+    @property
     def rules(self) -> Mapping[str, MeshAxes]:
-        """``{logical name: mesh axes or None}`` (read-only)."""
-        names = (field.name for field in dataclasses.fields(self))
-        return MappingProxyType({name: getattr(self, name) or None for name in names})
+        """``{logical name: mesh axes or None}`` (read-only) on a mesh whose ``dp`` is one
+        axis."""
+        return self.rules_on(MESH_AXES)
+
+    def rules_on(self, mesh_axes: tuple[str, ...]) -> Mapping[str, MeshAxes]:
+        """`rules` on a mesh with axes ``mesh_axes`` (`MeshConfig.axis_names`): ``dp`` and
+        ``dp_ici`` as that mesh has them (one mapping per mesh, the same object each time)."""
+        return _rules_on(self, tuple(mesh_axes))
+
+
+@functools.cache
+def _rules_on(config: ShardingConfig, mesh_axes: tuple[str, ...]) -> Mapping[str, MeshAxes]:
+    if DP_ACROSS_SLICES in mesh_axes:
+        names = {"dp": (DP_ACROSS_SLICES, DP_WITHIN_SLICE), DP_WITHIN_SLICE: (DP_WITHIN_SLICE,)}
+    else:
+        names = {DP_WITHIN_SLICE: ("dp",)}
+    rules = {}
+    for field in dataclasses.fields(config):
+        axes = getattr(config, field.name)
+        rules[field.name] = tuple(a for axis in axes for a in names.get(axis, (axis,))) or None
+    rules[SLICES] = (DP_ACROSS_SLICES,) if DP_ACROSS_SLICES in mesh_axes else None
+    return MappingProxyType(rules)
 
 
 DEFAULT_RULES: Mapping[str, MeshAxes] = ShardingConfig().rules
@@ -151,9 +180,32 @@ def tree_shardings(
     shapes: PyTree, axes: PyTree[Axes], mesh: Mesh, rules: Mapping[str, MeshAxes] = DEFAULT_RULES
 ) -> PyTree[NamedSharding]:
     """NamedShardings for a pytree of arrays (or shape structs) given its logical axes."""
+    check_rules_fit(mesh, rules)
     return jax.tree.map(
         lambda axes_, leaf: NamedSharding(mesh, partition_spec(axes_, leaf.shape, mesh, rules)),
         axes,
         shapes,
         is_leaf=lambda x: isinstance(x, Axes),
     )
+
+
+def check_rules_fit(mesh: Mesh, rules: Mapping[str, MeshAxes]) -> None:
+    """Refuse ``rules`` that name mesh axes ``mesh`` lacks: rules made for a mesh whose ``dp``
+    is one axis on a mesh where it spans slices, or the other way round."""
+    named = {axis for name in rules for axis in rule_axes(name, rules)}
+    missing = sorted(named - set(mesh.axis_names))
+    if missing:
+        raise MeshError(
+            f"the sharding rules name mesh axes {missing} that the mesh {dict(mesh.shape)} does "
+            "not have: take the rules of ShardingConfig.rules_on(MeshConfig.axis_names) "
+            "(StepConfig(mesh_axes=...))"
+        )
+
+
+def pipeline_axes(rules: Mapping[str, MeshAxes]) -> tuple[str, ...]:
+    """The mesh axes the pipeline's shard_map is manual over: ``pp``, and the slices of
+    ``dp`` where it spans them. Inside, each slice runs its own sequences with its own copy
+    of the stage's weights, so their gradients leave the shard_map (and cross slices) once
+    per pipeline call, not once per tick as the partitioner reduces a gradient accumulated
+    over dp-split data in a loop."""
+    return ("pp", *rule_axes(SLICES, rules))

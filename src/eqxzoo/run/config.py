@@ -475,6 +475,7 @@ def step_config(config: RunConfig) -> StepConfig:
         loss=config.loss,
         remat_stages=config.pipeline.remat_stages,
         sharding=config.sharding,
+        mesh_axes=config.mesh.axis_names,
     )
 
 

@@ -1,7 +1,8 @@
 """``--dry-run``: plan a mesh before renting it. Builds the mesh and the compiled step from
 shapes alone (nothing is initialised), then reports parameter counts, each parameter's
-sharding, the schedule's modelled bubble (with unit and with measured action costs) and the
-compiled step's per-device memory."""
+sharding, the schedule's modelled bubble (with unit and with measured action costs), the
+bytes its collectives move within and across slices, and the compiled step's per-device
+memory."""
 
 import dataclasses
 import math
@@ -13,13 +14,15 @@ import jax.numpy as jnp
 from jax.extend import core
 from jax.sharding import Mesh
 
-from eqxzoo.parallel import Schedule, make_mesh
+from eqxzoo.parallel import MeshConfig, Schedule, make_mesh
 from eqxzoo.parallel.action_costs import (
     measured_action_flops,
     measured_bubble_fraction,
     measured_step_time,
     pricing_schedule,
 )
+from eqxzoo.parallel.collectives import Link, Traffic, links
+from eqxzoo.parallel.mesh import DP_ACROSS_SLICES
 from eqxzoo.run.config import (
     RunConfig,
     check_kernel_platform,
@@ -52,6 +55,48 @@ def sharding_table(state) -> list[tuple[str, str, str, str, str]]:
             )
         )
     return rows
+
+
+def mib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**20:,.2f} MiB"
+
+
+def collectives_report(hlo_text: str, mesh: MeshConfig) -> tuple[list[str], dict[Link, Traffic]]:
+    """The ``collectives:`` line (bytes per step within and across slices, and the axes
+    each cross-slice collective runs over) and a note where FSDP gathers weights across
+    slices; and the traffic by `Link`."""
+    by_link = links(hlo_text, mesh.axis_names, mesh.slice_indices())
+    within = sum(t.bytes for link, t in by_link.items() if not link.across_slices)
+    across = sorted(
+        ((link, t) for link, t in by_link.items() if link.across_slices),
+        key=lambda item: -item[1].bytes,
+    )
+    if mesh.dcn.slices == 1:
+        return [
+            f"collectives: {mib(within)} per step, within one slice ([mesh.dcn] spans none)"
+        ], by_link
+    parts = [
+        f"{link.kind} over {' x '.join(link.axes)}: {t.count} ops, {mib(t.bytes)}"
+        for link, t in across
+    ]
+    lines = [
+        f"collectives: {mib(within)} per step within slices, "
+        f"{mib(sum(t.bytes for _, t in across))} across {mesh.dcn.slices} slices"
+        + (f" ({'; '.join(parts)})" if parts else "")
+    ]
+    gathers = sum(
+        t.bytes
+        for link, t in across
+        if link.kind in ("all-gather", "reduce-scatter") and DP_ACROSS_SLICES in link.axes
+    )
+    if gathers:
+        lines.append(
+            f"note: FSDP over the whole of dp moves every layer's weights across slices "
+            f"({mib(gathers)} of all-gathers and reduce-scatters over {DP_ACROSS_SLICES} per "
+            'step): sharding.embed = ["dp_ici", "ep"] keeps FSDP within a slice, so that only '
+            "the gradient reduction crosses"
+        )
+    return lines, by_link
 
 
 def step_tracer(
@@ -139,6 +184,9 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
             else f"; activation memory {format_bytes(memory.temporaries)} per device"
         )
     )
+    collective_lines, by_link = collectives_report(compiled.as_text(), config.mesh)
+    for line in collective_lines:
+        say(line)
     if not config_for_step.skip_bubbles:
         say(
             "the stages compute through their bubbles: XLA:CPU cannot skip them in this "
@@ -158,6 +206,11 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
         "active_parameters": counts.active,
         "compile_seconds": compile_seconds,
         "skip_bubbles": config_for_step.skip_bubbles,
+        "collectives": {
+            f"{link.kind} over {' x '.join(link.axes) or 'none'}"
+            + (" across slices" if link.across_slices else ""): dataclasses.asdict(t)
+            for link, t in by_link.items()
+        },
     }
     if memory is not None:
         figures |= {

@@ -21,7 +21,8 @@ from jaxtyping import Array, Float, Int, PyTree
 
 from eqxzoo.nn import LanguageModel, fused_cross_entropy, layer_means, summarize_layer_aux
 from eqxzoo.parallel import activation_sharding, pipeline_value_and_grad, run_pipeline
-from eqxzoo.parallel.rules import MeshAxes, rule_axes
+from eqxzoo.parallel.pipeline import varying_over
+from eqxzoo.parallel.rules import SLICES, MeshAxes, activation_spec, rule_axes
 from eqxzoo.train.loss_terms import aux_terms, token_terms, weighted_aux_loss, weighted_loss
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import cast_floats
@@ -126,16 +127,37 @@ def token_cross_entropy(
     features, projection, vocab_major, softcap = model.head_inputs(h)
     n_vocab = projection.shape[0 if vocab_major else 1]
     n_shards = 1 if mesh is None else vocab_shards(n_vocab, mesh, config.rules, manual_pp)
-    token_losses, log_normalizers = fused_cross_entropy(
-        features.reshape(-1, features.shape[-1]),
-        projection,
-        targets.reshape(-1),
-        vocab_major=vocab_major,
-        softcap=softcap,
-        chunk_size=config.loss.chunk_size,
-        vocab_shards=n_shards,
-    )
-    return token_losses.reshape(targets.shape), log_normalizers.reshape(targets.shape)
+
+    def per_token(features, projection, targets):
+        # The tokens are flattened batch-major: with the batch split over dp the flat axis
+        # stays split the same way (microbatch-major, the partitioner gathered them).
+        batch_major = jnp.moveaxis(targets, -2, 0)
+        parts = fused_cross_entropy(
+            jnp.moveaxis(features, -3, 0).reshape(-1, features.shape[-1]),
+            varying_over(projection, slices),
+            batch_major.reshape(-1),
+            vocab_major=vocab_major,
+            softcap=softcap,
+            chunk_size=config.loss.chunk_size,
+            vocab_shards=n_shards,
+        )
+        return tuple(jnp.moveaxis(p.reshape(batch_major.shape), 0, -2) for p in parts)
+
+    slices = () if mesh is None or manual_pp else rule_axes(SLICES, config.rules)
+    if not slices:
+        return per_token(features, projection, targets)
+    # Where dp spans slices each slice takes its own tokens' loss, so that the head's
+    # gradient, summed over vocabulary and token chunks in the loss's backward loop, crosses
+    # slices once (where the slice's copy of it leaves the region), not once per chunk.
+    by_slice = activation_spec(*(None,) * (targets.ndim - 2), SLICES, rules=config.rules)
+    return jax.shard_map(
+        per_token,
+        mesh=mesh,
+        in_specs=(by_slice, activation_spec(rules=config.rules), by_slice),
+        out_specs=(by_slice, by_slice),
+        axis_names=set(slices),
+        check_vma=True,
+    )(features, projection, targets)
 
 
 def vocab_shards(

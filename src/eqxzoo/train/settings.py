@@ -11,10 +11,11 @@ from collections.abc import Mapping
 from typing import Literal
 
 from eqxzoo.optim import OptimizerConfig
+from eqxzoo.parallel.mesh import DP_ACROSS_SLICES, MESH_AXES
 from eqxzoo.parallel.rules import MeshAxes, ShardingConfig
 from eqxzoo.parallel.schedule import Schedule
 from eqxzoo.train.loss_terms import LossConfig
-from eqxzoo.typed_config import check_fields, identity_field, runtime_field
+from eqxzoo.typed_config import check_fields, identity_field, refuse, runtime_field
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -38,7 +39,9 @@ class StepConfig:
     the loss (`LossConfig`: its terms' weights, vocabulary chunk and the balancing biases'
     update rate), stage remat and the sharding rules (`step_config` derives it from a run). ``bubble_fill`` and ``skip_bubbles`` are the
     pipeline's (`eqxzoo.parallel.run_pipeline`); the run sets ``skip_bubbles`` from what the
-    compiled step needs (`eqxzoo.train.step.compile_train_step_for`)."""
+    compiled step needs (`eqxzoo.train.step.compile_train_step_for`). ``mesh_axes`` are the
+    axes of the mesh the step runs on (`eqxzoo.parallel.MeshConfig.axis_names`: ``dp`` is
+    two axes where it spans slices), which the rules are mapped onto."""
 
     schedule: Schedule
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -48,12 +51,21 @@ class StepConfig:
     bubble_fill: float = 0.0
     skip_bubbles: bool = True
     sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)
+    mesh_axes: tuple[str, ...] = MESH_AXES
 
     def __post_init__(self):
         # The schedule as the executor runs it: with R actions where stage remat asks for
         # them (`Schedule.for_stage_remat`), so that what prices it prices what runs.
         object.__setattr__(self, "schedule", self.schedule.for_stage_remat(self.remat_stages))
+        pooled = self.loss.load_balance_pooling == "microbatch"
+        if pooled and self.schedule.fuses_backward and DP_ACROSS_SLICES in self.mesh_axes:
+            refuse(
+                "loss.load_balance_pooling",
+                f'"microbatch" pools the router statistics of all a microbatch\'s tokens, which '
+                f"sit in several slices where mesh.dcn.dp > 1; the {self.schedule.name} schedule "
+                'differentiates each slice\'s part on its own: use "layer", or gpipe or circular',
+            )
 
     @property
     def rules(self) -> Mapping[str, MeshAxes]:
-        return self.sharding.rules
+        return self.sharding.rules_on(self.mesh_axes)
