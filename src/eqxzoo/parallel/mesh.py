@@ -18,6 +18,7 @@ and ``dp_ici`` (within a slice), so that a sharding rule can name the part withi
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
 
 import jax
 import numpy as np
@@ -136,7 +137,16 @@ class MeshConfig:
 SLICE_ATTRIBUTES = {"slice_index": "TPU slices", "process_index": "processes"}
 
 
-def slice_attribute(devices: Sequence[jax.Device]) -> str | None:
+@runtime_checkable
+class Placed(Protocol):
+    """What tells devices' slices apart: a `jax.Device`'s id and process (and, on TPU, its
+    ``slice_index``)."""
+
+    id: int
+    process_index: int
+
+
+def slice_attribute(devices: Sequence[Placed]) -> str | None:
     """The device attribute whose values are the slices of ``devices``: ``slice_index``
     where the devices span several TPU slices, else ``process_index`` where they span
     several processes; None in one process on one slice."""
@@ -146,7 +156,7 @@ def slice_attribute(devices: Sequence[jax.Device]) -> str | None:
     return None
 
 
-def device_slices(devices: Sequence[jax.Device], dcn: DcnConfig) -> list[list[jax.Device]]:
+def device_slices(devices: Sequence[Placed], dcn: DcnConfig) -> list[list[Placed]]:
     """``devices`` grouped into ``dcn``'s slices (see the module doc), each in device order;
     refuses a ``dcn`` whose slices the devices do not form."""
     attribute = slice_attribute(devices)

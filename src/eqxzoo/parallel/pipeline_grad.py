@@ -138,6 +138,7 @@ def pipeline_value_and_grad(
         """A slice's share of the microbatch's aux loss: its totals are means over its own
         sequences, a ``1 / n_slices`` part of the microbatch's."""
         return aux_loss(totals) / n_slices
+
     virtual_stages = jnp.asarray(schedule.virtual_stages)
     # The sources (`eqxzoo.parallel.schedule.SOURCES`) something arrives from, per buffer.
     arrivals = {
