@@ -101,3 +101,22 @@ def test_two_processes_equal_one_survive_a_lost_peer_and_resume_as_one(
     resumed = run_command([sys.executable, "-m", "pipelines.run", *endless, "--steps", "6"])
     assert re.search(r"resumed from the checkpoint at step [24]\b", resumed.stdout), resumed.stdout
     np.testing.assert_allclose(losses(multi), expected, rtol=1e-5)
+
+
+def test_two_slices_as_two_processes_give_the_one_process_losses(
+    tmp_path: Path, cache_dir: Path, reference: list[dict]
+):
+    """Two processes as two slices (`[mesh.dcn]`): dp across them for 2 steps, then the run
+    resumed with pp across them instead, gives the reference run's losses (1 process, no
+    slices): the layout and the per-slice gradients change nothing computed."""
+    expected = [r["loss"] for r in reference if "loss" in r][:4]
+    run_dir = tmp_path / "slices"
+    outputs = []
+    for across, steps in (("mesh.dcn.dp=2", 2), ("mesh.dcn.pp=2", 4)):
+        args = run_args(run_dir, cache_dir, "--set", "optimizer.decay_steps=6", "--set", across)
+        launched = [sys.executable, "-m", "pipelines.launch", "--processes", "2", *args]
+        outputs.append(run_command([*launched, "--steps", str(steps)]).stdout)
+    assert "mesh.dcn.dp=2 = 2 slice(s)" in outputs[0], outputs[0]
+    assert "resumed from the checkpoint at step 2" in outputs[1], outputs[1]
+    assert "mesh.dcn.pp=2 = 2 slice(s)" in outputs[1], outputs[1]
+    np.testing.assert_allclose(losses(run_dir), expected, rtol=1e-5)

@@ -414,9 +414,11 @@ class _Trainer:
         self.progress = ProgressBar(
             self.total_steps, every=self.config.run.log_every, enabled=self.is_main
         )
+        dcn = self.config.mesh.dcn
+        slices = f"; {dcn.describe()}" if dcn.slices > 1 else ""
         self.say(
             f"training steps {self.step + 1}..{self.total_steps} on {self.mesh.devices.size} "
-            f"devices (mesh {dict(self.mesh.shape)}), {self.config.tokens_per_step:,} tokens "
+            f"devices (mesh {dict(self.mesh.shape)}{slices}), {self.config.tokens_per_step:,} tokens "
             f"per step; MFU against the {peak_source} ({self.peak_flops_per_s / 1e12:.3g} TFLOP/s)"
         )
         self.reports = _StepReports(last_time=time.perf_counter())
