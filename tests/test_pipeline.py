@@ -290,9 +290,9 @@ def test_a_pooled_load_balance_loss_is_refused_where_a_split_backward_meets_slic
     mesh_axes = HYBRID_MESHES["dp2,pp2,tp2/dcn.dp2"].axis_names
     pooled = LossConfig(load_balance_pooling="microbatch")
     with pytest.raises(ConfigError, match=r"^loss\.load_balance_pooling: \"microbatch\" pools"):
-        StepConfig(schedule=Schedule("zb_h1", 2, 2), loss=pooled, mesh_axes=mesh_axes)
+        StepConfig(schedule=Schedule("zb_h1", 2, 2, 1), loss=pooled, mesh_axes=mesh_axes)
     StepConfig(schedule=Schedule("circular", 2, 2, 2), loss=pooled, mesh_axes=mesh_axes)
-    StepConfig(schedule=Schedule("zb_h1", 2, 2), loss=pooled)
+    StepConfig(schedule=Schedule("zb_h1", 2, 2, 1), loss=pooled)
 
 
 def without_key_bias_gradient(grads):

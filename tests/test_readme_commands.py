@@ -3,8 +3,9 @@ copies the test command) and run in a scratch copy of the repository, from its r
 step counts lowered by ``--steps`` only. A README edit that breaks a command fails here.
 
 Which blocks run is decided by their content, not their position (`BLOCKS`): every block
-is either run or named with the reason it is not (the install, the test command, a SLURM
-line, and the two 1B-parameter configs' blocks, whose steps take minutes and all of this
+is either run or named with the reason it is not (the install, the test command, SLURM
+lines, the two-slice launches that `test_launch.py` runs shrunk, and the two 1B-parameter
+configs' blocks, whose steps take minutes and all of this
 machine's memory: ``EQXZOO_README_HEAVY=1`` runs them too).
 """
 
@@ -28,6 +29,9 @@ BLOCKS = {
     "python -m venv .venv": "skip: the install; .ci/run installs the same way before this runs",
     "ruff check .": "skip: the test command; it is what runs this",
     "srun ": "skip: needs a SLURM cluster",
+    "python -m pipelines.launch --processes 2 configs/tiny.toml --set mesh.dcn": (
+        "skip: two slices; test_launch.py runs these on a shrunk tiny.toml against one process"
+    ),
     "python -m pipelines.run configs/tiny.toml": "train",
     "python -m pipelines.run configs/moe_1b.toml --set": "heavy",
     "python -m pipelines.run configs/deepseek_small.toml --set": "heavy",

@@ -276,11 +276,17 @@ def varying_over(tree: PyTree, axes: tuple[str, ...]) -> PyTree:
 
     Values computed from the stage's own weights and its slice's sequences already vary;
     constants (a skipped tick's zeros, a fresh carry) do not, and `check_vma` requires both
-    branches of a `cond` and both sides of a scan carry to agree.
+    branches of a `cond` and both sides of a scan carry to agree. The cast's transpose sums
+    the gradient over ``axes``: in float32 where ``x`` is narrower (XLA:CPU cannot compile a
+    bfloat16 all-reduce, "Invalid binary instruction opcode copy").
     """
 
     def cast(x):
         missing = tuple(axis for axis in axes if axis not in varying_axes(x))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
+        if not missing:
+            return x
+        if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize < 4:
+            return jax.lax.pcast(x.astype(jnp.float32), missing, to="varying").astype(x.dtype)
+        return jax.lax.pcast(x, missing, to="varying")
 
     return jax.tree.map(cast, tree)
