@@ -106,8 +106,9 @@ def run_pipeline(
     layers treat leading axes as independent sequences and average their aux values).
 
     Returns the outputs (same shape as ``microbatches``) and every layer's aux values for
-    every microbatch, shape ``(microbatches, L, ...)`` in layer order. With one stage (no shard_map)
-    the stage's input and output are constrained to the ``batch`` rule of ``rules``, so that the
+    every microbatch, shape ``(microbatches, L, ...)`` in layer order. Where ``dp`` spans slices
+    the shard_map is also manual over them (`pipeline_axes`; with one stage, over them only).
+    With one stage and no shard_map the stage's input and output are constrained to the ``batch`` rule of ``rules``, so that the
     compiler keeps data parallelism instead of gathering the batch to match FSDP-sharded
     weights (inside shard_map the batch split propagates from the inputs; a constraint there
     crashed XLA's partitioner with dp, pp and ep together). ``remat_stages=False`` keeps every
@@ -121,8 +122,9 @@ def run_pipeline(
     assert mesh.shape["pp"] == schedule.stages, (mesh.shape, schedule)  # checked by the state
     check_stage_loops(layers, mesh)
     placed_by, schedule = schedule, schedule.forward_only
-    # With one stage there is nothing to shift: run the same table without shard_map (XLA's
-    # partitioner rejects the autodiff all-reduce over a size-1 manual pp axis next to dp).
+    # With one stage there is nothing to shift: run the same table without a manual pp (XLA's
+    # partitioner rejects the autodiff all-reduce over a size-1 manual pp axis next to dp),
+    # in a shard_map only where dp spans slices.
     manual = schedule.stages > 1
     # Activations cross stages in float32: XLA:CPU fails to compile the pipeline's
     # bfloat16 collectives ("Invalid binary instruction opcode copy"); layers still compute
@@ -130,7 +132,8 @@ def run_pipeline(
     compute_dtype = microbatches.dtype
     if manual and jnp.dtype(compute_dtype).itemsize < 4:
         microbatches = microbatches.astype(jnp.float32)
-    manual_axes = pipeline_axes(rules) if manual else ()
+    manual_axes = pipeline_axes(rules) if manual else rule_axes(SLICES, rules)
+    slices = tuple(axis for axis in manual_axes if axis != "pp")
     params, static = eqx.partition(layers, eqx.is_array)
     params = restage_layers(params, placed_by, schedule)
     table = {name: jnp.asarray(values) for name, values in schedule.table().items()}
@@ -138,7 +141,9 @@ def run_pipeline(
     last_stage = n_stages - 1
     shift = [(stage, (stage + 1) % n_stages) for stage in range(n_stages)]
 
-    split_over_batch = not manual and any(
+    # One stage outside a shard_map keeps its batch split (see the docstring); one inside a
+    # shard_map over the slices holds only its slice's sequences.
+    split_over_batch = not manual_axes and any(
         mesh.shape[axis] > 1 for axis in rule_axes("batch", rules)
     )
 
@@ -234,17 +239,17 @@ def run_pipeline(
             (_, _, outputs, aux_sums), _ = tick(init, 0)
         else:
             (_, _, outputs, aux_sums), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
-        slices = manual_axes[1:]
         if slices:  # each slice's aux values are means over its own sequences
             aux_sums = jax.tree.map(lambda v: jax.lax.pmean(v, slices), aux_sums)
         return outputs[None], jax.tree.map(lambda v: v[None], aux_sums)
 
-    stage_spec = jax.tree.map(lambda _: activation_spec("repeats", "stages", rules=rules), params)
+    stages = "stages" if manual else None
+    stage_spec = jax.tree.map(lambda _: activation_spec("repeats", stages, rules=rules), params)
     if split_over_batch:
         microbatches = jax.lax.with_sharding_constraint(
             microbatches, activation_sharding(mesh, "microbatches", "batch", rules=rules)
         )
-    if not manual:
+    if not manual_axes:
         outputs, aux_sums = per_stage(params, microbatches)
     else:
         outputs, aux_sums = jax.shard_map(
@@ -252,8 +257,8 @@ def run_pipeline(
             mesh=mesh,
             in_specs=(stage_spec, activation_spec(None, SLICES, rules=rules)),
             out_specs=(
-                activation_spec("stages", None, SLICES, rules=rules),
-                activation_spec("stages", rules=rules),
+                activation_spec(stages, None, SLICES, rules=rules),
+                activation_spec(stages, rules=rules),
             ),
             axis_names=set(manual_axes),
             check_vma=True,
