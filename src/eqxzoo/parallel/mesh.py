@@ -84,7 +84,7 @@ class MeshConfig:
             across, total = getattr(self.dcn, axis), getattr(self, axis)
             if total % across != 0:
                 refuse(
-                    f"mesh.dcn.{axis}",
+                    f"dcn.{axis}",
                     f"{across} slices do not divide mesh.{axis}={total}: choose a divisor of "
                     f"{total}",
                 )
