@@ -143,3 +143,8 @@ def test_only_the_gradient_reduction_crosses_slices_once_a_step():
     assert circular_m2["count"] == circular_m4["count"] >= one_f_one_b["count"]
     for other in (circular_m4, one_f_one_b):
         np.testing.assert_allclose(other["bytes"], circular_m2["bytes"], rtol=0.01)
+    _, lines = plan(within, "data.grad_accum=2")  # the scan over G is outside the regions
+    assert any(
+        line.startswith("note: the gradients cross slices once per accumulation step (2 ")
+        for line in lines
+    ), lines
