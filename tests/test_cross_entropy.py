@@ -12,7 +12,11 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import models
 from eqxzoo.nn.cross_entropy import fused_cross_entropy, token_chunks, vocab_chunks
+from eqxzoo.parallel import Schedule
+from eqxzoo.train.loss import token_cross_entropy
+from eqxzoo.train.settings import StepConfig
 
 TOKENS, EMBED = 24, 16
 Z_LOSS_WEIGHT = 1e-2
@@ -232,3 +236,19 @@ def test_token_chunks_stride_the_last_axis():
     assert token_chunks((8, 2048), 512) == 32
     assert token_chunks((8, 2048), 100_000) == 1
     assert token_chunks((7,), 2) == 7
+
+
+def test_the_loss_of_each_token_is_its_own_whatever_the_leading_axes(tiny_config):
+    """`token_cross_entropy` flattens ``(microbatches, batch, seq)`` batch-major (to keep a
+    dp split): each token's loss and log-sum-exp are those of its sequence alone, and one
+    sequence without leading axes is taken as it is."""
+    config = tiny_config("llama", n_layers=1)
+    model = models.DecoderLM(config, key=jax.random.key(0))
+    step = StepConfig(schedule=Schedule("gpipe", 1, 1, 1))
+    h = jax.random.normal(jax.random.key(1), (3, 2, 8, config.d_model))
+    targets = jax.random.randint(jax.random.key(2), (3, 2, 8), 0, config.vocab_size)
+    whole = token_cross_entropy(model, h, targets, step)
+    for m, b in ((0, 1), (2, 0)):
+        alone = token_cross_entropy(model, h[m, b], targets[m, b], step)
+        for part, one in zip(whole, alone, strict=True):
+            np.testing.assert_allclose(part[m, b], one, rtol=1e-6)

@@ -131,9 +131,12 @@ def token_cross_entropy(
     def per_token(features, projection, targets):
         # The tokens are flattened batch-major: with the batch split over dp the flat axis
         # stays split the same way (microbatch-major, the partitioner gathered them).
-        batch_major = jnp.moveaxis(targets, -2, 0)
+        batched = targets.ndim >= 2
+        batch_major = jnp.moveaxis(targets, -2, 0) if batched else targets
         parts = fused_cross_entropy(
-            jnp.moveaxis(features, -3, 0).reshape(-1, features.shape[-1]),
+            (jnp.moveaxis(features, -3, 0) if batched else features).reshape(
+                -1, features.shape[-1]
+            ),
             varying_over(projection, slices),
             batch_major.reshape(-1),
             vocab_major=vocab_major,
@@ -141,7 +144,8 @@ def token_cross_entropy(
             chunk_size=config.loss.chunk_size,
             vocab_shards=n_shards,
         )
-        return tuple(jnp.moveaxis(p.reshape(batch_major.shape), 0, -2) for p in parts)
+        per_token = [p.reshape(batch_major.shape) for p in parts]
+        return tuple(jnp.moveaxis(p, 0, -2) if batched else p for p in per_token)
 
     slices = () if mesh is None or manual_pp else rule_axes(SLICES, config.rules)
     if not slices:
