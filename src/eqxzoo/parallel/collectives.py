@@ -222,6 +222,10 @@ class Link:
     axes: tuple[str, ...]
     across_slices: bool
 
+    def describe(self) -> str:
+        """``all-reduce over dp_dcn x dp_ici``."""
+        return f"{self.kind} over {' x '.join(self.axes) or 'none'}"
+
 
 def links(
     hlo_text: str, axis_names: tuple[str, ...], slice_indices: np.ndarray

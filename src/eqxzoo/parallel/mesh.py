@@ -40,11 +40,8 @@ class MeshError(UserError, ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class DcnConfig:
-    """``[mesh.dcn]``: how many slices each axis spans (1: the axis stays within a slice).
-    ``[mesh]`` keeps each axis's total size: ``dp = 4`` with ``dcn.dp = 2`` is two slices of
-    ``dp = 2`` each. Data parallelism and pipeline stages tolerate the slow network; tensor
-    and expert parallelism exchange activations every layer and do not."""
+class AxisSizes:
+    """A size for each of `MESH_AXES` (at least 1), in that order as `shape`."""
 
     dp: int = runtime_field(1)
     pp: int = runtime_field(1)
@@ -58,6 +55,14 @@ class DcnConfig:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, axis) for axis in MESH_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class DcnConfig(AxisSizes):
+    """``[mesh.dcn]``: how many slices each axis spans (1: the axis stays within a slice).
+    ``[mesh]`` keeps each axis's total size: ``dp = 4`` with ``dcn.dp = 2`` is two slices of
+    ``dp = 2`` each. Data parallelism and pipeline stages tolerate the slow network; tensor
+    and expert parallelism exchange activations every layer and do not."""
 
     @property
     def slices(self) -> int:
@@ -70,16 +75,13 @@ class DcnConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    dp: int = runtime_field(1)
-    pp: int = runtime_field(1)
-    tp: int = runtime_field(1)
-    ep: int = runtime_field(1)
+class MeshConfig(AxisSizes):
+    """``[mesh]``: each axis's total size, and (``[mesh.dcn]``) how much of it spans slices."""
+
     dcn: DcnConfig = dataclasses.field(default_factory=DcnConfig)
 
     def __post_init__(self):
-        check_fields(self)
-        require_at_least(self, 1, *MESH_AXES)
+        super().__post_init__()
         for axis in MESH_AXES:
             across, total = getattr(self.dcn, axis), getattr(self, axis)
             if total % across != 0:
@@ -88,10 +90,6 @@ class MeshConfig:
                     f"{across} slices do not divide mesh.{axis}={total}: choose a divisor of "
                     f"{total}",
                 )
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, axis) for axis in MESH_AXES)
 
     @property
     def ici_shape(self) -> tuple[int, ...]:

@@ -132,8 +132,8 @@ def run_pipeline(
     compute_dtype = microbatches.dtype
     if manual and jnp.dtype(compute_dtype).itemsize < 4:
         microbatches = microbatches.astype(jnp.float32)
-    manual_axes = pipeline_axes(rules) if manual else rule_axes(SLICES, rules)
-    slices = tuple(axis for axis in manual_axes if axis != "pp")
+    slices = rule_axes(SLICES, rules)
+    manual_axes = pipeline_axes(rules) if manual else slices
     params, static = eqx.partition(layers, eqx.is_array)
     params = restage_layers(params, placed_by, schedule)
     table = {name: jnp.asarray(values) for name, values in schedule.table().items()}

@@ -78,10 +78,7 @@ def collectives_report(
         return [
             f"collectives: {mib(within)} per step, within one slice ([mesh.dcn] spans none)"
         ], by_link
-    parts = [
-        f"{link.kind} over {' x '.join(link.axes)}: {t.count} ops, {mib(t.bytes)}"
-        for link, t in across
-    ]
+    parts = [f"{link.describe()}: {t.count} ops, {mib(t.bytes)}" for link, t in across]
     lines = [
         f"collectives: {mib(within)} per step within slices, "
         f"{mib(sum(t.bytes for _, t in across))} across {mesh.dcn.slices} slices"
@@ -218,8 +215,9 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
         "compile_seconds": compile_seconds,
         "skip_bubbles": config_for_step.skip_bubbles,
         "collectives": {
-            f"{link.kind} over {' x '.join(link.axes) or 'none'}"
-            + (" across slices" if link.across_slices else ""): dataclasses.asdict(t)
+            link.describe() + (" across slices" if link.across_slices else ""): dataclasses.asdict(
+                t
+            )
             for link, t in by_link.items()
         },
     }
