@@ -19,6 +19,7 @@ from eqxzoo.optim import OptimizerConfig
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh
 from eqxzoo.parallel.mesh import MeshError
 from eqxzoo.run.config import model_config_for_mesh
+from eqxzoo.train import step as step_module
 from eqxzoo.train.layout import from_pipeline_layout
 from eqxzoo.train.loss_terms import LossConfig
 from eqxzoo.train.settings import StepConfig
@@ -242,11 +243,15 @@ def test_balancing_biases_are_equal_on_pp1_and_pp2(tiny_config, random_batch):
         np.testing.assert_array_equal(bias_two, bias_one, err_msg=schedule.name)
 
 
-def test_stages_compute_through_bubbles_where_xla_cpu_cannot_skip_them(tiny_config):
+def test_stages_compute_through_bubbles_where_xla_cpu_cannot_skip_them(
+    tiny_config, tmp_path, monkeypatch
+):
     """On dp2 x pp2 x ep2 the partitioner moves this DeepSeek-shaped model's weights between
     mesh axes by collective-permutes inside the pipeline's stage branch, which XLA:CPU
     cannot run while another stage idles: the step is refused (one line naming the way
-    out), and `compile_train_step_for` compiles the stages without the branch instead."""
+    out), and `compile_train_step_for` compiles the stages without the branch instead. It
+    remembers the refusal: the same plan again compiles only the step without the branch,
+    another plan (a larger batch) tries the branch first."""
     config = tiny_config("deepseek_v3", n_layers=N_LAYERS)
     mesh = make_mesh(MeshConfig(dp=2, pp=2, ep=2))
     step_config = StepConfig(schedule=Schedule("gpipe", 2, SHAPE[1], 1))
@@ -263,9 +268,21 @@ def test_stages_compute_through_bubbles_where_xla_cpu_cannot_skip_them(tiny_conf
         r"through their bubbles\)",
         str(refused.value),
     )
-    compiled, used = compile_train_step_for(step_config, mesh, target, SHAPE)
+    compiled, used = compile_train_step_for(step_config, mesh, target, SHAPE, verdicts=tmp_path)
     assert used == dataclasses.replace(step_config, skip_bubbles=False)
     assert compiled is not None
+    assert len(list(tmp_path.iterdir())) == 1
+    tried = []
+    monkeypatch.setattr(
+        step_module,
+        "compile_train_step",
+        lambda config, *args: tried.append(config.skip_bubbles) or compiled,
+    )
+    compile_train_step_for(step_config, mesh, target, SHAPE, verdicts=tmp_path)
+    assert tried == [False]
+    larger_batch = (*SHAPE[:2], 2 * SHAPE[2], SHAPE[3])
+    compile_train_step_for(step_config, mesh, target, larger_batch, verdicts=tmp_path)
+    assert tried == [False, True]
 
 
 def test_a_run_picks_the_dropless_kernel_its_mesh_allows(tiny_config):

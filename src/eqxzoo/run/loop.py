@@ -81,7 +81,12 @@ from eqxzoo.train.state import (
     init_train_state_from,
     train_state_axes,
 )
-from eqxzoo.train.step import batch_sharding, compile_train_step_for, make_eval_step
+from eqxzoo.train.step import (
+    batch_sharding,
+    bubble_verdicts,
+    compile_train_step_for,
+    make_eval_step,
+)
 from eqxzoo.train.stop_signal import StopSignal
 from models import flops_per_token, model_factory
 from models.hf import open_hf
@@ -292,7 +297,11 @@ class _Trainer:
         self.target = abstract_train_state(self.make_model, config=self.step_config, mesh=self.mesh)
         self.axes = train_state_axes(self.make_model, config=self.step_config)
         self.train_step, self.step_config = compile_train_step_for(
-            self.step_config, self.mesh, self.target, batch_shape(self.config).shape
+            self.step_config,
+            self.mesh,
+            self.target,
+            batch_shape(self.config).shape,
+            verdicts=bubble_verdicts(),
         )
         if not self.step_config.skip_bubbles:
             self.say(

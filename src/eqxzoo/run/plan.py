@@ -33,7 +33,12 @@ from eqxzoo.run.loop import batch_shape, run_memory_checks
 from eqxzoo.train.memory import StepMemory, format_bytes
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import ModelFactory, TrainState, abstract_train_state
-from eqxzoo.train.step import batch_sharding, compile_train_step_for, make_train_step
+from eqxzoo.train.step import (
+    batch_sharding,
+    bubble_verdicts,
+    compile_train_step_for,
+    make_train_step,
+)
 from models import flops_per_token, model_factory, parameter_counts
 from models.hf import open_hf
 
@@ -141,7 +146,9 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
     counts = parameter_counts(config.model)
     shape = batch_shape(config)
     start = time.perf_counter()
-    compiled, config_for_step = compile_train_step_for(config_for_step, mesh, target, shape.shape)
+    compiled, config_for_step = compile_train_step_for(
+        config_for_step, mesh, target, shape.shape, verdicts=bubble_verdicts()
+    )
     compile_seconds = time.perf_counter() - start
     memory = StepMemory.of(compiled)
     schedule = config.schedule

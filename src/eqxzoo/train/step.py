@@ -8,11 +8,16 @@ through the model contract.
 """
 
 import dataclasses
+import hashlib
+import os
+import tempfile
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxlib
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Float, Int, PyTree
@@ -73,25 +78,27 @@ def train_step(
             )
             grads, _ = eqx.partition(grads, trainable_mask(grads, config.optimizer.freeze))
         metrics = {"loss": loss, **metrics}
+        if grad_sum is None:
+            return (jax.tree.map(lambda g: g.astype(jnp.float32), grads), metrics), None
         return (
             jax.tree.map(jnp.add, grad_sum, grads),
             jax.tree.map(jnp.add, metric_sum, metrics),
         ), None
 
-    grad_zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), trainable)
-
     def first_metrics():
         loss, metrics = loss_fn(state.model, batch["tokens"][0], batch["targets"][0])
         return {"loss": loss, **metrics}
 
-    metric_shapes = jax.eval_shape(first_metrics)
-    zeros = (
-        grad_zeros,
-        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes),
-    )
     if batch["tokens"].shape[0] == 1:
-        (grad_sum, metric_sum), _ = microbatch_grads(zeros, jax.tree.map(lambda x: x[0], batch))
+        # No sums to start from zero, so no trace of the loss for its metrics' shapes.
+        (grad_sum, metric_sum), _ = microbatch_grads(
+            (None, None), jax.tree.map(lambda x: x[0], batch)
+        )
     else:
+        zeros = (
+            jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), trainable),
+            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(first_metrics)),
+        )
         (grad_sum, metric_sum), _ = jax.lax.scan(microbatch_grads, zeros, batch)
     n_accum = batch["tokens"].shape[0]
     grads = jax.tree.map(lambda g, p: (g / n_accum).astype(p.dtype), grad_sum, trainable)
@@ -172,20 +179,79 @@ def compile_train_step(
 
 
 def compile_train_step_for(
-    config: StepConfig, mesh: Mesh, state: TrainState, batch_shape: tuple[int, int, int, int]
+    config: StepConfig,
+    mesh: Mesh,
+    state: TrainState,
+    batch_shape: tuple[int, int, int, int],
+    *,
+    verdicts: Path | None = None,
 ) -> tuple[jax.stages.Compiled, StepConfig]:
     """`compile_train_step`, and the `StepConfig` it compiled with: where XLA:CPU could not
     run the step (`PlanWouldDeadlock`) and the schedule allows it (GPipe, circular), the
     stages compute through their bubbles instead of skipping them (``skip_bubbles=False``:
     the bubbles' share of the stage work more, the same results). Build every other step
-    of the run (evaluation) from the returned config."""
-    try:
-        return compile_train_step(config, mesh, state, batch_shape), config
-    except PlanWouldDeadlock:
-        if config.schedule.fuses_backward or not config.skip_bubbles:
-            raise
+    of the run (evaluation) from the returned config.
+
+    A refusal is remembered in ``verdicts`` (`bubble_verdicts`), a file named by everything
+    the compiled program depends on: a rerun of the plan (a resume, the same config again)
+    compiles the step that computes through its bubbles straight away, without first
+    tracing, lowering and compiling the one XLA:CPU refuses. Only refusals are kept: a step
+    that skips its bubbles is always checked, so a stale file can cost a bubble's compute,
+    never a hang."""
+    verdict = None
+    if verdicts is not None and config.skip_bubbles and not config.schedule.fuses_backward:
+        verdict = verdicts / _program_key(config, mesh, state, batch_shape)
+    if verdict is None or not verdict.exists():
+        try:
+            return compile_train_step(config, mesh, state, batch_shape), config
+        except PlanWouldDeadlock:
+            if config.schedule.fuses_backward or not config.skip_bubbles:
+                raise
+        if verdict is not None:
+            _remember(verdict)
     config = dataclasses.replace(config, skip_bubbles=False)
     return compile_train_step(config, mesh, state, batch_shape), config
+
+
+def bubble_verdicts() -> Path | None:
+    """Where `compile_train_step_for` remembers refused steps: beside JAX's persistent
+    compilation cache (None when that cache is off)."""
+    cache = jax.config.jax_compilation_cache_dir
+    return Path(cache) / "eqxzoo-bubble-verdicts" if cache else None
+
+
+def _program_key(
+    config: StepConfig, mesh: Mesh, state: TrainState, batch_shape: tuple[int, int, int, int]
+) -> str:
+    """A hash of what the compiled step depends on: versions, platform, mesh, step config,
+    the state's structure, shapes, dtypes and shardings, and the batch's shape."""
+    leaves, structure = jax.tree.flatten(state)
+    described = repr(
+        (
+            jax.__version__,
+            jaxlib.__version__,
+            [(device.platform, device.device_kind) for device in mesh.devices.flat[:1]],
+            dict(mesh.shape),
+            config,
+            batch_shape,
+            structure,
+            [(leaf.shape, leaf.dtype, getattr(leaf, "sharding", None)) for leaf in leaves],
+        )
+    )
+    return hashlib.sha256(described.encode()).hexdigest()
+
+
+def _remember(verdict: Path) -> None:
+    """Create ``verdict`` (written aside under a name of this process's own, then renamed:
+    the processes of a run may write it at once). Best effort: a disk that cannot take it
+    costs the next run the refused compile again, nothing else."""
+    try:
+        verdict.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=verdict.parent, delete=False) as partial:
+            partial.write("skip_bubbles=False\n")
+        os.replace(partial.name, verdict)
+    except OSError:
+        pass
 
 
 class PlanWouldDeadlock(UserError, RuntimeError):
