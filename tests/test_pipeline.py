@@ -41,6 +41,7 @@ from eqxzoo.train.layout import from_pipeline_layout, to_pipeline_layout
 from eqxzoo.train.loss import pipelined_loss, pipelined_loss_and_grad, sequential_loss
 from eqxzoo.train.loss_terms import LossConfig
 from eqxzoo.train.settings import StepConfig
+from eqxzoo.train.step import step_gradients
 from eqxzoo.typed_config import ConfigError
 
 N_LAYERS = 8
@@ -226,11 +227,26 @@ def loss_and_grads(tiny_config, random_batch, case: dict):
     )
     staged = to_pipeline_layout(model, schedule)
     pipelined_value_and_grad = fused if schedule.fuses_backward else value_and_grad(pipelined)
+    if pipelined_config.slice_axes:  # the step's way: each slice on its own (`per_slice`)
+        pipelined_value_and_grad = one_step_gradients(pipelined_config, mesh, data)
     (loss, aux), grads = eqx.filter_jit(pipelined_value_and_grad)(staged)
     return (
         ((expected_loss, without_padding(expected_aux)), expected_grads),
         ((loss, without_padding(aux)), from_pipeline_layout(grads, schedule)),
     )
+
+
+def one_step_gradients(config: StepConfig, mesh, data):
+    """``model -> ((loss, aux), grads)`` through the train step's `step_gradients` of one
+    accumulation step of ``data``, every array of the model trained."""
+
+    def value_and_grad(model):
+        trainable, frozen = eqx.partition(model, eqx.is_inexact_array)
+        batch = jax.tree.map(lambda x: x[None], data)
+        grads, metrics = step_gradients(config, mesh)(trainable, frozen, batch)
+        return (metrics.pop("loss"), metrics), grads
+
+    return value_and_grad
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -273,8 +289,8 @@ HYBRID_CASES = [
 def test_slices_of_a_hybrid_mesh_run_the_same_step(
     case, tiny_config, random_batch, assert_trees_close
 ):
-    """Where dp spans slices the pipeline and the loss run manual over them (each slice on
-    its own sequences, its gradients summed once); where pp does, the stages' devices come
+    """Where dp spans slices the step's gradients are each slice's own, averaged once
+    (`step_gradients`: a region manual over dp_dcn); where pp does, the stages' devices come
     from two slices: the same loss, aux values and gradients as one device (fp32, 1e-5),
     dense, MoE (split backward; one stage with the load-balance loss pooled over the
     microbatch), a dense prefix."""

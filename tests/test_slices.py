@@ -113,38 +113,28 @@ def across_slices(figures: dict) -> dict[str, dict]:
 @pytest.mark.slow
 def test_only_the_gradient_reduction_crosses_slices_once_a_step():
     """dp = 4 over 2 slices, FSDP within a slice: the only collectives across slices are
-    all-reduces over dp_dcn, the gradients' the same ones (count and bytes) with 2 or 4
-    microbatches and with 1F1B's executor (besides the step's scalar metrics over all of
-    dp): the gradients cross once a step, not once per microbatch, tick or loss chunk. FSDP
-    over the whole of dp moves the weights across too, and the dry run says so (a bf16 step:
-    XLA:CPU cannot compile the bf16 all-reduce of the slices' weight copies, so they sum in
-    fp32)."""
-    _, lines = plan("precision.compute=bfloat16")  # the slices' bf16 weights sum in fp32
+    all-reduces over dp_dcn, and they move the same bytes (the gradients', once) with 2
+    microbatches, with 4 microbatches in each of 2 accumulation steps, and with 1F1B's
+    executor: the gradients cross once a step, not once per accumulation step, microbatch,
+    tick or loss chunk (besides them: the step's metrics and the MoE's router statistics,
+    averaged over the slices, a sliver). FSDP over the whole of dp moves the weights across
+    too, and the dry run says so (a bf16 step: the slices' bf16 weights)."""
+    _, lines = plan("precision.compute=bfloat16")
     (line,) = [line for line in lines if line.startswith("collectives:")]
     assert " across 2 slices (" in line, line
     assert any(line.startswith("note: FSDP over the whole of dp moves") for line in lines)
     within = 'sharding.embed=["dp_ici", "ep"]'
-    reductions = []
+    crossing_bytes = []
     for extra in (
         ("pipeline.microbatches=2",),
-        ("pipeline.microbatches=4",),
+        ("pipeline.microbatches=4", "data.grad_accum=2"),
         ("pipeline.microbatches=4", "pipeline.schedule=1f1b", "pipeline.repeats=1"),
     ):
         figures, lines = plan(within, *extra)
         crossing = across_slices(figures)
-        gradients = crossing.pop("all-reduce over dp_dcn across slices")
-        assert all(link.startswith("all-reduce over dp_dcn") for link in crossing), crossing
-        assert sum(t["bytes"] for t in crossing.values()) < 1024  # the step's scalar metrics
+        assert list(crossing) == ["all-reduce over dp_dcn across slices"], crossing
         assert not any(line.startswith("note: FSDP") for line in lines)
-        reductions.append(gradients)
-    circular_m2, circular_m4, one_f_one_b = reductions
-    # The same reductions; their bytes differ only by the aux values per microbatch (the
-    # MoE's router statistics averaged over the slices, a sliver beside the gradients).
-    assert circular_m2["count"] == circular_m4["count"] >= one_f_one_b["count"]
-    for other in (circular_m4, one_f_one_b):
-        np.testing.assert_allclose(other["bytes"], circular_m2["bytes"], rtol=0.01)
-    _, lines = plan(within, "data.grad_accum=2")  # the scan over G is outside the regions
-    assert any(
-        line.startswith("note: the gradients cross slices once per accumulation step (2 ")
-        for line in lines
-    ), lines
+        crossing_bytes.append(crossing["all-reduce over dp_dcn across slices"]["bytes"])
+    gradients = crossing_bytes[0]
+    assert gradients > 100_000  # the tiny MoE's 48k float32 parameters
+    np.testing.assert_allclose(crossing_bytes, gradients, atol=8192)

@@ -40,7 +40,12 @@ from eqxzoo.train.state import (
     init_train_state_from,
     train_state_axes,
 )
-from eqxzoo.train.step import compile_train_step, make_train_step, train_step
+from eqxzoo.train.step import (
+    accumulated_gradients,
+    compile_train_step,
+    make_train_step,
+    train_step,
+)
 
 N_LAYERS = 4
 SHAPE = (2, 4, 4, 8)  # (G, M, B, T)
@@ -304,7 +309,8 @@ def test_non_finite_step_is_skipped_and_counted(dense, make_batch):
         )
         return jnp.where(tokens[0, 0, 0] == 0, jnp.nan, loss), metrics
 
-    step = jax.jit(lambda s, b: train_step(s, b, config=config, loss_fn=poisoned_loss))
+    gradients = functools.partial(accumulated_gradients, config=config, loss_fn=poisoned_loss)
+    step = jax.jit(lambda s, b: train_step(s, b, config=config, gradients=gradients))
     poisoned = make_batch(0)
     poisoned["tokens"] = poisoned["tokens"].at[0, 0, 0, 0].set(0)
     after, metrics = step(state, poisoned)

@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 from jaxtyping import PyTree
 
 from eqxzoo.errors import UserError
@@ -217,7 +217,7 @@ def partitions_stages(mesh_shape: Mapping[str, int]) -> bool:
     )
 
 
-def check_stage_loops(layers: PyTree, mesh: Mesh) -> None:
+def check_stage_loops(layers: PyTree, mesh: Mesh | AbstractMesh) -> None:
     """Refuse ``layers`` whose stage runs a data-dependent number of loop iterations
     (`eqxzoo.nn.moe.has_data_dependent_loops`) on a mesh that `partitions_stages`: stages
     holding different layers would reach the loop's collectives different numbers of times,

@@ -18,7 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import Array, Float, PyTree
 
 from eqxzoo.nn import Axes, apply_layers
@@ -27,11 +27,9 @@ from eqxzoo.nn.varying import varying_axes
 from eqxzoo.parallel.mesh import check_stage_loops
 from eqxzoo.parallel.rules import (
     DEFAULT_RULES,
-    SLICES,
     MeshAxes,
     activation_sharding,
     activation_spec,
-    pipeline_axes,
     rule_axes,
 )
 from eqxzoo.parallel.schedule import Schedule
@@ -91,7 +89,7 @@ def run_pipeline(
     microbatches: Float[Array, "microbatches batch seq embed"],
     *,
     schedule: Schedule,
-    mesh: Mesh,
+    mesh: Mesh | AbstractMesh,
     remat_policy: RematPolicy = "none",
     remat_stages: bool = True,
     rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
@@ -106,9 +104,8 @@ def run_pipeline(
     layers treat leading axes as independent sequences and average their aux values).
 
     Returns the outputs (same shape as ``microbatches``) and every layer's aux values for
-    every microbatch, shape ``(microbatches, L, ...)`` in layer order. Where ``dp`` spans slices
-    the shard_map is also manual over them (`pipeline_axes`; with one stage, over them only).
-    With one stage and no shard_map the stage's input and output are constrained to the ``batch`` rule of ``rules``, so that the
+    every microbatch, shape ``(microbatches, L, ...)`` in layer order. With one stage (no
+    shard_map) the stage's input and output are constrained to the ``batch`` rule of ``rules``, so that the
     compiler keeps data parallelism instead of gathering the batch to match FSDP-sharded
     weights (inside shard_map the batch split propagates from the inputs; a constraint there
     crashed XLA's partitioner with dp, pp and ep together). ``remat_stages=False`` keeps every
@@ -122,9 +119,8 @@ def run_pipeline(
     assert mesh.shape["pp"] == schedule.stages, (mesh.shape, schedule)  # checked by the state
     check_stage_loops(layers, mesh)
     placed_by, schedule = schedule, schedule.forward_only
-    # With one stage there is nothing to shift: run the same table without a manual pp (XLA's
-    # partitioner rejects the autodiff all-reduce over a size-1 manual pp axis next to dp),
-    # in a shard_map only where dp spans slices.
+    # With one stage there is nothing to shift: run the same table without a shard_map (XLA's
+    # partitioner rejects the autodiff all-reduce over a size-1 manual pp axis next to dp).
     manual = schedule.stages > 1
     # Activations cross stages in float32: XLA:CPU fails to compile the pipeline's
     # bfloat16 collectives ("Invalid binary instruction opcode copy"); layers still compute
@@ -132,8 +128,7 @@ def run_pipeline(
     compute_dtype = microbatches.dtype
     if manual and jnp.dtype(compute_dtype).itemsize < 4:
         microbatches = microbatches.astype(jnp.float32)
-    slices = rule_axes(SLICES, rules)
-    manual_axes = pipeline_axes(rules) if manual else slices
+    manual_axes = ("pp",) if manual else ()
     params, static = eqx.partition(layers, eqx.is_array)
     params = restage_layers(params, placed_by, schedule)
     table = {name: jnp.asarray(values) for name, values in schedule.table().items()}
@@ -141,9 +136,7 @@ def run_pipeline(
     last_stage = n_stages - 1
     shift = [(stage, (stage + 1) % n_stages) for stage in range(n_stages)]
 
-    # One stage outside a shard_map keeps its batch split (see the docstring); one inside a
-    # shard_map over the slices holds only its slice's sequences.
-    split_over_batch = not manual_axes and any(
+    split_over_batch = not manual and any(
         mesh.shape[axis] > 1 for axis in rule_axes("batch", rules)
     )
 
@@ -173,9 +166,7 @@ def run_pipeline(
 
     def per_stage(stage_params, inputs):
         stage = jax.lax.axis_index("pp") if manual else 0
-        # Each slice's own copy of the weights (varying over the slices): their gradient is
-        # summed over the slices once, where this cast is transposed, after the last tick.
-        stage_params = varying_over(jax.tree.map(lambda p: p[:, 0], stage_params), manual_axes)
+        stage_params = jax.tree.map(lambda p: p[:, 0], stage_params)
         # Likewise the microbatches every stage holds (stage 0 reads them): their gradient
         # is summed over the stages once, not at every tick.
         inputs = varying_over(inputs, manual_axes)
@@ -239,28 +230,22 @@ def run_pipeline(
             (_, _, outputs, aux_sums), _ = tick(init, 0)
         else:
             (_, _, outputs, aux_sums), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
-        if slices:  # each slice's aux values are means over its own sequences
-            aux_sums = jax.tree.map(lambda v: jax.lax.pmean(v, slices), aux_sums)
         return outputs[None], jax.tree.map(lambda v: v[None], aux_sums)
 
-    stages = "stages" if manual else None
-    stage_spec = jax.tree.map(lambda _: activation_spec("repeats", stages, rules=rules), params)
+    stage_spec = jax.tree.map(lambda _: activation_spec("repeats", "stages", rules=rules), params)
     if split_over_batch:
         microbatches = jax.lax.with_sharding_constraint(
             microbatches, activation_sharding(mesh, "microbatches", "batch", rules=rules)
         )
-    if not manual_axes:
+    if not manual:
         outputs, aux_sums = per_stage(params, microbatches)
     else:
         outputs, aux_sums = jax.shard_map(
             per_stage,
             mesh=mesh,
-            in_specs=(stage_spec, activation_spec(None, SLICES, rules=rules)),
-            out_specs=(
-                activation_spec(stages, None, SLICES, rules=rules),
-                activation_spec(stages, rules=rules),
-            ),
-            axis_names=set(manual_axes),
+            in_specs=(stage_spec, activation_spec(rules=rules)),
+            out_specs=(activation_spec("stages", rules=rules),) * 2,
+            axis_names={"pp"},
             check_vma=True,
         )(params, microbatches)
     layer_aux = jax.tree.map(lambda v: in_layer_order(v, schedule), aux_sums)
@@ -277,9 +262,9 @@ def in_layer_order(values: Array, schedule: Schedule) -> Array:
 
 def varying_over(tree: PyTree, axes: tuple[str, ...]) -> PyTree:
     """Mark every array of ``tree`` as varying over the manual ``axes`` of the pipeline's
-    shard_map (`eqxzoo.parallel.rules.pipeline_axes`; none outside it).
+    shard_map (``pp``; none outside it).
 
-    Values computed from the stage's own weights and its slice's sequences already vary;
+    Values computed from the stage's own weights already vary;
     constants (a skipped tick's zeros, a fresh carry) do not, and `check_vma` requires both
     branches of a `cond` and both sides of a scan carry to agree. The cast's transpose sums
     the gradient over ``axes``: in float32 where ``x`` is narrower (XLA:CPU cannot compile a

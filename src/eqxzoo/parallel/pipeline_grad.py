@@ -36,7 +36,6 @@ is then exact in every stage's backward. Nothing of this is differentiated by au
 `pipeline_value_and_grad` returns values and gradients.
 """
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -44,7 +43,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jaxtyping import Array, Float, Int, PyTree
 
 from eqxzoo.nn import Axes, apply_layers, logical_axes
@@ -60,10 +59,8 @@ from eqxzoo.parallel.mesh import check_stage_loops
 from eqxzoo.parallel.pipeline import in_layer_order, varying_over
 from eqxzoo.parallel.rules import (
     DEFAULT_RULES,
-    SLICES,
     MeshAxes,
     activation_spec,
-    pipeline_axes,
     rule_axes,
     tree_shardings,
 )
@@ -97,7 +94,7 @@ def pipeline_value_and_grad(
     part_weights: Sequence[float],
     aux_loss: Callable[[dict[str, Array]], Float[Array, ""]],
     schedule: Schedule,
-    mesh: Mesh,
+    mesh: Mesh | AbstractMesh,
     remat_policy: RematPolicy = "none",
     remat_stages: bool = True,
     rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
@@ -128,16 +125,7 @@ def pipeline_value_and_grad(
     n_stages, n_repeats = schedule.stages, schedule.repeats
     n_slots = table.slots
     manual = n_stages > 1
-    # Where dp spans slices the shard_map is also manual over them: each slice runs its own
-    # sequences and sums its own gradients, which cross slices once, after the last tick.
-    manual_axes = pipeline_axes(rules) if manual else ()
-    slices = manual_axes[1:]
-    n_slices = math.prod(mesh.shape[axis] for axis in slices)
-
-    def slice_aux_loss(totals):
-        """A slice's share of the microbatch's aux loss: its totals are means over its own
-        sequences, a ``1 / n_slices`` part of the microbatch's."""
-        return aux_loss(totals) / n_slices
+    manual_axes = ("pp",) if manual else ()
 
     virtual_stages = jnp.asarray(schedule.virtual_stages)
     # The sources (`eqxzoo.parallel.schedule.SOURCES`) something arrives from, per buffer.
@@ -181,9 +169,9 @@ def pipeline_value_and_grad(
 
     one_repeat, one_repeat_data = jax.tree.map(lambda p: p[0, 0], (layer_params, layer_data))
     batch, seq = tokens.shape[1:]
-    slice_ids = jax.ShapeDtypeStruct((batch // n_slices, seq), tokens.dtype)
-    h_shape = jax.eval_shape(first_fn, outer_params, slice_ids)
-    loss_shape = jax.eval_shape(last_fn, outer_params, h_shape, slice_ids).shape
+    ids = jax.ShapeDtypeStruct((batch, seq), tokens.dtype)
+    h_shape = jax.eval_shape(first_fn, outer_params, ids)
+    loss_shape = jax.eval_shape(last_fn, outer_params, h_shape, ids).shape
     _, aux_shapes = jax.eval_shape(stage_fn, one_repeat, one_repeat_data, h_shape)
     # A microbatch's aux values summed over layers: what travels with its activation.
     total_shapes = {
@@ -204,7 +192,6 @@ def pipeline_value_and_grad(
         stage = jax.lax.axis_index("pp") if manual else 0
         layer_params, layer_data = jax.tree.map(lambda p: p[:, 0], (layer_params, layer_data))
         outer_params = varying_over(outer_params, manual_axes)
-        layer_params = varying_over(layer_params, slices)
         varying = lambda tree: varying_over(tree, manual_axes)  # noqa: E731
 
         def fit_cotangent(outputs, cotangent):
@@ -352,7 +339,7 @@ def pipeline_value_and_grad(
                     d_outer, d_h = pullback(
                         jnp.ones_like(loss) * jnp.asarray(part_weights, loss.dtype)
                     )
-                    aux_grad = jax.grad(slice_aux_loss)(totals)
+                    aux_grad = jax.grad(aux_loss)(totals)
                     return varying(
                         (
                             grads.at[slot].set(d_h.astype(h_shape.dtype)),
@@ -542,14 +529,6 @@ def pipeline_value_and_grad(
         ticks = (jnp.arange(table.ticks), tick_tokens[:, 0], tick_targets[:, 0])
         final, _ = jax.lax.scan(tick, init, ticks)
         sums = final.stash
-        if slices:  # the slices' sums and their aux values' means (over their sequences)
-            summed = jax.lax.psum((sums.layer_grads, sums.outer_grads, sums.loss), slices)
-            sums = sums._replace(
-                layer_grads=summed[0],
-                outer_grads=summed[1],
-                loss=summed[2],
-                aux=jax.tree.map(lambda v: jax.lax.pmean(v, slices), sums.aux),
-            )
         layer_grads = jax.tree.map(lambda g: g[:, None], sums.layer_grads)
         stacked = jax.tree.map(lambda v: v[None], (sums.outer_grads, sums.loss, sums.aux))
         return layer_grads, *stacked
@@ -559,7 +538,7 @@ def pipeline_value_and_grad(
     )
     per_stage_spec = activation_spec("stages", rules=rules)
     replicated = activation_spec(rules=rules)
-    per_tick_spec = activation_spec(None, "stages", SLICES, rules=rules)
+    per_tick_spec = activation_spec(None, "stages", rules=rules)
     if manual:
         # The embedding and head run inside the shard_map, where pp is manual: their
         # parameters enter sharded by the rules without pp (XLA's partitioner fails on an
@@ -583,11 +562,10 @@ def pipeline_value_and_grad(
     else:
         run = per_stage
     # Each stage's tokens and targets tick by tick, (ticks, stages, batch, seq), sliced by
-    # the scan. They enter replicated over the batch (split only over the slices, each of
-    # which reads its own): XLA's partitioner fails on the embedding's and the loss's gathers
+    # the scan. They enter replicated over the batch: XLA's partitioner fails on the embedding's and the loss's gathers
     # of batch-sharded ids inside the region manual over pp when dp and tp are both split
     # (int32 ids are a sliver of the activations).
-    replicated_ids = NamedSharding(mesh, activation_spec(None, None, SLICES, rules=rules))
+    replicated_ids = NamedSharding(mesh, activation_spec(rules=rules))
     tick_tokens = jax.lax.with_sharding_constraint(tokens[columns["microbatch"]], replicated_ids)
     tick_targets = jax.lax.with_sharding_constraint(targets[columns["microbatch"]], replicated_ids)
     layer_grads, outer_grads, loss_sums, aux_sums = run(

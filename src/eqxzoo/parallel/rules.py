@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from eqxzoo.nn import Axes
@@ -28,9 +28,6 @@ from eqxzoo.typed_config import check_fields, refuse, runtime_field
 
 MeshAxes = str | tuple[str, ...] | None
 RULE_AXES = (*MESH_AXES, DP_WITHIN_SLICE)
-# The logical axis of a batch's slices where dp spans them (``dp_dcn``; none otherwise): the
-# pipeline runs manual over it, each slice on its own sequences (`pipeline_axes`).
-SLICES = "slices"
 
 FIXED_RULES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
@@ -108,15 +105,14 @@ class ShardingConfig:
 
 @functools.cache
 def _rules_on(config: ShardingConfig, mesh_axes: tuple[str, ...]) -> Mapping[str, MeshAxes]:
-    if DP_ACROSS_SLICES in mesh_axes:
-        names = {"dp": (DP_ACROSS_SLICES, DP_WITHIN_SLICE), DP_WITHIN_SLICE: (DP_WITHIN_SLICE,)}
-    else:
-        names = {DP_WITHIN_SLICE: ("dp",)}
+    # dp as the mesh has it: whole, split into its parts across and within slices, or (inside
+    # a region manual over the slices, which the mesh axes then leave out) its part within.
+    dp_parts = tuple(a for a in (DP_ACROSS_SLICES, DP_WITHIN_SLICE) if a in mesh_axes) or ("dp",)
+    names = {"dp": dp_parts, DP_WITHIN_SLICE: dp_parts[-1:]}
     rules = {}
     for field in dataclasses.fields(config):
         axes = getattr(config, field.name)
         rules[field.name] = tuple(a for axis in axes for a in names.get(axis, (axis,))) or None
-    rules[SLICES] = (DP_ACROSS_SLICES,) if DP_ACROSS_SLICES in mesh_axes else None
     return MappingProxyType(rules)
 
 
@@ -132,7 +128,10 @@ def rule_axes(name: str | None, rules: Mapping[str, MeshAxes]) -> tuple[str, ...
 
 
 def partition_spec(
-    axes: Axes, shape: tuple[int, ...], mesh: Mesh, rules: Mapping[str, MeshAxes] = DEFAULT_RULES
+    axes: Axes,
+    shape: tuple[int, ...],
+    mesh: Mesh | AbstractMesh,
+    rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
 ) -> PartitionSpec:
     """The PartitionSpec of one array with logical ``axes`` and ``shape`` on ``mesh``.
 
@@ -170,14 +169,17 @@ def activation_spec(
 
 
 def activation_sharding(
-    mesh: Mesh, *names: str | None, rules: Mapping[str, MeshAxes] = DEFAULT_RULES
+    mesh: Mesh | AbstractMesh, *names: str | None, rules: Mapping[str, MeshAxes] = DEFAULT_RULES
 ) -> NamedSharding:
     """`activation_spec` on ``mesh``."""
     return NamedSharding(mesh, activation_spec(*names, rules=rules))
 
 
 def tree_shardings(
-    shapes: PyTree, axes: PyTree[Axes], mesh: Mesh, rules: Mapping[str, MeshAxes] = DEFAULT_RULES
+    shapes: PyTree,
+    axes: PyTree[Axes],
+    mesh: Mesh | AbstractMesh,
+    rules: Mapping[str, MeshAxes] = DEFAULT_RULES,
 ) -> PyTree[NamedSharding]:
     """NamedShardings for a pytree of arrays (or shape structs) given its logical axes."""
     check_rules_fit(mesh, rules)
@@ -189,7 +191,7 @@ def tree_shardings(
     )
 
 
-def check_rules_fit(mesh: Mesh, rules: Mapping[str, MeshAxes]) -> None:
+def check_rules_fit(mesh: Mesh | AbstractMesh, rules: Mapping[str, MeshAxes]) -> None:
     """Refuse ``rules`` that name mesh axes ``mesh`` lacks: rules made for a mesh whose ``dp``
     is one axis on a mesh where it spans slices, or the other way round."""
     named = {axis for name in rules for axis in rule_axes(name, rules)}
@@ -200,12 +202,3 @@ def check_rules_fit(mesh: Mesh, rules: Mapping[str, MeshAxes]) -> None:
             "not have: take the rules of ShardingConfig.rules_on(MeshConfig.axis_names) "
             "(StepConfig(mesh_axes=...))"
         )
-
-
-def pipeline_axes(rules: Mapping[str, MeshAxes]) -> tuple[str, ...]:
-    """The mesh axes the pipeline's shard_map is manual over: ``pp``, and the slices of
-    ``dp`` where it spans them. Inside, each slice runs its own sequences with its own copy
-    of the stage's weights, so their gradients leave the shard_map (and cross slices) once
-    per pipeline call, not once per tick as the partitioner reduces a gradient accumulated
-    over dp-split data in a loop."""
-    return ("pp", *rule_axes(SLICES, rules))

@@ -66,13 +66,10 @@ def mib(n_bytes: int) -> str:
     return f"{n_bytes / 2**20:,.2f} MiB"
 
 
-def collectives_report(
-    hlo_text: str, mesh: MeshConfig, grad_accum: int = 1
-) -> tuple[list[str], dict[Link, Traffic]]:
+def collectives_report(hlo_text: str, mesh: MeshConfig) -> tuple[list[str], dict[Link, Traffic]]:
     """The ``collectives:`` line (bytes per step within and across slices, and the axes
-    each cross-slice collective runs over), notes where FSDP gathers weights across slices
-    and where gradient accumulation makes the gradients cross more than once; and the
-    traffic by `Link`."""
+    each cross-slice collective runs over), a note where FSDP gathers weights across
+    slices; and the traffic by `Link`."""
     by_link = links(hlo_text, mesh.axis_names, mesh.slice_indices())
     within = sum(t.bytes for link, t in by_link.items() if not link.across_slices)
     across = sorted(
@@ -100,12 +97,6 @@ def collectives_report(
             f"({mib(gathers)} of all-gathers and reduce-scatters over {DP_ACROSS_SLICES} per "
             'step): sharding.embed = ["dp_ici", "ep"] keeps FSDP within a slice, so that only '
             "the gradient reduction crosses"
-        )
-    if mesh.dp_spans_slices and grad_accum > 1:
-        lines.append(
-            f"note: the gradients cross slices once per accumulation step ({grad_accum} a "
-            "step, data.grad_accum): more microbatches (pipeline.microbatches) instead "
-            "accumulate within the slices and cross once"
         )
     return lines, by_link
 
@@ -197,9 +188,7 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
             else f"; activation memory {format_bytes(memory.temporaries)} per device"
         )
     )
-    collective_lines, by_link = collectives_report(
-        compiled.as_text(), config.mesh, config.data.grad_accum
-    )
+    collective_lines, by_link = collectives_report(compiled.as_text(), config.mesh)
     for line in collective_lines:
         say(line)
     if not config_for_step.skip_bubbles:

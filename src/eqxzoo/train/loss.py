@@ -16,13 +16,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import Array, Float, Int, PyTree
 
 from eqxzoo.nn import LanguageModel, fused_cross_entropy, layer_means, summarize_layer_aux
 from eqxzoo.parallel import activation_sharding, pipeline_value_and_grad, run_pipeline
-from eqxzoo.parallel.pipeline import varying_over
-from eqxzoo.parallel.rules import SLICES, MeshAxes, activation_spec, rule_axes
+from eqxzoo.parallel.mesh import DP_ACROSS_SLICES
+from eqxzoo.parallel.rules import MeshAxes, rule_axes
 from eqxzoo.train.loss_terms import aux_terms, token_terms, weighted_aux_loss, weighted_loss
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import cast_floats
@@ -34,7 +34,7 @@ def pipelined_loss(
     targets: Int[Array, "microbatches batch seq"],
     *,
     config: StepConfig,
-    mesh: Mesh,
+    mesh: Mesh | AbstractMesh,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """Token-mean cross-entropy plus weighted aux losses, with the blocks pipelined over ``pp``.
 
@@ -71,8 +71,23 @@ def pipelined_loss(
             h, activation_sharding(mesh, "microbatches", "batch", rules=config.rules)
         )
         token_losses, log_normalizers = token_cross_entropy(model, h, targets, config, mesh)
-    aux = batch_aux_metrics(summarize_microbatches(layer_aux), config)
+    aux = batch_aux_metrics(summarize_microbatches(over_slices(layer_aux, mesh, config)), config)
     return total_loss(token_losses, log_normalizers, aux, config)
+
+
+def over_slices(
+    layer_aux: dict[str, Array], mesh: Mesh | AbstractMesh | AbstractMesh, config: StepConfig
+):
+    """``layer_aux`` (each a mean over this slice's sequences) averaged over the slices that
+    run the step on their own (`eqxzoo.train.step.per_slice`: the mesh's axes across slices
+    that ``config`` leaves out), before the aux loss terms combine them: router statistics
+    of the whole microbatch, as on one device."""
+    slices = tuple(
+        axis
+        for axis in mesh.axis_names
+        if axis == DP_ACROSS_SLICES and axis not in config.mesh_axes
+    )
+    return jax.lax.pmean(layer_aux, slices) if slices else layer_aux
 
 
 def sequential_loss(
@@ -113,7 +128,7 @@ def token_cross_entropy(
     h: Float[Array, "*batch seq embed"],
     targets: Int[Array, "*batch seq"],
     config: StepConfig,
-    mesh: Mesh | None = None,
+    mesh: Mesh | AbstractMesh | AbstractMesh | None = None,
     *,
     manual_pp: bool = False,
 ) -> tuple[Float[Array, "*batch seq"], Float[Array, "*batch seq"]]:
@@ -137,7 +152,7 @@ def token_cross_entropy(
             (jnp.moveaxis(features, -3, 0) if batched else features).reshape(
                 -1, features.shape[-1]
             ),
-            varying_over(projection, slices),
+            projection,
             batch_major.reshape(-1),
             vocab_major=vocab_major,
             softcap=softcap,
@@ -147,25 +162,11 @@ def token_cross_entropy(
         per_token = [p.reshape(batch_major.shape) for p in parts]
         return tuple(jnp.moveaxis(p, 0, -2) if batched else p for p in per_token)
 
-    slices = () if mesh is None or manual_pp else rule_axes(SLICES, config.rules)
-    if not slices:
-        return per_token(features, projection, targets)
-    # Where dp spans slices each slice takes its own tokens' loss, so that the head's
-    # gradient, summed over vocabulary and token chunks in the loss's backward loop, crosses
-    # slices once (where the slice's copy of it leaves the region), not once per chunk.
-    by_slice = activation_spec(*(None,) * (targets.ndim - 2), SLICES, rules=config.rules)
-    return jax.shard_map(
-        per_token,
-        mesh=mesh,
-        in_specs=(by_slice, activation_spec(rules=config.rules), by_slice),
-        out_specs=(by_slice, by_slice),
-        axis_names=set(slices),
-        check_vma=True,
-    )(features, projection, targets)
+    return per_token(features, projection, targets)
 
 
 def vocab_shards(
-    vocab: int, mesh: Mesh, rules: Mapping[str, MeshAxes], manual_pp: bool = False
+    vocab: int, mesh: Mesh | AbstractMesh, rules: Mapping[str, MeshAxes], manual_pp: bool = False
 ) -> int:
     """How many ways the rules split a vocabulary of ``vocab`` ids over ``mesh`` (without
     ``pp`` where it is manual; 1 where they do not divide it, as `partition_spec` leaves it
@@ -206,7 +207,7 @@ def pipelined_loss_and_grad(
     targets: Int[Array, "microbatches batch seq"],
     *,
     config: StepConfig,
-    mesh: Mesh,
+    mesh: Mesh | AbstractMesh,
 ) -> tuple[tuple[Float[Array, ""], dict[str, Array]], PyTree]:
     """``((loss, metrics), grads)`` of `pipelined_loss` by the 1F1B-family executor
     (`eqxzoo.parallel.pipeline_value_and_grad`), which runs the backward itself.

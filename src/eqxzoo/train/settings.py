@@ -69,3 +69,15 @@ class StepConfig:
     @property
     def rules(self) -> Mapping[str, MeshAxes]:
         return self.sharding.rules_on(self.mesh_axes)
+
+    @property
+    def slice_axes(self) -> tuple[str, ...]:
+        """The mesh axes across slices that each slice's part of the step leaves out
+        (`within_slice`): ``dp``'s part across slices, where it has one."""
+        return tuple(axis for axis in self.mesh_axes if axis == DP_ACROSS_SLICES)
+
+    def within_slice(self) -> "StepConfig":
+        """This config as each slice's own part of the step sees the mesh: without
+        `slice_axes` (manual there), so ``dp`` is its part within the slice."""
+        kept = tuple(axis for axis in self.mesh_axes if axis not in self.slice_axes)
+        return dataclasses.replace(self, mesh_axes=kept)

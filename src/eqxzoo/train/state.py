@@ -100,6 +100,13 @@ def train_state_axes(make_model: ModelFactory, *, config: StepConfig) -> PyTree[
     return _state_shape_and_axes(make_model, config)[1]
 
 
+def pipeline_model_axes(plain_model: LanguageModel) -> PyTree[Axes]:
+    """The logical axes of ``plain_model``'s arrays in the pipeline layout (its blocks'
+    leading ``layers`` axis restaged as ``repeats, stages, layers``)."""
+    model_axes = logical_axes(plain_model)
+    return eqx.tree_at(lambda m: m.blocks.layers, model_axes, staged_axes(model_axes.blocks.layers))
+
+
 def _state_shape_and_axes(
     make_model: ModelFactory, config: StepConfig
 ) -> tuple[TrainState, PyTree[Axes]]:
@@ -108,10 +115,7 @@ def _state_shape_and_axes(
     plain_model = eqx.filter_eval_shape(make_model, key=key)
     schedule = config.schedule
     check_layers_fit(plain_model.blocks.n_layers, stages=schedule.stages, repeats=schedule.repeats)
-    model_axes = logical_axes(plain_model)
-    model_axes = eqx.tree_at(
-        lambda m: m.blocks.layers, model_axes, staged_axes(model_axes.blocks.layers)
-    )
+    model_axes = pipeline_model_axes(plain_model)
     state_shape = eqx.filter_eval_shape(_build_state, make_model, config, key)
     trainable = trainable_mask(state_shape.model, config.optimizer.freeze)
     trainable_axes, _ = eqx.partition(model_axes, trainable)

@@ -8,6 +8,7 @@ through the model contract.
 """
 
 import dataclasses
+import functools
 import hashlib
 import os
 import tempfile
@@ -19,18 +20,21 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PyTree
 
 from eqxzoo.errors import UserError
-from eqxzoo.nn import LanguageModel, balance_selection_bias
+from eqxzoo.nn import Axes, LanguageModel, balance_selection_bias
 from eqxzoo.nn.parameters import is_buffer
 from eqxzoo.optim import build_optimizer, learning_rate_schedule, trainable_mask
 from eqxzoo.parallel import DEFAULT_RULES, MeshAxes, Schedule, activation_sharding, stage_layers
 from eqxzoo.parallel.collectives import permutes_in_branches
+from eqxzoo.parallel.mesh import DP_WITHIN_SLICE
+from eqxzoo.parallel.rules import partition_spec, rule_axes
+from eqxzoo.train.layout import from_pipeline_layout
 from eqxzoo.train.loss import pipelined_loss, pipelined_loss_and_grad
 from eqxzoo.train.settings import StepConfig
-from eqxzoo.train.state import TrainState, split_trainable
+from eqxzoo.train.state import TrainState, pipeline_model_axes, split_trainable
 
 Batch = dict[str, Int[Array, "grad_accum microbatches batch seq"]]
 
@@ -39,6 +43,8 @@ LossFn = Callable[[LanguageModel, Array, Array], tuple[Array, dict[str, Array]]]
 LossAndGradFn = Callable[
     [LanguageModel, Array, Array], tuple[tuple[Array, dict[str, Array]], LanguageModel]
 ]
+# ``(trainable, frozen, batch) -> (mean float32 gradients, mean metrics)``.
+Accumulate = Callable[[PyTree, PyTree, Batch], tuple[PyTree, dict[str, Array]]]
 
 
 def train_step(
@@ -46,11 +52,11 @@ def train_step(
     batch: Batch,
     *,
     config: StepConfig,
-    loss_fn: LossFn,
-    loss_and_grad_fn: LossAndGradFn | None = None,
+    gradients: Accumulate,
 ) -> tuple[TrainState, dict[str, Array]]:
-    """One optimizer step over ``G`` accumulated gradients of ``loss_fn`` (not jitted); a
-    schedule that runs its own backward gives them through ``loss_and_grad_fn`` instead.
+    """One optimizer step (not jitted) with the mean gradients and metrics over the batch's
+    ``G`` accumulation steps that ``gradients`` gives (`accumulated_gradients` of a loss;
+    `step_gradients` for the pipelined one).
 
     A step whose loss or gradient norm is not finite leaves the whole state as it was
     (``metrics["skipped"] == 1``): ``state.step`` counts applied updates, like the optimizer's
@@ -63,46 +69,8 @@ def train_step(
     """
     optimizer = build_optimizer(config.optimizer)
     trainable, frozen = split_trainable(state.model, config.optimizer)
-
-    def microbatch_grads(carry, micro):
-        grad_sum, metric_sum = carry
-
-        def loss_of(trainable):
-            return loss_fn(eqx.combine(trainable, frozen), micro["tokens"], micro["targets"])
-
-        if loss_and_grad_fn is None:
-            (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
-        else:
-            (loss, metrics), grads = loss_and_grad_fn(
-                eqx.combine(trainable, frozen), micro["tokens"], micro["targets"]
-            )
-            grads, _ = eqx.partition(grads, trainable_mask(grads, config.optimizer.freeze))
-        metrics = {"loss": loss, **metrics}
-        if grad_sum is None:
-            return (jax.tree.map(lambda g: g.astype(jnp.float32), grads), metrics), None
-        return (
-            jax.tree.map(jnp.add, grad_sum, grads),
-            jax.tree.map(jnp.add, metric_sum, metrics),
-        ), None
-
-    def first_metrics():
-        loss, metrics = loss_fn(state.model, batch["tokens"][0], batch["targets"][0])
-        return {"loss": loss, **metrics}
-
-    if batch["tokens"].shape[0] == 1:
-        # No sums to start from zero, so no trace of the loss for its metrics' shapes.
-        (grad_sum, metric_sum), _ = microbatch_grads(
-            (None, None), jax.tree.map(lambda x: x[0], batch)
-        )
-    else:
-        zeros = (
-            jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), trainable),
-            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(first_metrics)),
-        )
-        (grad_sum, metric_sum), _ = jax.lax.scan(microbatch_grads, zeros, batch)
-    n_accum = batch["tokens"].shape[0]
-    grads = jax.tree.map(lambda g, p: (g / n_accum).astype(p.dtype), grad_sum, trainable)
-    metrics = jax.tree.map(lambda m: m / n_accum, metric_sum)
+    grad_mean, metrics = gradients(trainable, frozen, batch)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grad_mean, trainable)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
 
@@ -131,6 +99,135 @@ def train_step(
         opt_state=opt_state,
     )
     return new_state, metrics
+
+
+def accumulated_gradients(
+    trainable: PyTree,
+    frozen: PyTree,
+    batch: Batch,
+    *,
+    config: StepConfig,
+    loss_fn: LossFn,
+    loss_and_grad_fn: LossAndGradFn | None = None,
+) -> tuple[PyTree, dict[str, Array]]:
+    """The gradients of the ``trainable`` part of the model (float32) and the metrics, each
+    the mean over the batch's ``G`` accumulation steps (`train_step`)."""
+
+    def microbatch_grads(carry, micro):
+        grad_sum, metric_sum = carry
+
+        def loss_of(trainable):
+            return loss_fn(eqx.combine(trainable, frozen), micro["tokens"], micro["targets"])
+
+        if loss_and_grad_fn is None:
+            (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
+        else:
+            (loss, metrics), grads = loss_and_grad_fn(
+                eqx.combine(trainable, frozen), micro["tokens"], micro["targets"]
+            )
+            grads, _ = eqx.partition(grads, trainable_mask(grads, config.optimizer.freeze))
+        metrics = {"loss": loss, **metrics}
+        if grad_sum is None:
+            return (jax.tree.map(lambda g: g.astype(jnp.float32), grads), metrics), None
+        return (
+            jax.tree.map(jnp.add, grad_sum, grads),
+            jax.tree.map(jnp.add, metric_sum, metrics),
+        ), None
+
+    def first_metrics():
+        model = eqx.combine(trainable, frozen)
+        loss, metrics = loss_fn(model, batch["tokens"][0], batch["targets"][0])
+        return {"loss": loss, **metrics}
+
+    n_accum = batch["tokens"].shape[0]
+    if n_accum == 1:
+        # No sums to start from zero, so no trace of the loss for its metrics' shapes.
+        (grad_sum, metric_sum), _ = microbatch_grads(
+            (None, None), jax.tree.map(lambda x: x[0], batch)
+        )
+    else:
+        zeros = (
+            jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), trainable),
+            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(first_metrics)),
+        )
+        (grad_sum, metric_sum), _ = jax.lax.scan(microbatch_grads, zeros, batch)
+    return jax.tree.map(lambda x: x / n_accum, (grad_sum, metric_sum))
+
+
+def per_slice(accumulate: Accumulate, mesh: Mesh, config: StepConfig) -> Accumulate:
+    """``accumulate`` run by each slice on its own sequences: a region manual over
+    `StepConfig.slice_axes`, inside which the step sees the mesh without them
+    (`StepConfig.within_slice`). Each slice's gradients and metrics leave the region along a
+    leading axis split over the slices and are averaged there: the only values that cross
+    slices, once a step, however many accumulation steps, microbatches, ticks or loss chunks
+    the step takes.
+
+    Inside, `check_vma` is off, so the gradients are each slice's own (a varying-value cast
+    would sum them at every pipeline call), and the loss averages its router statistics over
+    the slices itself (`eqxzoo.train.loss.over_slices`). The weights, and the gradients on
+    their way out, are whole over ``dp`` within the region (`layout_within_slice`).
+    """
+    slice_axes = config.slice_axes
+    by_slice = PartitionSpec(None, None, slice_axes)
+
+    def run(trainable, frozen, batch):
+        shardings = layout_within_slice(eqx.combine(trainable, frozen), config)
+        trainable, frozen = (
+            jax.lax.with_sharding_constraint(part, like(part, shardings))
+            for part in (trainable, frozen)
+        )
+        grads, metrics = accumulate(trainable, frozen, batch)
+        grads = jax.lax.with_sharding_constraint(grads, like(grads, shardings))
+        return jax.tree.map(lambda x: x[None], (grads, metrics))
+
+    def averaged(trainable, frozen, batch):
+        each_slice = jax.shard_map(
+            run,
+            mesh=mesh,
+            in_specs=(PartitionSpec(), PartitionSpec(), by_slice),
+            out_specs=PartitionSpec(slice_axes),
+            axis_names=set(slice_axes),
+            check_vma=False,
+        )(trainable, frozen, batch)
+        return jax.tree.map(lambda x: jnp.mean(x, axis=0), each_slice)
+
+    return averaged
+
+
+def layout_within_slice(model: LanguageModel, config: StepConfig) -> PyTree[NamedSharding]:
+    """Where `per_slice`'s region holds each array of ``model`` (pipeline layout): split as
+    the rules split it within the slice, except over ``dp``. Inside a region manual over
+    the slices, XLA's partitioner fails a check (spmd_partitioner_util.cc, "num_replica_groups
+    * num_devices_per_group") on weights or gradients split over ``dp`` within the slice
+    (FSDP) next to the pipeline's own shard_map, and on an embedding lookup whose table is
+    split along ``embed``. So FSDP gathers each weight within the slice once a step, where
+    it enters the region, and its gradient is reduce-scattered where it leaves."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = {
+        name: tuple(
+            axis for axis in rule_axes(name, config.within_slice().rules) if axis != DP_WITHIN_SLICE
+        )
+        for name in config.within_slice().rules
+    }
+    plain = eqx.filter_eval_shape(from_pipeline_layout, model, config.schedule)
+    axes = pipeline_model_axes(plain)
+    return jax.tree.map(
+        lambda a, leaf: NamedSharding(mesh, partition_spec(a, leaf.shape, mesh, rules)),
+        axes,
+        model,
+        is_leaf=lambda x: isinstance(x, Axes),
+    )
+
+
+def like(part: PyTree, whole: PyTree) -> PyTree:
+    """``whole``'s leaves where ``part`` (a part of the same model, None elsewhere) has one."""
+    return jax.tree.map(
+        lambda leaf, value: None if leaf is None else value, part, whole, is_leaf=_is_none
+    )
+
+
+def _is_none(x) -> bool:
+    return x is None
 
 
 def balance_buffers(
@@ -278,6 +375,33 @@ def check_no_permutes_in_branches(compiled: jax.stages.Compiled, mesh: Mesh) -> 
         )
 
 
+def step_gradients(config: StepConfig, mesh: Mesh) -> Accumulate:
+    """The train step's `accumulated_gradients`: of `pipelined_loss` by autodiff, or of the
+    1F1B-family executor's own backward (`pipelined_loss_and_grad`) where the schedule
+    runs one; each slice on its own where ``dp`` spans slices (`per_slice`: inside, the
+    losses see the region's mesh and `StepConfig.within_slice`)."""
+    inner = config.within_slice()
+
+    def region_mesh():
+        return jax.sharding.get_abstract_mesh() if config.slice_axes else mesh
+
+    def loss_fn(model, tokens, targets):
+        return pipelined_loss(model, tokens, targets, config=inner, mesh=region_mesh())
+
+    def loss_and_grad_fn(model, tokens, targets):
+        return pipelined_loss_and_grad(model, tokens, targets, config=inner, mesh=region_mesh())
+
+    accumulate = functools.partial(
+        accumulated_gradients,
+        config=config,
+        loss_fn=loss_fn,
+        loss_and_grad_fn=loss_and_grad_fn if config.schedule.fuses_backward else None,
+    )
+    if not config.slice_axes:
+        return accumulate
+    return per_slice(accumulate, mesh, config)
+
+
 def make_train_step(
     config: StepConfig, mesh: Mesh
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Array]]]:
@@ -287,19 +411,15 @@ def make_train_step(
     unsharded is still split over ``dp`` rather than computed in full on every replica.
     """
 
-    def loss_fn(model, tokens, targets):
-        return pipelined_loss(model, tokens, targets, config=config, mesh=mesh)
-
-    loss_and_grad_fn = None
-    if config.schedule.fuses_backward:
-
-        def loss_and_grad_fn(model, tokens, targets):
-            return pipelined_loss_and_grad(model, tokens, targets, config=config, mesh=mesh)
+    gradients = step_gradients(config, mesh)
 
     def step(state, batch):
         batch = jax.lax.with_sharding_constraint(batch, batch_sharding(mesh, config.rules))
         state, metrics = train_step(
-            state, batch, config=config, loss_fn=loss_fn, loss_and_grad_fn=loss_and_grad_fn
+            state,
+            batch,
+            config=config,
+            gradients=gradients,
         )
         # Replicated, so that every process can read them (multi-process runs).
         replicated = activation_sharding(mesh, rules=config.rules)
