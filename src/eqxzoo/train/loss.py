@@ -76,8 +76,8 @@ def pipelined_loss(
 
 
 def over_slices(
-    layer_aux: dict[str, Array], mesh: Mesh | AbstractMesh | AbstractMesh, config: StepConfig
-):
+    layer_aux: dict[str, Array], mesh: Mesh | AbstractMesh, config: StepConfig
+) -> dict[str, Array]:
     """``layer_aux`` (each a mean over this slice's sequences) averaged over the slices that
     run the step on their own (`eqxzoo.train.step.per_slice`: the mesh's axes across slices
     that ``config`` leaves out), before the aux loss terms combine them: router statistics
@@ -128,7 +128,7 @@ def token_cross_entropy(
     h: Float[Array, "*batch seq embed"],
     targets: Int[Array, "*batch seq"],
     config: StepConfig,
-    mesh: Mesh | AbstractMesh | AbstractMesh | None = None,
+    mesh: Mesh | AbstractMesh | None = None,
     *,
     manual_pp: bool = False,
 ) -> tuple[Float[Array, "*batch seq"], Float[Array, "*batch seq"]]:

@@ -173,11 +173,11 @@ def per_slice(accumulate: Accumulate, mesh: Mesh, config: StepConfig) -> Accumul
     def run(trainable, frozen, batch):
         shardings = layout_within_slice(eqx.combine(trainable, frozen), config)
         trainable, frozen = (
-            jax.lax.with_sharding_constraint(part, like(part, shardings))
+            jax.lax.with_sharding_constraint(part, _like(part, shardings))
             for part in (trainable, frozen)
         )
         grads, metrics = accumulate(trainable, frozen, batch)
-        grads = jax.lax.with_sharding_constraint(grads, like(grads, shardings))
+        grads = jax.lax.with_sharding_constraint(grads, _like(grads, shardings))
         return jax.tree.map(lambda x: x[None], (grads, metrics))
 
     def averaged(trainable, frozen, batch):
@@ -201,13 +201,13 @@ def layout_within_slice(model: LanguageModel, config: StepConfig) -> PyTree[Name
     * num_devices_per_group") on weights or gradients split over ``dp`` within the slice
     (FSDP) next to the pipeline's own shard_map, and on an embedding lookup whose table is
     split along ``embed``. So FSDP gathers each weight within the slice once a step, where
-    it enters the region, and its gradient is reduce-scattered where it leaves."""
+    it enters the region, and splits its gradient (reduced within the slice) again where it
+    leaves."""
     mesh = jax.sharding.get_abstract_mesh()
+    within = config.within_slice().rules
     rules = {
-        name: tuple(
-            axis for axis in rule_axes(name, config.within_slice().rules) if axis != DP_WITHIN_SLICE
-        )
-        for name in config.within_slice().rules
+        name: tuple(axis for axis in rule_axes(name, within) if axis != DP_WITHIN_SLICE)
+        for name in within
     }
     plain = eqx.filter_eval_shape(from_pipeline_layout, model, config.schedule)
     axes = pipeline_model_axes(plain)
@@ -219,7 +219,7 @@ def layout_within_slice(model: LanguageModel, config: StepConfig) -> PyTree[Name
     )
 
 
-def like(part: PyTree, whole: PyTree) -> PyTree:
+def _like(part: PyTree, whole: PyTree) -> PyTree:
     """``whole``'s leaves where ``part`` (a part of the same model, None elsewhere) has one."""
     return jax.tree.map(
         lambda leaf, value: None if leaf is None else value, part, whole, is_leaf=_is_none
