@@ -11,11 +11,15 @@ from runs import SMALL
 
 from eqxzoo.nn import Axes
 from eqxzoo.parallel import MeshConfig, make_mesh
-from eqxzoo.parallel.collectives import device_groups
+from eqxzoo.parallel.collectives import Traffic, device_groups
 from eqxzoo.parallel.mesh import DcnConfig, MeshError, device_slices
 from eqxzoo.parallel.rules import ShardingConfig, tree_shardings
-from eqxzoo.run.config import load_config, step_config
-from eqxzoo.run.plan import dry_run
+from eqxzoo.run.config import RunConfig, load_config, model_config_for_mesh, step_config
+from eqxzoo.run.loop import batch_shape
+from eqxzoo.run.plan import collectives_report, dry_run
+from eqxzoo.train.state import abstract_train_state
+from eqxzoo.train.step import compile_train_step_for
+from models import model_factory
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 
@@ -99,15 +103,22 @@ def test_device_groups_read_every_form_of_replica_groups():
     assert device_groups("all-reduce(x), replica_groups={}, to_apply=f", 3) == [[0, 1, 2]]
 
 
-def plan(*overrides: str) -> tuple[dict, list[str]]:
-    config = load_config(TINY, [*SMALL, "mesh.dp=4", "mesh.tp=1", "mesh.dcn.dp=2", *overrides])
-    lines = []
-    figures = dry_run(config, say=lines.append)
-    return figures, lines
+def two_slices(*overrides: str) -> RunConfig:
+    return load_config(TINY, [*SMALL, "mesh.dp=4", "mesh.tp=1", "mesh.dcn.dp=2", *overrides])
 
 
-def across_slices(figures: dict) -> dict[str, dict]:
-    return {link: t for link, t in figures["collectives"].items() if link.endswith("across slices")}
+def across_slices(*overrides: str) -> tuple[dict[str, Traffic], list[str]]:
+    """The compiled step's traffic across slices by link, and the dry run's collectives
+    lines (`collectives_report`, without the rest of the dry run)."""
+    config = two_slices(*overrides)
+    mesh = make_mesh(config.mesh)
+    step = step_config(config)
+    make_model = model_factory(model_config_for_mesh(config.model, config.mesh))
+    state = abstract_train_state(make_model, config=step, mesh=mesh)
+    compiled, _ = compile_train_step_for(step, mesh, state, batch_shape(config).shape)
+    lines, by_link = collectives_report(compiled.as_text(), config.mesh)
+    crossing = {link.describe(): t for link, t in by_link.items() if link.across_slices}
+    return crossing, lines
 
 
 @pytest.mark.slow
@@ -119,7 +130,8 @@ def test_only_the_gradient_reduction_crosses_slices_once_a_step():
     tick or loss chunk (besides them: the step's metrics and the MoE's router statistics,
     averaged over the slices, a sliver). FSDP over the whole of dp moves the weights across
     too, and the dry run says so (a bf16 step: the slices' bf16 weights)."""
-    _, lines = plan("precision.compute=bfloat16")
+    lines = []
+    dry_run(two_slices("precision.compute=bfloat16"), say=lines.append)
     (line,) = [line for line in lines if line.startswith("collectives:")]
     assert " across 2 slices (" in line, line
     assert any(line.startswith("note: FSDP over the whole of dp moves") for line in lines)
@@ -130,11 +142,10 @@ def test_only_the_gradient_reduction_crosses_slices_once_a_step():
         ("pipeline.microbatches=4", "data.grad_accum=2"),
         ("pipeline.microbatches=4", "pipeline.schedule=1f1b", "pipeline.repeats=1"),
     ):
-        figures, lines = plan(within, *extra)
-        crossing = across_slices(figures)
-        assert list(crossing) == ["all-reduce over dp_dcn across slices"], crossing
+        crossing, lines = across_slices(within, *extra)
+        assert list(crossing) == ["all-reduce over dp_dcn"], crossing
         assert not any(line.startswith("note: FSDP") for line in lines)
-        crossing_bytes.append(crossing["all-reduce over dp_dcn across slices"]["bytes"])
+        crossing_bytes.append(crossing["all-reduce over dp_dcn"].bytes)
     gradients = crossing_bytes[0]
     assert gradients > 100_000  # the tiny MoE's 48k float32 parameters
     np.testing.assert_allclose(crossing_bytes, gradients, atol=8192)
