@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from eqxzoo.nn.varying import varying_like
+from eqxzoo.nn.varying import cotangent_for, varying_like
 
 
 def blockwise_attend(
@@ -373,6 +373,8 @@ def _blockwise_bwd(blocks, residuals, d_out):
         per_row = jnp.exp(sink_rows[:, None] - lse) * delta
         per_row = per_row.transpose(0, 2, 1, 3).reshape(b, n_kv_heads, -1, groups)
         d_sinks = -per_row.sum((0, 2)).reshape(n_heads).astype(sinks.dtype)
+        # Rows split over a manual axis the sinks are not (a context-parallel sequence).
+        d_sinks = cotangent_for(d_sinks, sinks)
     return dq, dk, dv, None, None, None, d_sinks
 
 
