@@ -162,7 +162,6 @@ def test_grad_vmap_and_jit(name):
     assert len(grad_leaves) == len(jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
     assert all(np.isfinite(np.asarray(g)).all() for g in grad_leaves)
     assert float(jnp.abs(grads.blocks.layers.attention.wo).sum()) > 0
-    np.testing.assert_allclose(eqx.filter_jit(_loss)(model, batch), loss, rtol=1e-6)
     # Plain jax.grad over the float arrays (integer per-layer data, such as sliding windows,
     # is not differentiable).
     params, static = eqx.partition(model, eqx.is_inexact_array)

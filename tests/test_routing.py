@@ -258,17 +258,28 @@ def test_stages_compute_through_bubbles_where_xla_cpu_cannot_skip_them(
     target = abstract_train_state(
         lambda key: models.DecoderLM(config, key=key), config=step_config, mesh=mesh
     )
-    with pytest.raises(PlanWouldDeadlock) as refused:
-        compile_train_step(step_config, mesh, target, SHAPE)
+    real_compile, refusals, tried = step_module.compile_train_step, [], []
+
+    def compile_and_record(config, *args):
+        tried.append(config.skip_bubbles)
+        try:
+            return real_compile(config, *args)
+        except PlanWouldDeadlock as refused:
+            refusals.append(str(refused))
+            raise
+
+    monkeypatch.setattr(step_module, "compile_train_step", compile_and_record)
+    compiled, used = compile_train_step_for(step_config, mesh, target, SHAPE, verdicts=tmp_path)
+    assert tried == [True, False]
+    (refusal,) = refusals
     assert re.fullmatch(
         r"this plan would hang on XLA:CPU: the partitioner put \d+ collective-permute\(s\) "
         r"inside the pipeline's stage branch \(first: jit\(step\)/\S+\), where devices of "
         r"stages idling in a bubble never arrive; on CPU, choose a mesh with fewer of dp, tp "
         r"and ep above 1, pp = 1, or the gpipe or circular schedule \(which then compute "
         r"through their bubbles\)",
-        str(refused.value),
+        refusal,
     )
-    compiled, used = compile_train_step_for(step_config, mesh, target, SHAPE, verdicts=tmp_path)
     assert used == dataclasses.replace(step_config, skip_bubbles=False)
     assert compiled is not None
     assert len(list(tmp_path.iterdir())) == 1
