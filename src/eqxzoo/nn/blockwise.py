@@ -55,21 +55,37 @@ def blockwise_attend(
     times the query heads that share a key/value head); the default measured fastest on
     XLA:CPU (`_Blocks.choose`).
     """
+
+    def run(blocks, q, k, v):
+        return _blockwise(
+            blocks,
+            q,
+            k,
+            v,
+            q_positions.astype(jnp.int32),
+            k_positions.astype(jnp.int32),
+            jnp.asarray(window, jnp.int32),
+            sinks,
+        )
+
+    return on_one_batch_axis(run, q, k, v, block_size=block_size, scale=scale, softcap=softcap)
+
+
+def on_one_batch_axis(run, q, k, v, *, block_size: int, scale: float, softcap: float | None):
+    """``run(blocks, q, k, v)`` with the leading batch axes of ``q``, ``k`` and ``v``
+    flattened into one and the `_Blocks` chosen for their shapes; its output
+    ``(lead, seq, heads, v_head_dim)`` reshaped back to the batch axes."""
     *batch, seq, n_heads, head_dim = q.shape
     kv_seq, n_kv_heads, v_head_dim = k.shape[-3], k.shape[-2], v.shape[-1]
     lead = math.prod(batch)
     blocks = _Blocks.choose(
         block_size, seq, kv_seq, lead * n_kv_heads, n_heads // n_kv_heads, scale, softcap
     )
-    out = _blockwise(
+    out = run(
         blocks,
         q.reshape(lead, seq, n_heads, head_dim),
         k.reshape(lead, kv_seq, n_kv_heads, head_dim),
         v.reshape(lead, kv_seq, n_kv_heads, v_head_dim),
-        q_positions.astype(jnp.int32),
-        k_positions.astype(jnp.int32),
-        jnp.asarray(window, jnp.int32),
-        sinks,
     )
     return out.reshape(*batch, seq, n_heads, v_head_dim)
 

@@ -37,6 +37,7 @@ from eqxzoo.nn.blockwise import (
     _from_blocks,
     _sink_rows,
     blockwise_attend,
+    on_one_batch_axis,
 )
 from eqxzoo.nn.varying import cotangent_for, varying_like
 
@@ -88,23 +89,20 @@ def context_attend(
         raise ValueError(
             f'context parallel strategy must be "ring" or "all_gather", got {strategy!r}'
         )
-    *batch, seq, n_heads, head_dim = q.shape
-    kv_seq, n_kv_heads, v_head_dim = k.shape[-3], k.shape[-2], v.shape[-1]
-    lead = int(np.prod(batch, dtype=int))
-    blocks = _Blocks.choose(
-        block_size, seq, kv_seq, lead * n_kv_heads, n_heads // n_kv_heads, scale, softcap
-    )
-    out = _ring(
-        blocks,
-        axis_name,
-        q.reshape(lead, seq, n_heads, head_dim),
-        k.reshape(lead, kv_seq, n_kv_heads, head_dim),
-        v.reshape(lead, kv_seq, n_kv_heads, v_head_dim),
-        positions.astype(jnp.int32),
-        jnp.asarray(window, jnp.int32),
-        sinks,
-    )
-    return out.reshape(*batch, seq, n_heads, v_head_dim)
+
+    def run(blocks, q, k, v):
+        return _ring(
+            blocks,
+            axis_name,
+            q,
+            k,
+            v,
+            positions.astype(jnp.int32),
+            jnp.asarray(window, jnp.int32),
+            sinks,
+        )
+
+    return on_one_batch_axis(run, q, k, v, block_size=block_size, scale=scale, softcap=softcap)
 
 
 def _shift(tree, axis_name: str):
