@@ -21,6 +21,7 @@ from eqxzoo.nn import (
     Scoring,
 )
 from eqxzoo.nn.attention import check_kv_heads
+from eqxzoo.nn.context import ContextSplit, ContextStrategy
 from eqxzoo.nn.experts import DroplessKernel
 from eqxzoo.nn.kernels import DEFAULT_BLOCK_SIZE, AttentionKernel, cudnn_supports
 from eqxzoo.nn.moe import check_shared_experts
@@ -204,6 +205,11 @@ class DecoderConfig:
     the layers run, never the parameters or what they compute: ``attention_kernel`` is
     `eqxzoo.nn.attend`'s (``"auto"``: cuDNN on a GPU where it supports the layers' options,
     the blockwise kernel with key blocks of ``attention_block_size`` elsewhere).
+    ``context_parallel`` is how attention crosses the shards of a sequence split over the
+    ``cp`` mesh axis (``"ring"`` or ``"all_gather"``, `eqxzoo.nn.context_attend`);
+    ``context_axis`` names that axis, set by the trainer where ``mesh.cp > 1``
+    (`eqxzoo.run.config.model_config_for_mesh`): a model built with it runs only inside a
+    region manual over that axis, on shards of the sequences.
     """
 
     family: ClassVar[str] = "decoder"
@@ -249,6 +255,8 @@ class DecoderConfig:
     remat: RematPolicy = runtime_field("none")
     attention_kernel: AttentionKernel = runtime_field("auto")
     attention_block_size: int = runtime_field(DEFAULT_BLOCK_SIZE)
+    context_parallel: ContextStrategy = runtime_field("ring")
+    context_axis: str | None = runtime_field(None)
 
     def __post_init__(self):
         check_fields(self)
@@ -335,6 +343,13 @@ class DecoderConfig:
             object.__setattr__(self, "layer_types", None)
             if self.attention_layer_types != given:
                 object.__setattr__(self, "layer_types", given)
+
+    @property
+    def context_split(self) -> ContextSplit | None:
+        """The layers' `ContextSplit` where the sequence is split over ``context_axis``."""
+        if self.context_axis is None:
+            return None
+        return ContextSplit(self.context_axis, self.context_parallel)
 
     @property
     def n_blocks(self) -> int:

@@ -134,6 +134,7 @@ class DecoderBlock(eqx.Module):
                 shared_gate=moe.shared_gate,
                 routing_mode=moe.routing,
                 capacity_factor=moe.capacity_factor,
+                context=config.context_split,
                 init_std=config.init_std,
                 key=mlp_key,
             )
@@ -202,6 +203,7 @@ def make_attention(
             norm_eps=latent.norm_eps,
             kernel=config.attention_kernel,
             block_size=config.attention_block_size,
+            context=config.context_split,
             init_std=config.init_std,
             key=key,
         )
@@ -225,6 +227,7 @@ def make_attention(
         sinks=config.attention_sinks,
         kernel=config.attention_kernel,
         block_size=config.attention_block_size,
+        context=config.context_split,
         init_std=config.init_std,
         key=key,
     )

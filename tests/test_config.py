@@ -311,7 +311,7 @@ def error_for(overrides, path=TINY) -> str:
         ),
         (
             ["sharding.embed=['dp', 'xp']"],
-            r"^sharding\.embed: \['xp'\] are not mesh axes; choose from \['dp', 'pp', 'tp', 'ep', 'dp_ici'\]$",
+            r"^sharding\.embed: \['xp'\] are not mesh axes; choose from \['dp', 'pp', 'tp', 'ep', 'cp', 'dp_ici'\]$",
         ),
         (["sharding.mlp=['tp', 'tp']"], r"^sharding\.mlp: \['tp', 'tp'\] names a mesh axis twice$"),
         (
@@ -321,6 +321,29 @@ def error_for(overrides, path=TINY) -> str:
         (
             ["mesh.dcn.dp=3"],
             r"^mesh\.dcn\.dp: 3 slices do not divide mesh\.dp=2: choose a divisor of 2$",
+        ),
+        (
+            ["mesh.dp=1", "mesh.cp=2", "data.seq_len=126"],
+            r"^data\.seq_len: 126 tokens do not split into 2 x mesh\.cp = 4 equal chunks .*; use "
+            r"a multiple of 4$",
+        ),
+        (
+            ["mesh.dp=1", "mesh.cp=2", "model.moe.routing=capacity"],
+            r"^model\.moe\.routing: 'capacity' ranks each sequence's assignments in order, which "
+            r"a sequence split over mesh\.cp cannot: route 'dropless' \(or set mesh\.cp = 1\)$",
+        ),
+        (
+            ["mesh.dp=1", "mesh.cp=2", "mesh.dcn.cp=2"],
+            r"^mesh\.dcn\.cp: context parallelism passes keys and values round its axis in every "
+            r"attention layer, too often for the network between slices",
+        ),
+        (
+            ["mesh.tp=1", "mesh.cp=2", "mesh.dcn.dp=2"],
+            r"^mesh\.cp: context parallelism does not yet compose with dp across slices",
+        ),
+        (
+            ["model.context_parallel=ulysses"],
+            r"^model\.context_parallel: expected 'ring' or 'all_gather', got 'ulysses'$",
         ),
         (
             ["sharding.stages=['dp']"],

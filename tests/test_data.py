@@ -96,23 +96,29 @@ def test_same_seed_same_order_other_seed_other_order(
     assert not np.array_equal(a, c)
 
 
-@pytest.mark.parametrize("processes", [2, 4])
+@pytest.mark.parametrize(("processes", "split"), [(2, "rows"), (4, "rows"), (3, "columns")])
 def test_order_is_the_same_for_any_number_of_processes(
-    train_documents: loader.SplitDocuments, processes: int
+    train_documents: loader.SplitDocuments, processes: int, split: str
 ):
-    """Each simulated process reads only its rows of B; together they are the 1-process batch."""
+    """Each simulated process reads only its rows of B (or, with the sequences split over cp
+    across processes, its tokens of T); together they are the 1-process batch."""
     stream = loader.TokenStream(train_documents, seed=0, shuffle=True)
     whole = loader.WindowReader(stream, SHAPE, (0, SHAPE.batch_size), first_window=0)
-    rows = SHAPE.batch_size // processes
-    parts = [
-        loader.WindowReader(stream, SHAPE, (p * rows, (p + 1) * rows), first_window=0)
-        for p in range(processes)
+    size = (SHAPE.batch_size if split == "rows" else SHAPE.seq_len) // processes
+    parts = [(p * size, (p + 1) * size) for p in range(processes)]
+    readers = [
+        loader.WindowReader(stream, SHAPE, part, first_window=0)
+        if split == "rows"
+        else loader.WindowReader(stream, SHAPE, (0, SHAPE.batch_size), 0, columns=part)
+        for part in parts
     ]
     for step in (0, 1, 7):
         expected = whole(step)
-        pieces = [part(step) for part in parts]
+        pieces = [read(step) for read in readers]
         for name in ("inputs", "targets"):
-            assembled = np.concatenate([getattr(piece, name) for piece in pieces], axis=2)
+            assembled = np.concatenate(
+                [getattr(piece, name) for piece in pieces], axis=2 if split == "rows" else 3
+            )
             np.testing.assert_array_equal(assembled, getattr(expected, name))
 
 
@@ -125,7 +131,7 @@ def test_order_is_the_same_on_every_mesh(train_documents: loader.SplitDocuments,
     sharded = train_batches(train_documents, batch_sharding(make_mesh(mesh)))
     expected = take(reference, 2)
     batch = next(sharded)
-    assert batch["tokens"].sharding.spec == PartitionSpec(None, None, "dp", None)
+    assert batch["tokens"].sharding.spec == PartitionSpec(None, None, "dp", "cp")
     shards = batch["tokens"].addressable_shards
     assert {shard.data.shape[2] for shard in shards} == {SHAPE.batch_size // mesh.dp}
     np.testing.assert_array_equal(np.asarray(batch["tokens"]), expected[0, ..., :-1])
@@ -137,6 +143,13 @@ def test_order_is_the_same_on_every_mesh(train_documents: loader.SplitDocuments,
 def test_process_rows_follow_the_sharding():
     mesh = make_mesh(MeshConfig(dp=4, pp=2))
     assert loader.process_rows(batch_sharding(mesh), SHAPE) == (0, SHAPE.batch_size)
+    assert loader.process_columns(batch_sharding(mesh), SHAPE) == (0, SHAPE.seq_len)
+    # What a process holding two of three cp shards' devices reads: its tokens of T.
+    third = SHAPE.seq_len // 3
+    held = [slice(third, 2 * third), slice(2 * third, None)]
+    assert loader.held_range(held, SHAPE.seq_len, "tokens") == (third, SHAPE.seq_len)
+    with pytest.raises(ValueError, match="not one contiguous range"):
+        loader.held_range([slice(0, third), held[1]], SHAPE.seq_len, "tokens")
 
 
 def test_restore_mid_epoch_continues_with_exactly_the_next_batch(

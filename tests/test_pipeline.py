@@ -68,6 +68,14 @@ HYBRID_MESHES = {
     "dp2,pp2,tp2/dcn.dp2": MeshConfig(dp=2, pp=2, tp=2, dcn=DcnConfig(dp=2)),
     "dp4,tp2/dcn.dp2": MeshConfig(dp=4, tp=2, dcn=DcnConfig(dp=2)),
 }
+# Meshes that split each sequence over cp (`test_context_parallel_training_equals_one_device`).
+CONTEXT_MESHES = {
+    "dp2,pp2,cp2": MeshConfig(dp=2, pp=2, cp=2),
+    "pp2,cp2,tp2": MeshConfig(pp=2, cp=2, tp=2),
+    "cp4,tp2": MeshConfig(cp=4, tp=2),
+    "pp2,cp4": MeshConfig(pp=2, cp=4),
+    "pp2,cp2,ep2": MeshConfig(pp=2, cp=2, ep=2),
+}
 MICROBATCHES = {"M=2P+1": lambda P: 2 * P + 1, "M=P": lambda P: P, "M=4P": lambda P: 4 * P}
 # What a case changes in the stage: its StepConfig and model config fields.
 VARIANTS = {
@@ -110,7 +118,7 @@ def family_meets_schedule(case: dict) -> list[tuple]:
 
 
 def mesh_of(case: dict) -> MeshConfig:
-    return (MESHES | HYBRID_MESHES)[case["mesh"]]
+    return (MESHES | HYBRID_MESHES | CONTEXT_MESHES)[case["mesh"]]
 
 
 def schedule_of(case: dict) -> Schedule:
@@ -184,9 +192,10 @@ def without_padding(aux: dict) -> dict:
     return {name: value for name, value in aux.items() if name != "padding_fraction"}
 
 
-def loss_and_grads(tiny_config, random_batch, case: dict):
+def loss_and_grads(tiny_config, random_batch, case: dict, context_parallel: str = "ring"):
     """``(sequential (loss, aux), grads), (pipelined (loss, aux), grads)`` of the case's tiny
-    model, the pipelined one with NaN bubbles.
+    model, the pipelined one with NaN bubbles (and, on a mesh with cp, its layers splitting
+    each sequence over cp by ``context_parallel``, as a run builds them).
 
     The aux values leave out ``padding_fraction``: it describes how the dropless path ran
     (the sequential reference routes each sequence alone, a pipeline stage its whole
@@ -204,6 +213,12 @@ def loss_and_grads(tiny_config, random_batch, case: dict):
     model_config = tiny_config(case["family"], n_layers=N_LAYERS)
     model_config = dataclasses.replace(model_config, **model_fields)
     model = models.DecoderLM(model_config, key=jax.random.key(0))
+    split_model = model
+    if mesh_config.cp > 1:  # the same parameters; the layers attend across the shards
+        split_config = dataclasses.replace(
+            model_config, context_axis="cp", context_parallel=context_parallel
+        )
+        split_model = models.DecoderLM(split_config, key=jax.random.key(0))
     data = random_batch((schedule.microbatches, BATCH, SEQ))
     if case["variant"] == "chunked-z-pooled":  # the plain loss of the whole logits as the reference
         config = dataclasses.replace(config, loss=dataclasses.replace(loss, chunk_size=0))
@@ -225,7 +240,7 @@ def loss_and_grads(tiny_config, random_batch, case: dict):
     (expected_loss, expected_aux), expected_grads = eqx.filter_jit(value_and_grad(sequential))(
         model
     )
-    staged = to_pipeline_layout(model, schedule)
+    staged = to_pipeline_layout(split_model, schedule)
     pipelined_value_and_grad = fused if schedule.fuses_backward else value_and_grad(pipelined)
     if pipelined_config.slice_axes:  # the step's way: each slice on its own (`per_slice`)
         pipelined_value_and_grad = one_step_gradients(pipelined_config, mesh, data)
@@ -298,6 +313,41 @@ def test_slices_of_a_hybrid_mesh_run_the_same_step(
     changes only which devices hold the stages: `test_launch.py` resumes a run on it.)"""
     ((loss, aux), grads), ((pp_loss, pp_aux), pp_grads) = loss_and_grads(
         tiny_config, random_batch, case
+    )
+    np.testing.assert_allclose(pp_loss, loss, rtol=1e-5)
+    assert_trees_close(pp_aux, aux)
+    assert_trees_close(pp_grads, grads)
+
+
+CONTEXT_CASES = [
+    (dict(zip(FACTORS, case, strict=True)), strategy)
+    for *case, strategy in (
+        ("llama", "circular", "dp2,pp2,cp2", "M=2P+1", "plain", "ring"),
+        ("mixtral", "1f1b", "pp2,cp2,tp2", "M=P", "plain", "ring"),
+        ("gemma2", "1f1b", "dp2,pp2,cp2", "M=P", "blockwise", "all_gather"),
+        ("deepseek_v3", "circular", "pp2,cp4", "M=P", "plain", "all_gather"),
+        ("deepseek_v3", "gpipe", "cp4,tp2", "M=P", "chunked-z-pooled", "ring"),
+        ("qwen3_moe", "zb_h1", "pp2,cp2,ep2", "M=2P+1", "plain", "ring"),
+        ("gpt_oss", "interleaved_1f1b", "pp2,cp4", "M=P", "no-remat", "ring"),
+    )
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "strategy"),
+    CONTEXT_CASES,
+    ids=[f"{case_id(case)}-{strategy}" for case, strategy in CONTEXT_CASES],
+)
+def test_context_parallel_training_equals_one_device(
+    case, strategy, tiny_config, random_batch, assert_trees_close
+):
+    """Each sequence split over cp (balanced head-tail shards; ring or all-gather attention)
+    inside the pipeline, with dp, tp, ep, the autodiff, fused and split executors and a
+    dense prefix: the loss, every aux value and every gradient of one device (fp32, 1e-5).
+    Dense, MoE (router statistics averaged over the shards), windowed and soft-capped
+    (Gemma 2), latent attention (DeepSeek-V3), sinks and windows (GPT-OSS)."""
+    ((loss, aux), grads), ((pp_loss, pp_aux), pp_grads) = loss_and_grads(
+        tiny_config, random_batch, case, context_parallel=strategy
     )
     np.testing.assert_allclose(pp_loss, loss, rtol=1e-5)
     assert_trees_close(pp_aux, aux)

@@ -313,7 +313,7 @@ def test_a_run_picks_the_dropless_kernel_its_mesh_allows(tiny_config):
 
     assert kernel_on(MeshConfig(pp=2)) == kernel_on(MeshConfig(dp=2, ep=2)) == "slotted"
     split = MeshConfig(dp=2, pp=2, ep=2)
-    assert kernel_on(split) == "sorted"
+    assert kernel_on(split) == kernel_on(MeshConfig(cp=2)) == "sorted"
     slotted = dataclasses.replace(
         config, moe=dataclasses.replace(config.moe, dropless_kernel="slotted")
     )
@@ -324,7 +324,7 @@ def test_a_run_picks_the_dropless_kernel_its_mesh_allows(tiny_config):
     with pytest.raises(MeshError) as refused:
         compile_train_step(step_config, mesh, target, SHAPE)
     assert str(refused.value) == (
-        "mesh {'dp': 2, 'pp': 2, 'tp': 1, 'ep': 2} splits pipeline stages over more axes, "
+        "mesh {'dp': 2, 'pp': 2, 'tp': 1, 'ep': 2, 'cp': 1} splits pipeline stages over more axes, "
         "which the slotted dropless experts cannot run: set model.moe.dropless_kernel = "
         "'sorted' (or 'auto')"
     )

@@ -69,10 +69,12 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes_exactly(
 def test_resume_on_another_mesh(
     reference: list[dict], reference_dir: Path, tmp_path: Path, cache_dir: Path
 ):
-    """The reference, saved at step 4 on dp2 x pp2 x tp2 (circular, R=2), resumed on pp4
-    (GPipe, whole layers per stage): the losses of the run that never stopped."""
+    """The reference, saved at step 4 on dp2 x pp2 x tp2 (circular, R=2), resumed on
+    pp4 x cp2 (GPipe, whole layers per stage, each sequence split over cp with ring attention
+    between the shards): the losses of the run that never stopped."""
     run_dir = stopped_copy(reference_dir, tmp_path / "run", last_step=4)
-    result = run(run_dir, cache_dir, overrides=(*GPIPE, "mesh.dp=1", "mesh.pp=4", "mesh.tp=1"))
+    overrides = (*GPIPE, "mesh.dp=1", "mesh.pp=4", "mesh.tp=1", "mesh.cp=2")
+    result = run(run_dir, cache_dir, overrides=overrides)
     assert "resumed from the checkpoint at step 4" in result.stdout
     expected = [r["loss"] for r in reference if "loss" in r]
     np.testing.assert_allclose(losses(run_dir), expected, rtol=1e-5)

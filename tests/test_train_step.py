@@ -402,7 +402,7 @@ def test_init_checks_the_schedule_against_the_mesh(dense):
 def test_mesh_that_does_not_fit_the_devices():
     with pytest.raises(
         MeshError,
-        match=r"mesh dp=2 x pp=2 x tp=4 x ep=1 needs 16 devices, but 8 are available",
+        match=r"mesh dp=2 x pp=2 x tp=4 x ep=1 x cp=1 needs 16 devices, but 8 are available",
     ):
         make_mesh(MeshConfig(dp=2, pp=2, tp=4))
 
@@ -471,7 +471,8 @@ class ResidualMLPLM(eqx.Module):
         )
         self.n_layers = n_layers
 
-    def embed(self, tokens):
+    def embed(self, tokens, positions=None):
+        del positions  # no position embeddings
         return self.embedding(tokens)
 
     def head(self, h):

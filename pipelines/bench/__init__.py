@@ -42,6 +42,9 @@
 12. The reference model's train step at T in {256, 1024, 2048} with B x T = 2048 against
    PyTorch eager (SDPA) side by side (``step_vs_pytorch_by_seq``: {T: ours / PyTorch's
    tokens/s}).
+13. Long sequences split over cp: compiled temporary bytes per device of a dense model's
+   train step (d_model 512, 4 layers, vocabulary 32k) on one sequence of 16,384 tokens per
+   microbatch, on cp in 1, 2 and 4 devices (``cp_activation_bytes``: {cp: bytes}).
 
 The pipeline efficiency (2.) times the dp8 and the pipelined steps in turn and reports the
 median ratio and its spread over the rounds (``pp_efficiency_spread``: {schedule: [min,
@@ -68,7 +71,11 @@ from collections.abc import Callable  # noqa: E402
 from eqxzoo.parallel.action_costs import cost_ratio  # noqa: E402
 from eqxzoo.parallel.schedule import SCHEDULES as SCHEDULE_SPECS  # noqa: E402
 from eqxzoo.train.report import measured_matmul_flops  # noqa: E402
-from pipelines.bench.kernels import attention_figures, loss_memory  # noqa: E402
+from pipelines.bench.kernels import (  # noqa: E402
+    attention_figures,
+    context_memory,
+    loss_memory,
+)
 from pipelines.bench.loader import loader_throughput  # noqa: E402
 from pipelines.bench.moe import dispatch_figures, moe_figures  # noqa: E402
 from pipelines.bench.schedules import schedule_figures  # noqa: E402
@@ -210,6 +217,17 @@ def _report_dispatch(figures: dict) -> list[str]:
     ]
 
 
+def _report_context(figures: dict) -> list[str]:
+    by_shards = figures["cp_activation_bytes"]
+    whole = by_shards["1"]
+    return [
+        "cp: train-step temp MB per device by cp "
+        + ", ".join(f"{cp}: {size / 1e6:.0f}" for cp, size in by_shards.items())
+        + "; over cp 1: "
+        + ", ".join(f"{cp}: {size / whole:.2f}" for cp, size in by_shards.items())
+    ]
+
+
 def _report_loss(figures: dict) -> list[str]:
     by_loss = figures["loss_temp_bytes"]
     lines = [
@@ -328,6 +346,12 @@ PARTS: dict[str, Part] = {
             ("moe_dispatch_collectives",),
         ),
         Part("loss", lambda o: loss_memory(o.quick), _report_loss, ("loss_temp_bytes",)),
+        Part(
+            "context",
+            lambda o: context_memory(o.quick),
+            _report_context,
+            ("cp_activation_bytes",),
+        ),
         Part(
             "attention",
             lambda o: attention_figures(o.repeats, o.quick),

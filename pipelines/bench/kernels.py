@@ -1,5 +1,5 @@
-"""Memory at big vocabularies (plain vs chunked loss) and attention alone (blockwise, dense,
-PyTorch's SDPA): time and temporary bytes."""
+"""Memory at big vocabularies (plain vs chunked loss), at long sequences split over cp, and
+attention alone (blockwise, dense, PyTorch's SDPA): time and temporary bytes."""
 
 import functools
 from collections.abc import Callable
@@ -52,6 +52,42 @@ def loss_memory(quick: bool) -> dict:
             temp = runner.compiled.memory_analysis().temp_size_in_bytes
             figures[name][str(vocab)] = int(temp)
     return {"loss_temp_bytes": figures}
+
+
+CONTEXT_SEQ, CONTEXT_SHARDS = 16384, (1, 2, 4)
+
+
+QUICK_CONTEXT = dict(seq=256, d_model=32, n_heads=4, mlp_dim=64, vocab=512)
+
+
+def context_memory(quick: bool) -> dict:
+    """Compiled temporary bytes per device of the train step of a dense model (d_model 512,
+    4 layers, vocabulary 32k, ring attention) on one sequence of ``CONTEXT_SEQ`` tokens per
+    microbatch, its tokens split over cp in 1, 2 and 4 devices (``cp_activation_bytes``:
+    {cp: bytes}). Compiled only, not run."""
+    sizes = (
+        QUICK_CONTEXT
+        if quick
+        else dict(seq=CONTEXT_SEQ, d_model=512, n_heads=8, mlp_dim=1408, vocab=32768)
+    )
+    config = models.LlamaConfig(
+        vocab_size=sizes["vocab"],
+        d_model=sizes["d_model"],
+        n_layers=4,
+        n_heads=sizes["n_heads"],
+        mlp_dim=sizes["mlp_dim"],
+    )
+    figures = {}
+    for shards in CONTEXT_SHARDS:
+        runner = StepRunner(
+            config,
+            MeshConfig(cp=shards),
+            Schedule("gpipe", 1, 1, 1),
+            (1, 1, 1, sizes["seq"]),
+            compile_only=True,
+        )
+        figures[str(shards)] = int(runner.compiled.memory_analysis().temp_size_in_bytes)
+    return {"cp_activation_bytes": figures}
 
 
 ATTENTION_SEQS = (1024, 4096, 8192)

@@ -43,7 +43,7 @@ from eqxzoo.data.manifest import (
     verify_shards,
 )
 
-BATCH_AXIS = 2  # B in (G, M, B, T)
+BATCH_AXIS, SEQ_AXIS = 2, 3  # B and T in (G, M, B, T)
 STATE_VERSION = 1
 DOCUMENT_CACHE = 2048  # decoded documents kept per stream
 
@@ -187,13 +187,17 @@ class TokenStream:
     def _window_permutation(self, block: int, block_windows: int) -> Int64[np.ndarray, " windows"]:
         return np.random.default_rng([self.seed, block, 1]).permutation(block_windows)
 
-    def window(self, index: int, width: int) -> UInt32[np.ndarray, " width"]:
-        """The ``index``-th window of ``width`` tokens in consumption order."""
+    def window(
+        self, index: int, width: int, part: tuple[int, int] | None = None
+    ) -> UInt32[np.ndarray, " width"]:
+        """The ``index``-th window of ``width`` tokens in consumption order (its tokens
+        ``[lo, hi)`` with ``part``, reading only those)."""
         if self.shuffle:
             block_windows = max(1, self.epoch_tokens // width)
             block, offset = divmod(index, block_windows)
             index = block * block_windows + int(self._block_order(block, block_windows)[offset])
-        return self.read(index * width, (index + 1) * width)
+        lo, hi = (0, width) if part is None else part
+        return self.read(index * width + lo, index * width + hi)
 
     def _order_and_ends(
         self, epoch: int
@@ -238,11 +242,24 @@ class TokenStream:
 def process_rows(sharding: Sharding, shape: BatchShape) -> tuple[int, int]:
     """The rows ``[lo, hi)`` of ``B`` that this process's devices hold under ``sharding``."""
     indices = sharding.addressable_devices_indices_map(shape.shape).values()
-    rows = sorted({index[BATCH_AXIS].indices(shape.batch_size)[:2] for index in indices})
-    lo, hi = rows[0][0], rows[-1][1]
-    covered = sum(stop - start for start, stop in rows)
+    return held_range([index[BATCH_AXIS] for index in indices], shape.batch_size, "batch rows")
+
+
+def process_columns(sharding: Sharding, shape: BatchShape) -> tuple[int, int]:
+    """The tokens ``[lo, hi)`` of each sequence (``T``) that this process's devices hold:
+    all of them unless ``sharding`` splits the sequences over ``cp`` across processes."""
+    indices = sharding.addressable_devices_indices_map(shape.shape).values()
+    return held_range([index[SEQ_AXIS] for index in indices], shape.seq_len, "sequence tokens")
+
+
+def held_range(slices: list[slice], size: int, what: str) -> tuple[int, int]:
+    """The one contiguous range ``[lo, hi)`` of an axis of ``size`` that ``slices`` (the
+    devices' parts of it) cover together."""
+    ranges = sorted({part.indices(size)[:2] for part in slices})
+    lo, hi = ranges[0][0], ranges[-1][1]
+    covered = sum(stop - start for start, stop in ranges)
     if covered != hi - lo:
-        raise ValueError(f"this process's batch rows {rows} are not one contiguous range")
+        raise ValueError(f"this process's {what} {ranges} are not one contiguous range")
     return lo, hi
 
 
@@ -255,7 +272,8 @@ class HostBatch:
 
 
 class WindowReader:
-    """Reads step ``k``'s rows ``rows`` of windows, starting at window ``first_window``."""
+    """Reads step ``k``'s rows ``rows`` of windows, starting at window ``first_window``: of
+    each, the tokens ``columns`` of the sequence (all by default) and the targets after them."""
 
     def __init__(
         self,
@@ -263,23 +281,30 @@ class WindowReader:
         shape: BatchShape,
         rows: tuple[int, int],
         first_window: int,
+        columns: tuple[int, int] | None = None,
     ):
         self.stream = stream
         self.shape = shape
         self.rows = rows
+        self.columns = (0, shape.seq_len) if columns is None else columns
         self.first_window = first_window
 
     def __call__(self, step: int) -> HostBatch:
         shape = self.shape
         lo, hi = self.rows
+        first, last = self.columns
         width = shape.window_tokens
-        windows = np.empty((shape.grad_accum, shape.microbatches, hi - lo, width), np.int32)
+        # Inputs ``[first, last)`` and their targets, one token on.
+        part = (first, last + 1)
+        windows = np.empty(
+            (shape.grad_accum, shape.microbatches, hi - lo, last + 1 - first), np.int32
+        )
         base = self.first_window + step * shape.windows
         for g in range(shape.grad_accum):
             for m in range(shape.microbatches):
                 start = base + (g * shape.microbatches + m) * shape.batch_size + lo
                 for row in range(hi - lo):
-                    windows[g, m, row] = self.stream.window(start + row, width)
+                    windows[g, m, row] = self.stream.window(start + row, width, part)
         return HostBatch(inputs=windows[..., :-1], targets=windows[..., 1:])
 
 
@@ -307,6 +332,7 @@ class Batches(grain.DatasetIterator):
         self.shape = shape
         self.sharding = sharding
         self.rows = process_rows(sharding, shape)
+        self.columns = process_columns(sharding, shape)
         self.prefetch = max(prefetch, 1)
         self.num_threads = num_threads
         self._next_window = 0
@@ -315,7 +341,7 @@ class Batches(grain.DatasetIterator):
         self._queue: queue.Queue = queue.Queue(maxsize=self.prefetch)
 
     def _host_batches(self, first_window: int):
-        reader = WindowReader(self.stream, self.shape, self.rows, first_window)
+        reader = WindowReader(self.stream, self.shape, self.rows, first_window, self.columns)
         dataset = grain.MapDataset.range(0, 1 << 62).map(reader)
         options = grain.ReadOptions(
             num_threads=self.num_threads,
@@ -434,7 +460,9 @@ def validation_batches(
     (distinct windows drawn from the whole split, the same whatever the run's seed)."""
     check_fits(documents, shape, batches=batches)
     stream = TokenStream(documents, seed=0, shuffle=True)
-    reader = WindowReader(stream, shape, process_rows(sharding, shape), 0)
+    reader = WindowReader(
+        stream, shape, process_rows(sharding, shape), 0, process_columns(sharding, shape)
+    )
     result = []
     for step in range(batches):
         host = reader(step)

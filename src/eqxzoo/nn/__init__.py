@@ -3,7 +3,7 @@
 from eqxzoo.nn.attention import CausalSelfAttention, QKNorm, cache_slots
 from eqxzoo.nn.axes import AbstractAxesOwner, Axes, LogicalName, logical_axes
 from eqxzoo.nn.blockwise import blockwise_attend
-from eqxzoo.nn.context import balanced_order, context_attend
+from eqxzoo.nn.context import ContextSplit, balanced_order, context_attend
 from eqxzoo.nn.contract import (
     HeadInputs,
     LanguageModel,
@@ -62,6 +62,7 @@ __all__ = [
     "apply_layers",
     "apply_rope",
     "attend",
+    "ContextSplit",
     "balanced_order",
     "blockwise_attend",
     "cache_slots",

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
+from eqxzoo.nn.context import ContextSplit
 from eqxzoo.nn.kernels import DEFAULT_BLOCK_SIZE, AttentionKernel, attend
 from eqxzoo.nn.linear import dense, normal_init
 from eqxzoo.nn.norm import RMSNorm
@@ -53,7 +54,10 @@ class CausalSelfAttention(AbstractAxesOwner):
       share one structure); None when no layer of the model has one;
     - ``scale`` of the scores (default ``head_dim^-0.5``) and ``softcap`` (Gemma 2);
     - ``sinks``: a trained logit per head joining each softmax (`attend`; GPT-OSS);
-    - ``kernel`` and ``block_size``: how `attend` computes it (the same attention either way).
+    - ``kernel`` and ``block_size``: how `attend` computes it (the same attention either way);
+    - ``context``: the sequence split over a context-parallel mesh axis (`ContextSplit`; the
+      layer then runs on a shard of each sequence inside a region manual over that axis and
+      attends across shards, ``kernel`` aside).
     """
 
     wq: Float[Array, "embed heads head_dim"]
@@ -79,6 +83,7 @@ class CausalSelfAttention(AbstractAxesOwner):
     clip_qkv: float | None = eqx.field(static=True)
     kernel: AttentionKernel = eqx.field(static=True)
     block_size: int = eqx.field(static=True)
+    context: ContextSplit | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -102,6 +107,7 @@ class CausalSelfAttention(AbstractAxesOwner):
         sinks: bool = False,
         kernel: AttentionKernel = "auto",
         block_size: int = DEFAULT_BLOCK_SIZE,
+        context: ContextSplit | None = None,
         init_std: float = 0.02,
         key: PRNGKeyArray,
     ):
@@ -143,6 +149,7 @@ class CausalSelfAttention(AbstractAxesOwner):
         self.clip_qkv = clip_qkv
         self.kernel = kernel
         self.block_size = block_size
+        self.context = context
 
     def param_axes(self) -> Mapping[str, tuple[LogicalName, ...]]:
         return {
@@ -163,7 +170,7 @@ class CausalSelfAttention(AbstractAxesOwner):
         """This layer's window (0: the whole causal prefix)."""
         return 0 if self.window is None else self.window
 
-    def rotary_frequencies(self, seq_len: Int[Array, ""]) -> Float[Array, " half"] | None:
+    def rotary_frequencies(self, seq_len: Int[Array, ""] | int) -> Float[Array, " half"] | None:
         """This layer's rotary frequencies for a sequence of ``seq_len`` positions so far."""
         if self.rope_theta is None:
             return None
@@ -174,13 +181,17 @@ class CausalSelfAttention(AbstractAxesOwner):
         return frequencies
 
     def project_qkv(
-        self, x: Float[Array, "*batch seq embed"], positions: Int[Array, " seq"]
+        self,
+        x: Float[Array, "*batch seq embed"],
+        positions: Int[Array, " seq"],
+        seq_len: Int[Array, ""] | int | None = None,
     ) -> tuple[
         Float[Array, "*batch seq heads head_dim"],
         Float[Array, "*batch seq kv_heads head_dim"],
         Float[Array, "*batch seq kv_heads head_dim"],
     ]:
-        """Queries, keys (both normed and rotated) and values for ``x`` at ``positions``."""
+        """Queries, keys (both normed and rotated) and values for ``x`` at ``positions`` of a
+        sequence of ``seq_len`` positions so far (default: the last position plus one)."""
         q, k, v = dense(x, self.wq), dense(x, self.wk), dense(x, self.wv)
         if self.bq is not None:
             q, k, v = q + self.bq, k + self.bk, v + self.bv
@@ -188,7 +199,7 @@ class CausalSelfAttention(AbstractAxesOwner):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (jnp.clip(a, -self.clip_qkv, self.clip_qkv) for a in (q, k, v))
-        frequencies = self.rotary_frequencies(positions[-1] + 1)
+        frequencies = self.rotary_frequencies(positions[-1] + 1 if seq_len is None else seq_len)
         if frequencies is not None:
             amplitude = rope_amplitude(self.rope_scaling)
             if self.local_rope_theta is not None and self.window is not None:
@@ -206,8 +217,12 @@ class CausalSelfAttention(AbstractAxesOwner):
     def __call__(
         self, x: Float[Array, "*batch seq embed"], positions: Int[Array, " seq"] | None = None
     ) -> Float[Array, "*batch seq embed"]:
-        """Attention over each sequence; any leading axes are independent sequences."""
+        """Attention over each sequence; any leading axes are independent sequences. With a
+        ``context`` split, ``x`` is this device's shard of each sequence and ``positions``
+        (default: the split's) its tokens' positions."""
         with jax.named_scope("attention"):
+            if self.context is not None:
+                return self._attend_across_shards(x, positions)
             positions_are_indices = positions is None
             if positions is None:
                 positions = jnp.arange(x.shape[-2])
@@ -227,6 +242,26 @@ class CausalSelfAttention(AbstractAxesOwner):
                 positions_are_indices=positions_are_indices,
             )
             return self.project_out(attended)
+
+    def _attend_across_shards(
+        self, x: Float[Array, "*batch seq embed"], positions: Int[Array, " seq"] | None
+    ) -> Float[Array, "*batch seq embed"]:
+        context = self.context
+        if positions is None:
+            positions = context.positions(x.shape[-2])
+        q, k, v = self.project_qkv(x, positions, context.sequence_length(x.shape[-2]))
+        attended = context.attend(
+            q,
+            k,
+            v,
+            positions,
+            window=self.layer_window,
+            scale=self.scale,
+            softcap=self.softcap,
+            sinks=self.sinks,
+            block_size=self.block_size,
+        )
+        return self.project_out(attended)
 
     def empty_cache(
         self, slots: int, dtype

@@ -4,7 +4,9 @@ The trainer never depends on a model class. A model is any Equinox module with t
 driven separately by the pipeline (embedding and head outside it, the stacked blocks staged
 over ``pp`` inside it):
 
-- ``embed(tokens) -> h``: token ids ``(*batch, seq)`` to hidden states ``(*batch, seq, embed)``.
+- ``embed(tokens, positions=None) -> h``: token ids ``(*batch, seq)`` to hidden states
+  ``(*batch, seq, embed)``; ``positions`` (default ``0, 1, ...``) where the tokens sit, for
+  models with learned position embeddings (a sequence split for context parallelism).
 - ``prefix``: a `Stack` of the few first layers whose shapes differ from the repeated block
   (DeepSeek's dense first layers), run outside the pipeline after ``embed``; ``None`` for
   most models. Its layers return no auxiliary values.
@@ -60,7 +62,9 @@ class LanguageModel(Protocol):
     prefix: Stack | None
     blocks: Stack
 
-    def embed(self, tokens: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq embed"]: ...
+    def embed(
+        self, tokens: Int[Array, "*batch seq"], positions: Int[Array, " seq"] | None = None
+    ) -> Float[Array, "*batch seq embed"]: ...
 
     def head(self, h: Float[Array, "*batch seq embed"]) -> Float[Array, "*batch seq vocab"]: ...
 

@@ -20,6 +20,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqxzoo.nn.attention import write_cache
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
+from eqxzoo.nn.context import ContextSplit
 from eqxzoo.nn.kernels import DEFAULT_BLOCK_SIZE, AttentionKernel, attend
 from eqxzoo.nn.linear import dense, normal_init
 from eqxzoo.nn.norm import RMSNorm
@@ -84,7 +85,10 @@ class LatentAttention(AbstractAxesOwner):
     - Scores are scaled by ``qk_head_dim^-0.5``, times ``yarn_mscale(factor,
       mscale_all_dim)^2`` when ``rope_scaling`` sets ``mscale_all_dim`` (the YaRN temperature
       that DeepSeek puts in the softmax rather than in cos and sin).
-    - ``kernel`` and ``block_size``: how `eqxzoo.nn.attend` computes the attention.
+    - ``kernel`` and ``block_size``: how `eqxzoo.nn.attend` computes the attention;
+      ``context``: the sequence split over a context-parallel mesh axis, as
+      `eqxzoo.nn.CausalSelfAttention` has it (each device expands its own latents; the
+      expanded keys and values go round).
 
     The latent and bottleneck axes have no logical name: they are small and replicated.
     ``norm_eps`` is that of the two latent norms (DeepSeek's: 1e-6, whatever ``rms_norm_eps``).
@@ -112,6 +116,7 @@ class LatentAttention(AbstractAxesOwner):
     scale: float = eqx.field(static=True)
     kernel: AttentionKernel = eqx.field(static=True)
     block_size: int = eqx.field(static=True)
+    context: ContextSplit | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -129,6 +134,7 @@ class LatentAttention(AbstractAxesOwner):
         norm_eps: float = 1e-6,
         kernel: AttentionKernel = "auto",
         block_size: int = DEFAULT_BLOCK_SIZE,
+        context: ContextSplit | None = None,
         init_std: float = 0.02,
         key: PRNGKeyArray,
     ):
@@ -166,6 +172,7 @@ class LatentAttention(AbstractAxesOwner):
         self.scale = scale
         self.kernel = kernel
         self.block_size = block_size
+        self.context = context
 
     def param_axes(self) -> Mapping[str, tuple[LogicalName, ...]]:
         return {
@@ -181,17 +188,27 @@ class LatentAttention(AbstractAxesOwner):
         }
 
     def _rotate(
-        self, x: Float[Array, "*batch seq heads rope"], positions: Int[Array, " seq"]
+        self,
+        x: Float[Array, "*batch seq heads rope"],
+        positions: Int[Array, " seq"],
+        seq_len: Int[Array, ""] | int | None,
     ) -> Float[Array, "*batch seq heads rope"]:
         frequencies = rope_frequencies(
-            self.qk_rope_head_dim, self.rope_theta, self.rope_scaling, positions[-1] + 1
+            self.qk_rope_head_dim,
+            self.rope_theta,
+            self.rope_scaling,
+            positions[-1] + 1 if seq_len is None else seq_len,
         )
         return apply_rope(x, positions, frequencies, rope_amplitude(self.rope_scaling))
 
     def queries(
-        self, x: Float[Array, "*batch seq embed"], positions: Int[Array, " seq"]
+        self,
+        x: Float[Array, "*batch seq embed"],
+        positions: Int[Array, " seq"],
+        seq_len: Int[Array, ""] | int | None = None,
     ) -> Float[Array, "*batch seq heads qk_head_dim"]:
-        """Each head's query: ``qk_nope_head_dim`` plain features, then the rotated ones."""
+        """Each head's query: ``qk_nope_head_dim`` plain features, then the rotated ones
+        (``seq_len``: the positions so far, default the last one plus one)."""
         if self.wq is not None:
             q = dense(x, self.wq)
         else:
@@ -200,17 +217,20 @@ class LatentAttention(AbstractAxesOwner):
                 q_latent = q_latent + self.bq_a
             q = dense(self.q_norm(q_latent), self.wq_b)
         q_nope, q_rope = jnp.split(q, [self.qk_nope_head_dim], axis=-1)
-        return jnp.concatenate([q_nope, self._rotate(q_rope, positions)], axis=-1)
+        return jnp.concatenate([q_nope, self._rotate(q_rope, positions, seq_len)], axis=-1)
 
     def compress(
-        self, x: Float[Array, "*batch seq embed"], positions: Int[Array, " seq"]
+        self,
+        x: Float[Array, "*batch seq embed"],
+        positions: Int[Array, " seq"],
+        seq_len: Int[Array, ""] | int | None = None,
     ) -> tuple[Float[Array, "*batch seq kv_lora"], Float[Array, "*batch seq rope"]]:
         """What the cache keeps of each token: its normed latent and its rotated shared key."""
         latent_and_rope = dense(x, self.wkv_a)
         if self.bkv_a is not None:
             latent_and_rope = latent_and_rope + self.bkv_a
         latent, k_rope = jnp.split(latent_and_rope, [self.kv_lora_rank], axis=-1)
-        k_rope = self._rotate(k_rope[..., None, :], positions)[..., 0, :]
+        k_rope = self._rotate(k_rope[..., None, :], positions, seq_len)[..., 0, :]
         return self.kv_norm(latent), k_rope
 
     def expand(
@@ -238,6 +258,8 @@ class LatentAttention(AbstractAxesOwner):
     ) -> Float[Array, "*batch seq embed"]:
         """Attention over each sequence; any leading axes are independent sequences."""
         with jax.named_scope("attention"):
+            if self.context is not None:
+                return self._attend_across_shards(x, positions)
             if positions is None:
                 positions = jnp.arange(x.shape[-2])
             keys, values = self.expand(*self.compress(x, positions))
@@ -252,6 +274,24 @@ class LatentAttention(AbstractAxesOwner):
                 block_size=self.block_size,
             )
             return self.project_out(attended)
+
+    def _attend_across_shards(
+        self, x: Float[Array, "*batch seq embed"], positions: Int[Array, " seq"] | None
+    ) -> Float[Array, "*batch seq embed"]:
+        context = self.context
+        if positions is None:
+            positions = context.positions(x.shape[-2])
+        seq_len = context.sequence_length(x.shape[-2])
+        keys, values = self.expand(*self.compress(x, positions, seq_len))
+        attended = context.attend(
+            self.queries(x, positions, seq_len),
+            keys,
+            values,
+            positions,
+            scale=self.scale,
+            block_size=self.block_size,
+        )
+        return self.project_out(attended)
 
     def empty_cache(
         self, slots: int, dtype

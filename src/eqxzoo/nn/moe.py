@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
+from eqxzoo.nn.context import ContextSplit
 from eqxzoo.nn.experts import Experts
 from eqxzoo.nn.linear import Linear
 from eqxzoo.nn.mlp import MLP
@@ -62,6 +63,11 @@ class MoE(eqx.Module):
     - ``padding_fraction``: the fraction of the rows the dropless path computes that hold
       no assignment (empty slots, the overflow's last blocks; 0 otherwise).
 
+    With a ``context`` split (`eqxzoo.nn.ContextSplit`) each device routes its shard of every
+    sequence, and the statistics above are averaged over the shards before the losses are
+    formed from them: the whole sequence's, as without the split (``padding_fraction``, a
+    property of each device's own grouped matmul, is the shards' mean). Capacity routing
+    ranks a whole sequence's assignments in order and is refused there.
     """
 
     router: Router
@@ -70,6 +76,7 @@ class MoE(eqx.Module):
     shared_gate: Linear | None
     routing_mode: RoutingMode = eqx.field(static=True)
     capacity_factor: float = eqx.field(static=True)
+    context: ContextSplit | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -85,12 +92,19 @@ class MoE(eqx.Module):
         shared_gate: bool = False,
         routing_mode: RoutingMode = "dropless",
         capacity_factor: float = 1.25,
+        context: ContextSplit | None = None,
         init_std: float = 0.02,
         key: PRNGKeyArray,
     ):
         if routing_mode not in ("dropless", "capacity", "dense"):
             refuse(
                 "routing_mode", f"must be 'dropless', 'capacity' or 'dense', got {routing_mode!r}"
+            )
+        if routing_mode == "capacity" and context is not None:
+            refuse(
+                "routing_mode",
+                "'capacity' ranks each sequence's assignments in order, which a sequence split "
+                "over a context-parallel axis cannot: route 'dropless' (or mesh.cp = 1)",
             )
         check_shared_experts(shared_mlp_dim, shared_gate)
         kr, ke, ks, kg = jax.random.split(key, 4)
@@ -118,6 +132,7 @@ class MoE(eqx.Module):
         )
         self.routing_mode = routing_mode
         self.capacity_factor = capacity_factor
+        self.context = context
 
     def __call__(
         self, x: Float[Array, "*batch tokens embed"]
@@ -153,9 +168,12 @@ class MoE(eqx.Module):
                         shared_output = jax.nn.sigmoid(self.shared_gate(tokens)) * shared_output
                 output = output + shared_output
             losses = jax.tree.map(
-                lambda v: jnp.mean(v, axis=0), jax.vmap(router_losses)(per_sequence)
+                lambda v: jnp.mean(v, axis=0),
+                jax.vmap(lambda one: router_losses(one, context=self.context))(per_sequence),
             )
             fractions = {"dropped_fraction": dropped_fraction, "padding_fraction": padding}
+            if self.context is not None:
+                fractions = self.context.mean(fractions)
             return output.reshape(x.shape), {**losses, **fractions}
 
 

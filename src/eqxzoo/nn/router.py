@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
+from eqxzoo.nn.context import ContextSplit
 from eqxzoo.nn.linear import normal_init
 from eqxzoo.typed_config import refuse
 
@@ -179,20 +180,24 @@ def balance_selection_bias(
     return selection_bias + step.astype(selection_bias.dtype)
 
 
-def router_losses(routing: Routing) -> dict[str, Array]:
+def router_losses(routing: Routing, *, context: ContextSplit | None = None) -> dict[str, Array]:
     """Switch load-balance loss, router z-loss and the per-expert statistics of one sequence:
     each expert's share of the assignments (``expert_fraction``, sums to 1), its mean number
     of a token's top-k choices (``expert_assignments``, sums to k) and its mean router
-    probability (``router_probability``)."""
+    probability (``router_probability``). With ``context``, ``routing`` is one shard of the
+    sequence: the token means are averaged over the shards before the loss is formed."""
     n_experts = routing.probs.shape[-1]
     assignments = jax.nn.one_hot(routing.experts, n_experts, dtype=jnp.float32)
-    expert_assignments = jnp.mean(jnp.sum(assignments, axis=1), axis=0)
-    expert_fraction = expert_assignments / routing.experts.shape[1]
-    mean_probs = jnp.mean(routing.probs, axis=0)
-    return {
-        "load_balance_loss": n_experts * jnp.sum(expert_fraction * mean_probs),
+    means = {
+        "expert_assignments": jnp.mean(jnp.sum(assignments, axis=1), axis=0),
+        "router_probability": jnp.mean(routing.probs, axis=0),
         "router_z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(routing.logits, axis=-1))),
+    }
+    if context is not None:
+        means = context.mean(means)
+    expert_fraction = means["expert_assignments"] / routing.experts.shape[1]
+    return {
+        "load_balance_loss": n_experts * jnp.sum(expert_fraction * means["router_probability"]),
         "expert_fraction": expert_fraction,
-        "expert_assignments": expert_assignments,
-        "router_probability": mean_probs,
+        **means,
     }

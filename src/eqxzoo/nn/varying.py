@@ -7,6 +7,7 @@ each of them) gets the sum of their cotangents. Outside a manual region both are
 """
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array
 
 
@@ -17,6 +18,24 @@ def varying_axes(value: Array | jax.ShapeDtypeStruct) -> frozenset[str]:
     manual = getattr(aval, "manual_axis_type", None)
     varying = manual.varying if manual is not None else getattr(aval, "vma", None)
     return frozenset(varying or ())
+
+
+def typed_shape(value: Array | jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """``value``'s shape and dtype, and the manual axes it varies over."""
+    aval = value if isinstance(value, jax.ShapeDtypeStruct) else jax.typeof(value)
+    manual = getattr(aval, "manual_axis_type", None)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, manual_axis_type=manual)
+
+
+def zeros_of(
+    shape: jax.ShapeDtypeStruct, leading: tuple[int, ...] = (), also: tuple[str, ...] = ()
+) -> Array:
+    """Zeros of ``leading + shape.shape`` varying over the axes ``shape`` (a `typed_shape`)
+    does and ``also``: a buffer that holds such values, written at indices varying over
+    ``also``, and no more varying than that."""
+    zeros = jnp.zeros((*leading, *shape.shape), shape.dtype)
+    axes = tuple(sorted(varying_axes(shape) | set(also)))
+    return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
 
 
 def varying_like(initial: Array, *inputs: Array) -> Array:
@@ -30,3 +49,14 @@ def cotangent_for(cotangent: Array, primal: Array) -> Array:
     """``cotangent`` summed over the axes it varies over and ``primal`` does not."""
     extra = varying_axes(cotangent) - varying_axes(primal)
     return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
+
+
+def varying_as(value: Array, primal: Array | jax.ShapeDtypeStruct) -> Array:
+    """``value`` varying over exactly the axes ``primal`` does: cast over those it does not
+    yet, averaged over those it does and ``primal`` does not, where it must be the same on
+    every device of them (the cotangent of a value each device computes alike)."""
+    target, have = varying_axes(primal), varying_axes(value)
+    extra, missing = tuple(sorted(have - target)), tuple(sorted(target - have))
+    if extra:
+        value = jax.lax.pmean(value, extra)
+    return jax.lax.pcast(value, missing, to="varying") if missing else value

@@ -27,6 +27,8 @@ import jax
 from jax.extend import core
 from jaxtyping import Array, PyTree
 
+from eqxzoo.nn.varying import typed_shape
+
 
 @dataclasses.dataclass(frozen=True)
 class BackwardSplit:
@@ -266,7 +268,7 @@ class PullbackResiduals:
             next((i for i, w in enumerate(weight_leaves) if leaf is w), None) for leaf in leaves
         )
         shapes = tuple(
-            jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+            typed_shape(leaf)
             for leaf, weight in zip(leaves, weight_of_leaf, strict=True)
             if weight is None
         )

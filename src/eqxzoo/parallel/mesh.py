@@ -1,4 +1,5 @@
-"""Device meshes with the axes ``dp`` (data/FSDP), ``pp`` (pipeline), ``tp`` (tensor), ``ep`` (experts).
+"""Device meshes with the axes ``dp`` (data/FSDP), ``pp`` (pipeline), ``tp`` (tensor), ``ep`` (experts)
+and ``cp`` (context: each sequence's tokens split over it, `eqxzoo.nn.context_attend`).
 
 Beyond one slice (a TPU slice, a GPU node: devices joined by a fast network, ICI or NVLink),
 slices are joined by a slower data-centre network (DCN). ``[mesh.dcn]`` says how much of
@@ -30,7 +31,7 @@ from eqxzoo.errors import UserError
 from eqxzoo.nn.moe import has_data_dependent_loops
 from eqxzoo.typed_config import check_fields, refuse, require_at_least, runtime_field
 
-MESH_AXES = ("dp", "pp", "tp", "ep")
+MESH_AXES = ("dp", "pp", "tp", "ep", "cp")
 # The mesh axes of ``dp`` where it spans slices: across them, then within one.
 DP_ACROSS_SLICES, DP_WITHIN_SLICE = "dp_dcn", "dp_ici"
 
@@ -47,6 +48,7 @@ class AxisSizes:
     pp: int = runtime_field(1)
     tp: int = runtime_field(1)
     ep: int = runtime_field(1)
+    cp: int = runtime_field(1)
 
     def __post_init__(self):
         check_fields(self)
@@ -62,7 +64,19 @@ class DcnConfig(AxisSizes):
     """``[mesh.dcn]``: how many slices each axis spans (1: the axis stays within a slice).
     ``[mesh]`` keeps each axis's total size: ``dp = 4`` with ``dcn.dp = 2`` is two slices of
     ``dp = 2`` each. Data parallelism and pipeline stages tolerate the slow network; tensor
-    and expert parallelism exchange activations every layer and do not."""
+    and expert parallelism exchange activations every layer and do not; nor does context
+    parallelism (keys and values go round its ring in every attention layer): ``cp`` is
+    refused here."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.cp > 1:
+            refuse(
+                "cp",
+                "context parallelism passes keys and values round its axis in every attention "
+                "layer, too often for the network between slices: keep mesh.cp within a slice "
+                "(mesh.dcn.cp = 1)",
+            )
 
     @property
     def slices(self) -> int:
@@ -90,6 +104,13 @@ class MeshConfig(AxisSizes):
                     f"{across} slices do not divide mesh.{axis}={total}: choose a divisor of "
                     f"{total}",
                 )
+        if self.cp > 1 and self.dp_spans_slices:
+            refuse(
+                "cp",
+                "context parallelism does not yet compose with dp across slices (the step's "
+                "per-slice region around the pipeline's region over cp crashes XLA's "
+                "partitioner): set mesh.dcn.dp = 1, or split slices over mesh.dcn.pp",
+            )
 
     @property
     def ici_shape(self) -> tuple[int, ...]:
@@ -98,7 +119,7 @@ class MeshConfig(AxisSizes):
 
     @property
     def size(self) -> int:
-        return self.dp * self.pp * self.tp * self.ep
+        return math.prod(self.shape)
 
     @property
     def dp_spans_slices(self) -> bool:

@@ -30,6 +30,7 @@ from eqxzoo.parallel.rules import (
     MeshAxes,
     activation_sharding,
     activation_spec,
+    manual_spec,
     rule_axes,
 )
 from eqxzoo.parallel.schedule import Schedule
@@ -119,16 +120,18 @@ def run_pipeline(
     assert mesh.shape["pp"] == schedule.stages, (mesh.shape, schedule)  # checked by the state
     check_stage_loops(layers, mesh)
     placed_by, schedule = schedule, schedule.forward_only
-    # With one stage there is nothing to shift: run the same table without a shard_map (XLA's
-    # partitioner rejects the autodiff all-reduce over a size-1 manual pp axis next to dp).
-    manual = schedule.stages > 1
+    # With one stage there is nothing to shift: run the same table without a shard_map over
+    # pp (XLA's partitioner rejects the autodiff all-reduce over a size-1 manual pp axis
+    # next to dp).
+    pipelined = schedule.stages > 1
+    manual_axes = pipeline_axes(mesh)
+    manual = bool(manual_axes)
     # Activations cross stages in float32: XLA:CPU fails to compile the pipeline's
     # bfloat16 collectives ("Invalid binary instruction opcode copy"); layers still compute
     # in the microbatches' dtype.
     compute_dtype = microbatches.dtype
-    if manual and jnp.dtype(compute_dtype).itemsize < 4:
+    if pipelined and jnp.dtype(compute_dtype).itemsize < 4:
         microbatches = microbatches.astype(jnp.float32)
-    manual_axes = ("pp",) if manual else ()
     params, static = eqx.partition(layers, eqx.is_array)
     params = restage_layers(params, placed_by, schedule)
     table = {name: jnp.asarray(values) for name, values in schedule.table().items()}
@@ -136,13 +139,15 @@ def run_pipeline(
     last_stage = n_stages - 1
     shift = [(stage, (stage + 1) % n_stages) for stage in range(n_stages)]
 
-    split_over_batch = not manual and any(
+    split_over_batch = not pipelined and any(
         mesh.shape[axis] > 1 for axis in rule_axes("batch", rules)
     )
 
     def split_batch(h):
         if not split_over_batch:
             return h
+        if manual:  # inside the region manual over cp: a bare spec of the other axes
+            return jax.lax.with_sharding_constraint(h, activation_spec("batch", rules=rules))
         return jax.lax.with_sharding_constraint(h, activation_sharding(mesh, "batch", rules=rules))
 
     def stage_compute(stage_params, h):
@@ -156,20 +161,22 @@ def run_pipeline(
     def run_stage(stage_params, h):
         return varying_over(stage_compute(stage_params, h), manual_axes)
 
-    stage_param_shapes = jax.tree.map(lambda p: p[0, 0], params)
-    _, aux_shapes = jax.eval_shape(stage_compute, stage_param_shapes, microbatches[0])
-
-    def skip_stage(stage_params, h):
-        del stage_params
-        aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes)
-        return varying_over((jnp.full_like(h, bubble_fill), aux), manual_axes)
-
     def per_stage(stage_params, inputs):
-        stage = jax.lax.axis_index("pp") if manual else 0
-        stage_params = jax.tree.map(lambda p: p[:, 0], stage_params)
+        stage = jax.lax.axis_index("pp") if pipelined else 0
+        # Used by every shard of the sequence (cp): their gradient is summed once, here.
+        stage_params = varying_over(jax.tree.map(lambda p: p[:, 0], stage_params), manual_axes)
         # Likewise the microbatches every stage holds (stage 0 reads them): their gradient
         # is summed over the stages once, not at every tick.
         inputs = varying_over(inputs, manual_axes)
+        # Traced here, where the layers see the region's axes (a shard of each sequence).
+        _, aux_shapes = jax.eval_shape(
+            stage_compute, jax.tree.map(lambda p: p[0], stage_params), inputs[0]
+        )
+
+        def skip_stage(stage_params, h):
+            del stage_params
+            aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes)
+            return varying_over((jnp.full_like(h, bubble_fill), aux), manual_axes)
 
         def tick(carry, t):
             received, returning, outputs, aux_sums = carry
@@ -201,7 +208,7 @@ def run_pipeline(
             aux_sums = jax.tree.map(lambda acc, v: acc.at[microbatch, repeat].add(v), aux_sums, aux)
             is_output = active & (stage == last_stage) & (repeat == n_repeats - 1)
             outputs = outputs.at[microbatch].set(jnp.where(is_output, h_out, outputs[microbatch]))
-            received = jax.lax.ppermute(h_out, "pp", shift) if manual else h_out
+            received = jax.lax.ppermute(h_out, "pp", shift) if pipelined else h_out
             if n_repeats > 1:
                 arriving = table["microbatch"][t, last_stage]
                 keep = (
@@ -230,9 +237,16 @@ def run_pipeline(
             (_, _, outputs, aux_sums), _ = tick(init, 0)
         else:
             (_, _, outputs, aux_sums), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
+        # The aux values are already the whole sequences' (the layers average them over cp).
+        aux_sums = (
+            jax.lax.pmean(aux_sums, CONTEXT_AXIS) if CONTEXT_AXIS in manual_axes else aux_sums
+        )
         return outputs[None], jax.tree.map(lambda v: v[None], aux_sums)
 
-    stage_spec = jax.tree.map(lambda _: activation_spec("repeats", "stages", rules=rules), params)
+    def spec(*names):
+        return manual_spec(*names, manual_axes=manual_axes, rules=rules)
+
+    stage_spec = jax.tree.map(lambda _: spec("repeats", "stages"), params)
     if split_over_batch:
         microbatches = jax.lax.with_sharding_constraint(
             microbatches, activation_sharding(mesh, "microbatches", "batch", rules=rules)
@@ -243,13 +257,24 @@ def run_pipeline(
         outputs, aux_sums = jax.shard_map(
             per_stage,
             mesh=mesh,
-            in_specs=(stage_spec, activation_spec(rules=rules)),
-            out_specs=(activation_spec("stages", rules=rules),) * 2,
-            axis_names={"pp"},
+            in_specs=(stage_spec, spec("microbatches", "batch", "seq")),
+            out_specs=(spec("stages", "microbatches", "batch", "seq"), spec("stages")),
+            axis_names=set(manual_axes),
             check_vma=True,
         )(params, microbatches)
     layer_aux = jax.tree.map(lambda v: in_layer_order(v, schedule), aux_sums)
     return outputs[last_stage].astype(compute_dtype), layer_aux
+
+
+CONTEXT_AXIS = "cp"
+
+
+def pipeline_axes(mesh: Mesh | AbstractMesh) -> tuple[str, ...]:
+    """The mesh axes the pipeline's `jax.shard_map` is manual over: ``pp`` where there are
+    stages to shift between, and ``cp`` where the sequences are split (context parallelism:
+    the layers' attention exchanges keys and values over it itself, `eqxzoo.nn.ContextSplit`);
+    none (no shard_map) on one stage of whole sequences."""
+    return tuple(axis for axis in ("pp", CONTEXT_AXIS) if mesh.shape.get(axis, 1) > 1)
 
 
 def in_layer_order(values: Array, schedule: Schedule) -> Array:

@@ -48,7 +48,7 @@ from jaxtyping import Array, Float, Int, PyTree
 
 from eqxzoo.nn import Axes, apply_layers, logical_axes
 from eqxzoo.nn.stack import RematPolicy, remat
-from eqxzoo.nn.varying import varying_axes
+from eqxzoo.nn.varying import typed_shape, varying_as, varying_axes, varying_like, zeros_of
 from eqxzoo.parallel.backward_split import (
     PullbackResiduals,
     stage_forward,
@@ -56,11 +56,12 @@ from eqxzoo.parallel.backward_split import (
     stage_weight_grad,
 )
 from eqxzoo.parallel.mesh import check_stage_loops
-from eqxzoo.parallel.pipeline import in_layer_order, varying_over
+from eqxzoo.parallel.pipeline import CONTEXT_AXIS, in_layer_order, pipeline_axes, varying_over
 from eqxzoo.parallel.rules import (
     DEFAULT_RULES,
     MeshAxes,
     activation_spec,
+    manual_spec,
     rule_axes,
     tree_shardings,
 )
@@ -124,8 +125,9 @@ def pipeline_value_and_grad(
     table = schedule.actions()
     n_stages, n_repeats = schedule.stages, schedule.repeats
     n_slots = table.slots
-    manual = n_stages > 1
-    manual_axes = ("pp",) if manual else ()
+    pipelined = n_stages > 1
+    manual_axes = pipeline_axes(mesh)
+    manual = bool(manual_axes)
 
     virtual_stages = jnp.asarray(schedule.virtual_stages)
     # The sources (`eqxzoo.parallel.schedule.SOURCES`) something arrives from, per buffer.
@@ -167,17 +169,6 @@ def pipeline_value_and_grad(
     def last_fn(params, h, targets_m):
         return last(eqx.combine(params, outer_static), h, targets_m)
 
-    one_repeat, one_repeat_data = jax.tree.map(lambda p: p[0, 0], (layer_params, layer_data))
-    batch, seq = tokens.shape[1:]
-    ids = jax.ShapeDtypeStruct((batch, seq), tokens.dtype)
-    h_shape = jax.eval_shape(first_fn, outer_params, ids)
-    loss_shape = jax.eval_shape(last_fn, outer_params, h_shape, ids).shape
-    _, aux_shapes = jax.eval_shape(stage_fn, one_repeat, one_repeat_data, h_shape)
-    # A microbatch's aux values summed over layers: what travels with its activation.
-    total_shapes = {
-        name: jax.ShapeDtypeStruct(shape.shape[1:], shape.dtype)
-        for name, shape in aux_shapes.items()
-    }
     n_micro = tokens.shape[0]
 
     def zeros_like(shapes):
@@ -186,28 +177,44 @@ def pipeline_value_and_grad(
     def to_float32(tree):
         return jax.tree.map(lambda g: g.astype(jnp.float32), tree)
 
-    transport_dtype = jnp.promote_types(h_shape.dtype, jnp.float32) if manual else h_shape.dtype
-
     def per_stage(layer_params, layer_data, outer_params, tick_tokens, tick_targets):
-        stage = jax.lax.axis_index("pp") if manual else 0
+        stage = jax.lax.axis_index("pp") if pipelined else 0
         layer_params, layer_data = jax.tree.map(lambda p: p[:, 0], (layer_params, layer_data))
+        # Used by every shard of the sequence (cp): their gradients are summed once, at the end.
+        layer_params = varying_over(layer_params, manual_axes)
         outer_params = varying_over(outer_params, manual_axes)
         varying = lambda tree: varying_over(tree, manual_axes)  # noqa: E731
 
+        # Traced here, where the layers see the region's axes (a shard of each sequence).
+        one_repeat, one_repeat_data = jax.tree.map(lambda p: p[0], (layer_params, layer_data))
+        ids = jax.ShapeDtypeStruct(tick_tokens.shape[2:], tick_tokens.dtype)
+        h_shape = _shape_of(jax.eval_shape(first_fn, outer_params, ids))
+        probe = varying(jnp.zeros(h_shape.shape, h_shape.dtype))
+        loss_shape = jax.eval_shape(last_fn, outer_params, probe, ids).shape
+        _, aux_shapes = jax.eval_shape(stage_fn, one_repeat, one_repeat_data, probe)
+        # A microbatch's aux values summed over layers: what travels with its activation.
+        total_shapes = {
+            name: jax.ShapeDtypeStruct(shape.shape[1:], shape.dtype)
+            for name, shape in aux_shapes.items()
+        }
+        transport_dtype = (
+            jnp.promote_types(h_shape.dtype, jnp.float32) if pipelined else h_shape.dtype
+        )
+
         def fit_cotangent(outputs, cotangent):
-            """``cotangent`` for ``outputs``: in their dtypes, varying over ``pp`` where they
-            do (zero for an output that does not vary: a constant)."""
+            """``cotangent`` for ``outputs``: in their dtypes, varying over the manual axes
+            where they do (`varying_as`; zero for an output that does not vary: a
+            constant)."""
             return jax.tree.map(
                 lambda output, value: (
-                    varying(value.astype(output.dtype))
-                    if _varies(output)
+                    varying_as(value.astype(output.dtype), output)
+                    if varying_axes(output)
                     else jnp.zeros(output.shape, output.dtype)
                 ),
                 outputs,
                 cotangent,
             )
 
-        probe = varying(jnp.zeros(h_shape.shape, h_shape.dtype))
         weights, data = jax.tree.map(lambda p: p[0], (layer_params, layer_data))
         w_stash_shapes, residual_shapes = [], []
         if splits_backward:
@@ -227,8 +234,8 @@ def pipeline_value_and_grad(
                 varying(zeros_like(total_shapes)),
                 fit_cotangent,
             )
-            w_stash_shapes = [_shape_of(leaf) for leaf in probe_stash]
-            residual_shapes = [_shape_of(leaf) for leaf in probe_residuals]
+            w_stash_shapes = [typed_shape(leaf) for leaf in probe_stash]
+            residual_shapes = [typed_shape(leaf) for leaf in probe_residuals]
         elif not remat_stages:
             layout = PullbackResiduals.of(stage_with(data), weights, probe)
             residual_shapes = list(layout.shapes)
@@ -471,8 +478,9 @@ def pipeline_value_and_grad(
                     continue
 
                 def active(operands, run=run):
+                    # Each output as varying as its operand (what the idle branch returns).
                     written, sent = operands
-                    return varying(run(dict(written), sent))
+                    return jax.tree.map(varying_like, run(dict(written), sent), operands)
 
                 written = {name: getattr(stash, name) for name in writes}
                 with jax.named_scope(action_scope(action)):
@@ -492,7 +500,7 @@ def pipeline_value_and_grad(
             received = {
                 source: (
                     jax.lax.ppermute(message, "pp", shifts[source])
-                    if manual and source in shifts
+                    if pipelined and source in shifts
                     else message
                 )
                 for source in sources
@@ -512,11 +520,8 @@ def pipeline_value_and_grad(
                     grads=slot_buffer,
                     input_totals=total_slots,
                     aux_grads=total_slots,
-                    residuals=[
-                        jnp.zeros((1 if remat_stages else n_slots, *s.shape), s.dtype)
-                        for s in residual_shapes
-                    ],
-                    w_stash=[jnp.zeros((n_slots, *s.shape), s.dtype) for s in w_stash_shapes],
+                    residuals=[],
+                    w_stash=[],
                     layer_grads=to_float32(jax.tree.map(jnp.zeros_like, layer_params)),
                     outer_grads=to_float32(jax.tree.map(jnp.zeros_like, outer_params)),
                     loss=jnp.zeros(loss_shape, jnp.float32),
@@ -526,19 +531,46 @@ def pipeline_value_and_grad(
                 ),
             )
         )
+        # The pullback's residuals and W's stash vary over what their values do, and the
+        # stages (their slots do), no more: a router statistic averaged over cp does not
+        # vary over it, and the pullback must read it back so.
+        slot_axes = ("pp",) if pipelined else ()
+        init = init._replace(
+            stash=init.stash._replace(
+                residuals=[
+                    zeros_of(s, (1 if remat_stages else n_slots,), slot_axes)
+                    for s in residual_shapes
+                ],
+                w_stash=[zeros_of(s, (n_slots,), slot_axes) for s in w_stash_shapes],
+            )
+        )
         ticks = (jnp.arange(table.ticks), tick_tokens[:, 0], tick_targets[:, 0])
         final, _ = jax.lax.scan(tick, init, ticks)
         sums = final.stash
-        layer_grads = jax.tree.map(lambda g: g[:, None], sums.layer_grads)
-        stacked = jax.tree.map(lambda v: v[None], (sums.outer_grads, sums.loss, sums.aux))
+        layer_grads, outer_grads, loss, aux = (
+            sums.layer_grads,
+            sums.outer_grads,
+            sums.loss,
+            sums.aux,
+        )
+        if CONTEXT_AXIS in manual_axes:
+            # Each shard of the sequences holds its tokens' part of the loss and gradients;
+            # the aux values are already the whole sequences' (the layers average them).
+            layer_grads, outer_grads, loss = jax.lax.psum(
+                (layer_grads, outer_grads, loss), CONTEXT_AXIS
+            )
+            aux = jax.lax.pmean(aux, CONTEXT_AXIS)
+        layer_grads = jax.tree.map(lambda g: g[:, None], layer_grads)
+        stacked = jax.tree.map(lambda v: v[None], (outer_grads, loss, aux))
         return layer_grads, *stacked
 
-    stage_spec = jax.tree.map(
-        lambda _: activation_spec("repeats", "stages", rules=rules), (layer_params, layer_data)
-    )
-    per_stage_spec = activation_spec("stages", rules=rules)
-    replicated = activation_spec(rules=rules)
-    per_tick_spec = activation_spec(None, "stages", rules=rules)
+    def spec(*names):
+        return manual_spec(*names, manual_axes=manual_axes, rules=rules)
+
+    stage_spec = jax.tree.map(lambda _: spec("repeats", "stages"), (layer_params, layer_data))
+    per_stage_spec = spec("stages")
+    replicated = spec()
+    per_tick_spec = spec(None, "stages", "batch", "seq")
     if manual:
         # The embedding and head run inside the shard_map, where pp is manual: their
         # parameters enter sharded by the rules without pp (XLA's partitioner fails on an
@@ -616,13 +648,8 @@ def action_scope(kind: int) -> str:
     return f"pipeline_action_{ACTION_NAMES[kind]}"
 
 
-def _shape_of(value: Array) -> jax.ShapeDtypeStruct:
+def _shape_of(value: Array | jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(value.shape, value.dtype)
-
-
-def _varies(value) -> bool:
-    """Whether ``value`` (an array or a shape struct) varies over ``pp`` inside the pipeline."""
-    return "pp" in varying_axes(value)
 
 
 def _write(buffer: Array, slot: Array, value: Array) -> Array:

@@ -38,7 +38,7 @@ FIXED_RULES: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "microbatches": (),
         "prefix_microbatches": ("pp",),
         "batch": ("dp",),
-        "seq": (),
+        "seq": ("cp",),
     }
 )
 
@@ -54,7 +54,8 @@ class ShardingConfig:
     and the vocabulary takes pp (the embeddings live outside the pipeline stages).
     The parameter axes (``embed`` to ``experts``) are a user's to change; the pipeline and
     batch axes are fixed by how the trainer works (`FIXED_RULES`: the pipeline runs manual
-    over pp, the loader splits each microbatch's sequences over dp, and a model's prefix
+    over pp, the loader splits each microbatch's sequences over dp and their tokens over cp
+    (context parallelism), and a model's prefix
     layers, run before the pipeline, split the microbatches over pp, which has no stages
     there) and named here so that every sharding comes from this one table.
     """
@@ -166,6 +167,15 @@ def activation_spec(
         mesh_axes = rule_axes(name, rules)
         spec.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes or None)
     return PartitionSpec(*spec)
+
+
+def manual_spec(
+    *names: str | None, manual_axes: tuple[str, ...], rules: Mapping[str, MeshAxes] = DEFAULT_RULES
+) -> PartitionSpec:
+    """`activation_spec` of the part of the rules a `jax.shard_map` manual over
+    ``manual_axes`` takes in its specs (the other axes stay with the compiler)."""
+    manual = {name: tuple(a for a in rule_axes(name, rules) if a in manual_axes) for name in rules}
+    return activation_spec(*names, rules=manual)
 
 
 def activation_sharding(

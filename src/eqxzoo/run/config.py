@@ -45,6 +45,7 @@ from eqxzoo.parallel.mesh import (
     check_model_fits,
     partitions_stages,
 )
+from eqxzoo.parallel.pipeline import CONTEXT_AXIS
 from eqxzoo.parallel.rules import ShardingConfig
 from eqxzoo.parallel.schedule import Schedule, ScheduleError, ScheduleName
 from eqxzoo.train.loss_terms import LossConfig
@@ -230,6 +231,7 @@ class RunConfig:
         self._check_schedule()
         self._check_model_fits_mesh()
         self._check_batch_and_vocab()
+        self._check_context_split()
         self._check_attention_kernel()
 
     @property
@@ -325,6 +327,25 @@ class RunConfig:
                 f"the stdlib corpus would have {data.vocab_size} token ids but "
                 f"model.vocab_size={self.model.vocab_size}; set data.vocab_size <= "
                 f"{self.model.vocab_size} or model.vocab_size >= {data.vocab_size}",
+            )
+
+    def _check_context_split(self) -> None:
+        """``mesh.cp`` splits each sequence into ``2 cp`` equal chunks (`eqxzoo.nn.balanced_order`)."""
+        cp, seq_len = self.mesh.cp, self.data.seq_len
+        if cp == 1:
+            return
+        if seq_len % (2 * cp) != 0:
+            refuse(
+                "data.seq_len",
+                f"{seq_len} tokens do not split into 2 x mesh.cp = {2 * cp} equal chunks (each "
+                f"cp shard holds a chunk from the front and its mirror from the back); use a "
+                f"multiple of {2 * cp}",
+            )
+        if self.model.moe is not None and self.model.moe.routing == "capacity":
+            refuse(
+                "model.moe.routing",
+                "'capacity' ranks each sequence's assignments in order, which a sequence split "
+                "over mesh.cp cannot: route 'dropless' (or set mesh.cp = 1)",
             )
 
     def _check_attention_kernel(self) -> None:
@@ -480,15 +501,20 @@ def step_config(config: RunConfig) -> StepConfig:
 
 
 def model_config_for_mesh(model: DecoderConfig, mesh: MeshConfig) -> DecoderConfig:
-    """``model`` as a run builds it on ``mesh``: MoE experts whose ``dropless_kernel`` is
-    ``"auto"`` run ``"slotted"`` where `jax.lax.ragged_dot` is not native and the mesh does
-    not split pipeline stages over more axes (`eqxzoo.parallel.mesh.partitions_stages`: the
-    slotted kernel's data-dependent loop cannot run there), else ``"sorted"``."""
+    """``model`` as a run builds it on ``mesh``: its layers split each sequence over ``cp``
+    where ``mesh.cp > 1`` (``context_axis``); MoE experts whose ``dropless_kernel`` is
+    ``"auto"`` run ``"slotted"`` where `jax.lax.ragged_dot` is not native and the mesh
+    neither splits pipeline stages over more axes (`eqxzoo.parallel.mesh.partitions_stages`:
+    the slotted kernel's data-dependent loop cannot run there) nor splits the sequences (each
+    cp shard would loop as often as its own tokens overflow), else ``"sorted"``."""
+    if mesh.cp > 1:
+        model = dataclasses.replace(model, context_axis=CONTEXT_AXIS)
     if model.moe is None or model.moe.dropless_kernel != "auto":
         return model
     mesh_shape = dict(zip(MESH_AXES, mesh.shape, strict=True))
     native = resolve_implementation("auto") == "ragged_dot"
-    kernel = "sorted" if native or partitions_stages(mesh_shape) else "slotted"
+    sorted_only = partitions_stages(mesh_shape) or mesh.cp > 1
+    kernel = "sorted" if native or sorted_only else "slotted"
     return dataclasses.replace(model, moe=dataclasses.replace(model.moe, dropless_kernel=kernel))
 
 

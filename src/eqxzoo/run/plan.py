@@ -161,10 +161,17 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
             f"{len(files.names())} tensors, {files.total_bytes / 1e6:,.2f} MB, names, shapes "
             "and dtypes checked (a dry run reads no weights)"
         )
+    context = config.mesh.cp
     say(
         f"batch per step: {shape.windows} sequences x {shape.seq_len} tokens "
-        f"(G={shape.grad_accum}, M={shape.microbatches}, B={shape.batch_size}); "
-        f"{flops_per_token(config.model, shape.seq_len) * config.tokens_per_step:.3g} "
+        f"(G={shape.grad_accum}, M={shape.microbatches}, B={shape.batch_size}"
+        + (
+            ""
+            if context == 1
+            else f"; each sequence split over cp={context}, {shape.seq_len // context} tokens "
+            f"per device, {config.model.context_parallel} attention across them"
+        )
+        + f"); {flops_per_token(config.model, shape.seq_len) * config.tokens_per_step:.3g} "
         "training FLOPs per step"
     )
     measured_by = pricing_schedule(schedule)
@@ -186,6 +193,7 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
             ""
             if memory is None
             else f"; activation memory {format_bytes(memory.temporaries)} per device"
+            + ("" if context == 1 else f" (holding 1/{context} of each sequence)")
         )
     )
     collective_lines, by_link = collectives_report(compiled.as_text(), config.mesh)

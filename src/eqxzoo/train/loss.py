@@ -19,10 +19,19 @@ import optax
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import Array, Float, Int, PyTree
 
-from eqxzoo.nn import LanguageModel, fused_cross_entropy, layer_means, summarize_layer_aux
+from eqxzoo.nn import (
+    ContextSplit,
+    LanguageModel,
+    Stack,
+    balanced_order,
+    fused_cross_entropy,
+    layer_means,
+    summarize_layer_aux,
+)
 from eqxzoo.parallel import activation_sharding, pipeline_value_and_grad, run_pipeline
 from eqxzoo.parallel.mesh import DP_ACROSS_SLICES
-from eqxzoo.parallel.rules import MeshAxes, rule_axes
+from eqxzoo.parallel.pipeline import CONTEXT_AXIS, varying_over
+from eqxzoo.parallel.rules import MeshAxes, manual_spec, rule_axes
 from eqxzoo.train.loss_terms import aux_terms, token_terms, weighted_aux_loss, weighted_loss
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import cast_floats
@@ -40,20 +49,24 @@ def pipelined_loss(
 
     ``model`` is in the pipeline layout. Embedding, prefix and head run outside the pipeline;
     the prefix's layers split the microbatches over ``pp`` (rule ``prefix_microbatches``)
-    where they divide, instead of every stage computing them all.
+    where they divide, instead of every stage computing them all. Where the mesh splits the
+    sequences over ``cp``, the tokens are laid out for balance first (`in_context_order`).
     """
     model = cast_floats(model, config.precision.compute)
     n_micro = tokens.shape[0]
+    tokens, targets, positions = in_context_order(tokens, targets, mesh)
     with jax.named_scope("embed"):
-        h = model.embed(tokens)
+        h = model.embed(tokens, positions)
     if model.prefix is not None:
         with jax.named_scope("prefix"):
             if n_micro % mesh.shape["pp"] == 0:
                 h = jax.lax.with_sharding_constraint(
                     h,
-                    activation_sharding(mesh, "prefix_microbatches", "batch", rules=config.rules),
+                    activation_sharding(
+                        mesh, "prefix_microbatches", "batch", "seq", rules=config.rules
+                    ),
                 )
-            h, _ = model.prefix(h)
+            h = run_prefix(model.prefix, h, mesh, config.rules)
     with jax.named_scope("pipeline"):
         h, layer_aux = run_pipeline(
             model.blocks.layers,
@@ -68,11 +81,59 @@ def pipelined_loss(
         )
     with jax.named_scope("head"):
         h = jax.lax.with_sharding_constraint(
-            h, activation_sharding(mesh, "microbatches", "batch", rules=config.rules)
+            h, activation_sharding(mesh, "microbatches", "batch", "seq", rules=config.rules)
         )
         token_losses, log_normalizers = token_cross_entropy(model, h, targets, config, mesh)
     aux = batch_aux_metrics(summarize_microbatches(over_slices(layer_aux, mesh, config)), config)
     return total_loss(token_losses, log_normalizers, aux, config)
+
+
+def splits_context(mesh: Mesh | AbstractMesh) -> bool:
+    """Whether ``mesh`` splits each sequence's tokens over ``cp`` (context parallelism)."""
+    return mesh.shape.get(CONTEXT_AXIS, 1) > 1
+
+
+def in_context_order(
+    tokens: Int[Array, "*batch seq"], targets: Int[Array, "*batch seq"], mesh: Mesh | AbstractMesh
+) -> tuple[Int[Array, "*batch seq"], Int[Array, "*batch seq"], Int[Array, " seq"] | None]:
+    """``tokens`` and ``targets`` in the order whose ``cp`` shards carry equal causal work
+    (`eqxzoo.nn.balanced_order`), and the positions they then sit at (None, the plain
+    order, without ``cp``). The loss is a mean over tokens, so the order changes nothing."""
+    if not splits_context(mesh):
+        return tokens, targets, None
+    order = balanced_order(tokens.shape[-1], mesh.shape[CONTEXT_AXIS])
+    return tokens[..., order], targets[..., order], jnp.asarray(order, jnp.int32)
+
+
+def run_prefix(
+    prefix: Stack,
+    h: Float[Array, "microbatches batch seq embed"],
+    mesh: Mesh | AbstractMesh,
+    rules: Mapping[str, MeshAxes],
+) -> Float[Array, "microbatches batch seq embed"]:
+    """The model's prefix layers on ``h`` (their aux values dropped, as the loss has no use
+    for them); inside a region manual over ``cp`` where the sequences are split, where
+    their attention exchanges the shards' keys and values."""
+    if not splits_context(mesh):
+        return prefix(h)[0]
+    arrays, static = eqx.partition(prefix, eqx.is_array)
+    context_axes = (CONTEXT_AXIS,)
+
+    def run(arrays, h):
+        # Used by every shard: their gradient is summed over cp once, here.
+        weights, data = eqx.partition(arrays, eqx.is_inexact_array)
+        weights = varying_over(weights, context_axes)
+        return eqx.combine(weights, data, static)(h)[0]
+
+    spec = manual_spec("microbatches", "batch", "seq", manual_axes=context_axes, rules=rules)
+    return jax.shard_map(
+        run,
+        mesh=mesh,
+        in_specs=(manual_spec(manual_axes=context_axes, rules=rules), spec),
+        out_specs=spec,
+        axis_names=set(context_axes),
+        check_vma=True,
+    )(arrays, h)
 
 
 def over_slices(
@@ -220,9 +281,12 @@ def pipelined_loss_and_grad(
     outer = eqx.tree_at(lambda m: m.blocks.layers, model, None)
     n_micro, n_tokens = tokens.shape[0], tokens.size
     n_layers = model.blocks.n_layers
+    tokens, targets, _ = in_context_order(tokens, targets, mesh)
+    context = ContextSplit(CONTEXT_AXIS) if splits_context(mesh) else None
 
     def first(outer, tokens):
-        h = outer.embed(tokens)
+        # Inside the executor's region: a shard of each sequence where cp splits them.
+        h = outer.embed(tokens, None if context is None else context.positions(tokens.shape[-1]))
         if outer.prefix is not None:
             h, _ = outer.prefix(h)
         return h
