@@ -98,6 +98,12 @@ def check_loss(figures: dict) -> None:
         assert set(by_vocab) == keys(kernels.QUICK_LOSS["vocabs"])
 
 
+def check_context(figures: dict) -> None:
+    by_shards = figures["cp_activation_bytes"]
+    assert set(by_shards) == keys(kernels.CONTEXT_SHARDS)
+    assert by_shards["4"] < by_shards["2"] < by_shards["1"], "splitting the sequence saves memory"
+
+
 def check_attention(figures: dict) -> None:
     seconds, temp = figures["attention_fwd_bwd_s"], figures["attention_temp_bytes"]
     every_seq = keys((*kernels.QUICK_ATTENTION["seqs"], *kernels.QUICK_ATTENTION["blockwise_only"]))
@@ -123,6 +129,7 @@ CHECKS = {
     "moe": check_moe,
     "dispatch": check_dispatch,
     "loss": check_loss,
+    "context": check_context,
     "attention": check_attention,
     "seq": check_seq,
 }
