@@ -184,6 +184,7 @@ def test_restore_onto_another_mesh(tmp_path, mesh_state, target):
             "pp": 2,
             "tp": 1,
             "ep": 1,
+            "cp": 1,
         }
 
 

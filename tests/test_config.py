@@ -342,6 +342,11 @@ def error_for(overrides, path=TINY) -> str:
             r"^mesh\.cp: context parallelism does not yet compose with dp across slices",
         ),
         (
+            ["model.context_axis=cp"],
+            r"^model\.context_axis: is set by the trainer from mesh\.cp .*; leave it unset and "
+            r"set mesh\.cp$",
+        ),
+        (
             ["model.context_parallel=ulysses"],
             r"^model\.context_parallel: expected 'ring' or 'all_gather', got 'ulysses'$",
         ),

@@ -326,7 +326,7 @@ CONTEXT_CASES = [
         ("mixtral", "1f1b", "pp2,cp2,tp2", "M=P", "plain", "ring"),
         ("gemma2", "1f1b", "dp2,pp2,cp2", "M=P", "blockwise", "all_gather"),
         ("deepseek_v3", "circular", "pp2,cp4", "M=P", "plain", "all_gather"),
-        ("deepseek_v3", "gpipe", "cp4,tp2", "M=P", "chunked-z-pooled", "ring"),
+        ("mixtral", "gpipe", "cp4,tp2", "M=P", "chunked-z-pooled", "ring"),
         ("qwen3_moe", "zb_h1", "pp2,cp2,ep2", "M=2P+1", "plain", "ring"),
         ("gpt_oss", "interleaved_1f1b", "pp2,cp4", "M=P", "no-remat", "ring"),
     )

@@ -201,6 +201,8 @@ def test_every_config_field_declares_its_role():
         "remat",
         "attention_kernel",
         "attention_block_size",
+        "context_parallel",
+        "context_axis",
     )
 
 

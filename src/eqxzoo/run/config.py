@@ -332,6 +332,12 @@ class RunConfig:
     def _check_context_split(self) -> None:
         """``mesh.cp`` splits each sequence into ``2 cp`` equal chunks (`eqxzoo.nn.balanced_order`)."""
         cp, seq_len = self.mesh.cp, self.data.seq_len
+        if self.model.context_axis is not None:
+            refuse(
+                "model.context_axis",
+                "is set by the trainer from mesh.cp (the layers then split each sequence over "
+                "it); leave it unset and set mesh.cp",
+            )
         if cp == 1:
             return
         if seq_len % (2 * cp) != 0:
