@@ -11,7 +11,8 @@ stages computing through their bubbles), each of which also meets every schedule
 each of those pairs appears together at least once (`grids.covering`), in 59 cases instead
 of the product's 9,225 (``EQXZOO_FULL_GRIDS=1`` runs the product).
 Every case fills the pipeline's bubbles (its idle ticks' inputs, and what idle stages send)
-with NaN: they must leak into nothing.
+with NaN: they must leak into nothing. Every case masks a quarter of the targets (a loss mask,
+`with_masked_targets`): the loss is the sum over the rest divided by their number.
 
 A family meets the pipeline through its layers: the executor that differentiates them and
 the mesh axes that split their arrays. Stage counts, microbatch counts and the variants are
@@ -38,7 +39,7 @@ from eqxzoo.parallel import MeshConfig, Schedule, make_mesh
 from eqxzoo.parallel.mesh import DcnConfig
 from eqxzoo.parallel.schedule import ScheduleError
 from eqxzoo.train.layout import from_pipeline_layout, to_pipeline_layout
-from eqxzoo.train.loss import pipelined_loss, pipelined_loss_and_grad, sequential_loss
+from eqxzoo.train.loss import IGNORED, pipelined_loss, pipelined_loss_and_grad, sequential_loss
 from eqxzoo.train.loss_terms import LossConfig
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import split_trainable
@@ -192,6 +193,16 @@ def without_padding(aux: dict) -> dict:
     return {name: value for name, value in aux.items() if name != "padding_fraction"}
 
 
+def with_masked_targets(data: dict) -> dict:
+    """``data`` with each sequence's first two targets (a prompt's) and a fixed random fifth
+    of the rest `IGNORED`."""
+    targets = np.asarray(data["targets"]).copy()
+    masked = np.random.default_rng(0).random(targets.shape) < 0.2
+    masked[..., :2] = True
+    targets[masked] = IGNORED
+    return {**data, "targets": jnp.asarray(targets)}
+
+
 def loss_and_grads(tiny_config, random_batch, case: dict, context_parallel: str = "ring"):
     """``(sequential (loss, aux), grads), (pipelined (loss, aux), grads)`` of the case's tiny
     model, the pipelined one with NaN bubbles (and, on a mesh with cp, its layers splitting
@@ -219,7 +230,7 @@ def loss_and_grads(tiny_config, random_batch, case: dict, context_parallel: str 
             model_config, context_axis="cp", context_parallel=context_parallel
         )
         split_model = models.DecoderLM(split_config, key=jax.random.key(0))
-    data = random_batch((schedule.microbatches, BATCH, SEQ))
+    data = with_masked_targets(random_batch((schedule.microbatches, BATCH, SEQ)))
     if case["variant"] == "chunked-z-pooled":  # the plain loss of the whole logits as the reference
         config = dataclasses.replace(config, loss=dataclasses.replace(loss, chunk_size=0))
 

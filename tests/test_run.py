@@ -41,6 +41,9 @@ def test_reference_run_reports_every_step(reference: list[dict]):
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     for name in ("loss", "grad_norm", "lr", "tokens_per_s", "skipped", "expert_load", "mfu"):
         assert all(name in r for r in steps), name
+    # The plain corpus masks no target: every token counts.
+    tokens = load_config(TINY, list(SMALL)).tokens_per_step
+    assert {(r["target_tokens"], r["masked_fraction"]) for r in steps} == {(tokens, 0.0)}
     assert [r["step"] for r in reference if "val_loss" in r] == [3, 6]
 
 

@@ -31,19 +31,27 @@ from eqxzoo.parallel import (
     check_model_fits,
     make_mesh,
 )
-from eqxzoo.train.layout import checkpoint_layout, from_checkpoint_layout, from_pipeline_layout
-from eqxzoo.train.loss import sequential_loss
+from eqxzoo.train.layout import (
+    checkpoint_layout,
+    from_checkpoint_layout,
+    from_pipeline_layout,
+    to_pipeline_layout,
+)
+from eqxzoo.train.loss import IGNORED, sequential_loss
+from eqxzoo.train.loss_terms import LossConfig
 from eqxzoo.train.settings import Precision, StepConfig
 from eqxzoo.train.state import (
     abstract_train_state,
     init_train_state,
     init_train_state_from,
+    split_trainable,
     train_state_axes,
 )
 from eqxzoo.train.step import (
     accumulated_gradients,
     compile_train_step,
     make_train_step,
+    step_gradients,
     train_step,
 )
 
@@ -295,6 +303,55 @@ def test_zb_v_places_layers_in_a_v_and_checkpoints_them_in_order(moe, assert_tre
     assert_trees_close(loaded.model, state.model, rtol=1e-6)
 
 
+@pytest.mark.parametrize("schedule", ["circular", "1f1b"])
+def test_a_loss_mask_is_normalised_over_the_whole_batch(
+    schedule, moe, make_batch, assert_trees_close
+):
+    """Targets masked unevenly over the accumulation steps (most of the first step's, none
+    of the second's) on dp2 x pp2: the loss, its parts and the gradients are those of one
+    device over every target token of the batch divided by their number, not the mean of the
+    steps' means; the metrics count the targets."""
+    batch = make_batch(0)
+    targets = np.asarray(batch["targets"]).copy()
+    targets[0, :, :, 1:] = IGNORED
+    batch["targets"] = jnp.asarray(targets)
+    repeats = 2 if schedule == "circular" else 1
+    config = StepConfig(
+        schedule=Schedule(schedule, 2, SHAPE[1], repeats),
+        optimizer=ADAM,
+        loss=LossConfig(load_balance_weight=0.1, router_z_weight=0.01),
+    )
+    mesh = make_mesh(MeshConfig(dp=2, pp=2), jax.devices()[:4])
+    model = models.DecoderLM(moe, key=jax.random.key(0))
+    trainable, frozen = split_trainable(to_pipeline_layout(model, config.schedule), ADAM)
+    grads, metrics = jax.jit(step_gradients(config, mesh))(trainable, frozen, batch)
+
+    whole = {name: value.reshape(1, -1, *SHAPE[2:]) for name, value in batch.items()}
+
+    def reference(model):
+        return sequential_loss(model, whole["tokens"][0], whole["targets"][0], config=config)
+
+    (loss, parts), expected = eqx.filter_value_and_grad(reference, has_aux=True)(model)
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
+    np.testing.assert_allclose(metrics["cross_entropy"], parts["cross_entropy"], rtol=1e-5)
+    grads = from_pipeline_layout(eqx.combine(grads, frozen), config.schedule)
+    assert_trees_close(
+        eqx.filter(grads, eqx.is_inexact_array), eqx.filter(expected, eqx.is_inexact_array)
+    )
+    per_step = [
+        sequential_loss(model, batch["tokens"][g], batch["targets"][g], config=config)[1]
+        for g in range(SHAPE[0])
+    ]
+    mean_of_means = sum(step["cross_entropy"] for step in per_step) / SHAPE[0]
+    assert abs(float(mean_of_means) - float(parts["cross_entropy"])) > 1e-3
+    _, step_metrics = jax.jit(
+        lambda s, b: train_step(s, b, config=config, gradients=step_gradients(config, mesh))
+    )(init_train_state(lambda key: model, jax.random.key(0), config=config, mesh=mesh), batch)
+    expected_targets = int((targets >= 0).sum())
+    assert int(step_metrics["target_tokens"]) == expected_targets
+    np.testing.assert_allclose(step_metrics["masked_fraction"], 1 - expected_targets / targets.size)
+
+
 def test_non_finite_step_is_skipped_and_counted(dense, make_batch):
     """A NaN loss leaves parameters and optimizer state bitwise unchanged; the next finite
     step updates as usual."""
@@ -303,9 +360,13 @@ def test_non_finite_step_is_skipped_and_counted(dense, make_batch):
     make_model = functools.partial(models.DecoderLM, dense)
     state = init_train_state(make_model, jax.random.key(0), config=config, mesh=mesh)
 
-    def poisoned_loss(model, tokens, targets):
+    def poisoned_loss(model, tokens, targets, normalizer):
         loss, metrics = sequential_loss(
-            from_pipeline_layout(model, config.schedule), tokens, targets, config=config
+            from_pipeline_layout(model, config.schedule),
+            tokens,
+            targets,
+            config=config,
+            normalizer=normalizer,
         )
         return jnp.where(tokens[0, 0, 0] == 0, jnp.nan, loss), metrics
 

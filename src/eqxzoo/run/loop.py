@@ -602,6 +602,9 @@ def step_record(
         "cross_entropy": float(values["cross_entropy"]),
         "grad_norm": float(values["grad_norm"]),
         "lr": float(values["learning_rate"]),
+        # The tokens the loss is a mean over (a loss mask leaves the others out).
+        "target_tokens": int(values["target_tokens"]),
+        "masked_fraction": float(values["masked_fraction"]),
         "tokens_per_s": tokens_per_s,
         "step_seconds": seconds,
         "mfu": tokens_per_s * flops_per_token_ / peak,

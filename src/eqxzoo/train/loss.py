@@ -3,6 +3,13 @@ cross-entropy, an optional z-loss on the logits, the MoE auxiliary losses), comp
 differentiated by autodiff), with its gradients by the 1F1B-family executor
 (`pipelined_loss_and_grad`), or the plain way as a reference (`sequential_loss`).
 
+Targets below zero (`IGNORED`) are not targets: a loss mask (prompts, padding) is written
+into the targets, as PyTorch's and Hugging Face's ``ignore_index`` is. Each per-token term is
+summed over the target tokens and divided by a ``normalizer``: by default their count, a
+masked mean; the train step passes its share of the whole global batch's count
+(`eqxzoo.train.step.accumulated_gradients`), so that the loss is the sum over every target
+token of the batch divided by their number, never a mean of per-microbatch means.
+
 The trainer's cross-entropy is the fused, chunked one (`eqxzoo.nn.fused_cross_entropy`,
 ``[loss] chunk_size`` > 0): the head's matmul, log-softmax and loss run over vocabulary
 chunks, so the ``(tokens, vocab)`` logits never exist. ``chunk_size = 0`` computes the
@@ -36,6 +43,26 @@ from eqxzoo.train.loss_terms import aux_terms, token_terms, weighted_aux_loss, w
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import cast_floats
 
+IGNORED = -1  # a target id that is not a target: its token adds nothing to the loss
+
+
+def target_mask(targets: Int[Array, "*tokens"]) -> Float[Array, "*tokens"]:
+    """1.0 where ``targets`` holds a target, 0.0 where it is `IGNORED` (any id below zero)."""
+    return (targets >= 0).astype(jnp.float32)
+
+
+def target_count(targets: Int[Array, "*tokens"]) -> Float[Array, ""]:
+    """The number of target tokens in ``targets`` (float32)."""
+    return jnp.sum(target_mask(targets))
+
+
+def default_normalizer(
+    targets: Int[Array, "*tokens"], normalizer: Float[Array, ""] | None
+) -> Float[Array, ""]:
+    """``normalizer``, or the target tokens of ``targets`` (at least 1: a batch with none
+    has a loss of 0)."""
+    return jnp.maximum(target_count(targets), 1.0) if normalizer is None else normalizer
+
 
 def pipelined_loss(
     model: LanguageModel,
@@ -44,8 +71,10 @@ def pipelined_loss(
     *,
     config: StepConfig,
     mesh: Mesh | AbstractMesh,
+    normalizer: Float[Array, ""] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
-    """Token-mean cross-entropy plus weighted aux losses, with the blocks pipelined over ``pp``.
+    """Cross-entropy over the target tokens (summed, divided by ``normalizer``: module
+    docstring) plus weighted aux losses, with the blocks pipelined over ``pp``.
 
     ``model`` is in the pipeline layout. Embedding, prefix and head run outside the pipeline;
     the prefix's layers split the microbatches over ``pp`` (rule ``prefix_microbatches``)
@@ -54,6 +83,7 @@ def pipelined_loss(
     """
     model = cast_floats(model, config.precision.compute)
     n_micro = tokens.shape[0]
+    normalizer = default_normalizer(targets, normalizer)
     tokens, targets, positions = in_context_order(tokens, targets, mesh)
     with jax.named_scope("embed"):
         h = model.embed(tokens, positions)
@@ -85,7 +115,7 @@ def pipelined_loss(
         )
         token_losses, log_normalizers = token_cross_entropy(model, h, targets, config, mesh)
     aux = batch_aux_metrics(summarize_microbatches(over_slices(layer_aux, mesh, config)), config)
-    return total_loss(token_losses, log_normalizers, aux, config)
+    return total_loss(token_losses, log_normalizers, target_mask(targets), normalizer, aux, config)
 
 
 def splits_context(mesh: Mesh | AbstractMesh) -> bool:
@@ -157,6 +187,7 @@ def sequential_loss(
     targets: Int[Array, "microbatches batch seq"],
     *,
     config: StepConfig,
+    normalizer: Float[Array, ""] | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """The same loss computed the plain way: the (unstaged) model vmapped over every sequence."""
     model = cast_floats(model, config.precision.compute)
@@ -165,7 +196,8 @@ def sequential_loss(
     token_losses, log_normalizers = plain_cross_entropy(
         logits.astype(config.precision.output), targets
     )
-    return total_loss(token_losses, log_normalizers, aux, config)
+    weights, normalizer = target_mask(targets), default_normalizer(targets, normalizer)
+    return total_loss(token_losses, log_normalizers, weights, normalizer, aux, config)
 
 
 def batch_aux_metrics(aux: dict[str, Array], config: StepConfig) -> dict[str, Array]:
@@ -198,6 +230,7 @@ def token_cross_entropy(
     the model's `head_inputs`, or from the plain logits when it is 0. ``mesh`` (with
     ``manual_pp`` inside a region manual over ``pp``) tells how the vocabulary is sharded
     (`vocab_shards`)."""
+    targets = jnp.maximum(targets, 0)  # ignored targets' values are masked out by the caller
     if not config.loss.chunk_size:
         return plain_cross_entropy(model.head(h).astype(config.precision.output), targets)
     features, projection, vocab_major, softcap = model.head_inputs(h)
@@ -241,22 +274,28 @@ def vocab_shards(
 def plain_cross_entropy(
     logits: Float[Array, "*batch seq vocab"], targets: Int[Array, "*batch seq"]
 ) -> tuple[Float[Array, "*batch seq"], Float[Array, "*batch seq"]]:
-    """Each token's cross-entropy and log-sum-exp from materialised logits (the reference)."""
+    """Each token's cross-entropy and log-sum-exp from materialised logits (the reference; an
+    ignored target's cross-entropy is its logits' against id 0, for the caller to mask)."""
     with jax.named_scope("loss"):
-        token_losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        token_losses = optax.softmax_cross_entropy_with_integer_labels(
+            logits, jnp.maximum(targets, 0)
+        )
         return token_losses, jax.nn.logsumexp(logits, axis=-1)
 
 
 def total_loss(
     token_losses: Float[Array, "*batch seq"],
     log_normalizers: Float[Array, "*batch seq"],
+    weights: Float[Array, "*batch seq"],
+    normalizer: Float[Array, ""],
     aux: dict[str, Array],
     config: StepConfig,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
-    """``(loss, metrics)``: each per-token term's mean over the tokens and the model's aux
-    values, weighted (`eqxzoo.train.loss_terms.weighted_loss`)."""
+    """``(loss, metrics)``: each per-token term summed over the target tokens (``weights``)
+    and divided by ``normalizer``, and the model's aux values, weighted
+    (`eqxzoo.train.loss_terms.weighted_loss`)."""
     parts = {
-        term.name: jnp.mean(term.per_token(token_losses, log_normalizers))
+        term.name: jnp.sum(weights * term.per_token(token_losses, log_normalizers)) / normalizer
         for term in token_terms(config.loss)
     }
     return weighted_loss(parts, aux, config.loss)
@@ -269,6 +308,7 @@ def pipelined_loss_and_grad(
     *,
     config: StepConfig,
     mesh: Mesh | AbstractMesh,
+    normalizer: Float[Array, ""] | None = None,
 ) -> tuple[tuple[Float[Array, ""], dict[str, Array]], PyTree]:
     """``((loss, metrics), grads)`` of `pipelined_loss` by the 1F1B-family executor
     (`eqxzoo.parallel.pipeline_value_and_grad`), which runs the backward itself.
@@ -279,7 +319,8 @@ def pipelined_loss_and_grad(
     """
     model = cast_floats(model, config.precision.compute)
     outer = eqx.tree_at(lambda m: m.blocks.layers, model, None)
-    n_micro, n_tokens = tokens.shape[0], tokens.size
+    n_micro = tokens.shape[0]
+    normalizer = default_normalizer(targets, normalizer)
     n_layers = model.blocks.n_layers
     tokens, targets, _ = in_context_order(tokens, targets, mesh)
     context = ContextSplit(CONTEXT_AXIS) if splits_context(mesh) else None
@@ -295,8 +336,12 @@ def pipelined_loss_and_grad(
         token_losses, log_normalizers = token_cross_entropy(
             outer, h, targets, config, mesh, manual_pp=True
         )
+        weights = target_mask(targets)
         return jnp.stack(
-            [jnp.sum(term.per_token(token_losses, log_normalizers)) / n_tokens for term in terms]
+            [
+                jnp.sum(weights * term.per_token(token_losses, log_normalizers)) / normalizer
+                for term in terms
+            ]
         )
 
     terms = token_terms(config.loss)

@@ -32,16 +32,17 @@ from eqxzoo.parallel.collectives import permutes_in_branches
 from eqxzoo.parallel.mesh import DP_WITHIN_SLICE
 from eqxzoo.parallel.rules import partition_spec, rule_axes
 from eqxzoo.train.layout import from_pipeline_layout
-from eqxzoo.train.loss import pipelined_loss, pipelined_loss_and_grad
+from eqxzoo.train.loss import pipelined_loss, pipelined_loss_and_grad, target_count
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import TrainState, pipeline_model_axes, split_trainable
 
 Batch = dict[str, Int[Array, "grad_accum microbatches batch seq"]]
 
-LossFn = Callable[[LanguageModel, Array, Array], tuple[Array, dict[str, Array]]]
-# ``(model, tokens, targets) -> ((loss, metrics), grads)``, grads shaped like the model.
+LossFn = Callable[[LanguageModel, Array, Array, Array], tuple[Array, dict[str, Array]]]
+# ``(model, tokens, targets, normalizer) -> ((loss, metrics), grads)``, grads shaped like the
+# model.
 LossAndGradFn = Callable[
-    [LanguageModel, Array, Array], tuple[tuple[Array, dict[str, Array]], LanguageModel]
+    [LanguageModel, Array, Array, Array], tuple[tuple[Array, dict[str, Array]], LanguageModel]
 ]
 # ``(trainable, frozen, batch) -> (mean float32 gradients, mean metrics)``.
 Accumulate = Callable[[PyTree, PyTree, Batch], tuple[PyTree, dict[str, Array]]]
@@ -82,10 +83,13 @@ def train_step(
         return params, opt_state
 
     updated, opt_state = jax.lax.cond(finite, update, keep, grads, state.opt_state, trainable)
+    targets = target_count(batch["targets"])
     metrics.update(
         grad_norm=grad_norm,
         learning_rate=learning_rate_schedule(config.optimizer)(state.step),
         tokens=jnp.asarray(batch["tokens"].size, jnp.int32),
+        target_tokens=targets.astype(jnp.int32),
+        masked_fraction=1.0 - targets / batch["targets"].size,
         skipped=jnp.logical_not(finite).astype(jnp.int32),
     )
     if "expert_fraction" in metrics:
@@ -111,19 +115,34 @@ def accumulated_gradients(
     loss_and_grad_fn: LossAndGradFn | None = None,
 ) -> tuple[PyTree, dict[str, Array]]:
     """The gradients of the ``trainable`` part of the model (float32) and the metrics, each
-    the mean over the batch's ``G`` accumulation steps (`train_step`)."""
+    the mean over the batch's ``G`` accumulation steps (`train_step`).
+
+    Every accumulation step's per-token loss terms are sums over its target tokens divided by
+    ``1 / G`` of the whole batch's target count (over the slices too, where each slice runs
+    this on its own: ``1 / (G S)``), so that the mean over the steps (and slices) is the sum
+    over every target token of the batch divided by their number
+    (`eqxzoo.train.loss`), whatever share of them each step holds."""
+    n_accum = batch["tokens"].shape[0]
+    count = target_count(batch["targets"])
+    shares = n_accum
+    if config.slice_axes:  # inside `per_slice`: the whole batch's count, a share per slice
+        count = jax.lax.psum(count, config.slice_axes)
+        shares *= jax.lax.psum(1, config.slice_axes)
+    normalizer = jnp.maximum(count, 1.0) / shares
 
     def microbatch_grads(carry, micro):
         grad_sum, metric_sum = carry
 
         def loss_of(trainable):
-            return loss_fn(eqx.combine(trainable, frozen), micro["tokens"], micro["targets"])
+            return loss_fn(
+                eqx.combine(trainable, frozen), micro["tokens"], micro["targets"], normalizer
+            )
 
         if loss_and_grad_fn is None:
             (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
         else:
             (loss, metrics), grads = loss_and_grad_fn(
-                eqx.combine(trainable, frozen), micro["tokens"], micro["targets"]
+                eqx.combine(trainable, frozen), micro["tokens"], micro["targets"], normalizer
             )
             grads, _ = eqx.partition(grads, trainable_mask(grads, config.optimizer.freeze))
         metrics = {"loss": loss, **metrics}
@@ -136,10 +155,9 @@ def accumulated_gradients(
 
     def first_metrics():
         model = eqx.combine(trainable, frozen)
-        loss, metrics = loss_fn(model, batch["tokens"][0], batch["targets"][0])
+        loss, metrics = loss_fn(model, batch["tokens"][0], batch["targets"][0], normalizer)
         return {"loss": loss, **metrics}
 
-    n_accum = batch["tokens"].shape[0]
     if n_accum == 1:
         # No sums to start from zero, so no trace of the loss for its metrics' shapes.
         (grad_sum, metric_sum), _ = microbatch_grads(
@@ -385,11 +403,15 @@ def step_gradients(config: StepConfig, mesh: Mesh) -> Accumulate:
     def region_mesh():
         return jax.sharding.get_abstract_mesh() if config.slice_axes else mesh
 
-    def loss_fn(model, tokens, targets):
-        return pipelined_loss(model, tokens, targets, config=inner, mesh=region_mesh())
+    def loss_fn(model, tokens, targets, normalizer):
+        return pipelined_loss(
+            model, tokens, targets, config=inner, mesh=region_mesh(), normalizer=normalizer
+        )
 
-    def loss_and_grad_fn(model, tokens, targets):
-        return pipelined_loss_and_grad(model, tokens, targets, config=inner, mesh=region_mesh())
+    def loss_and_grad_fn(model, tokens, targets, normalizer):
+        return pipelined_loss_and_grad(
+            model, tokens, targets, config=inner, mesh=region_mesh(), normalizer=normalizer
+        )
 
     accumulate = functools.partial(
         accumulated_gradients,
@@ -431,8 +453,8 @@ def make_train_step(
 def make_eval_step(
     config: StepConfig, mesh: Mesh
 ) -> Callable[[LanguageModel, Batch], Float[Array, ""]]:
-    """The jitted evaluation: token-mean cross-entropy of a ``(1, M, B, T)`` batch through the
-    same pipeline as training (``model`` in the pipeline layout)."""
+    """The jitted evaluation: cross-entropy of a ``(1, M, B, T)`` batch's target tokens (their
+    mean) through the same pipeline as training (``model`` in the pipeline layout)."""
 
     def evaluate(model, batch):
         batch = jax.lax.with_sharding_constraint(batch, batch_sharding(mesh, config.rules))
