@@ -265,12 +265,15 @@ def loss_and_grads(tiny_config, random_batch, case: dict, context_parallel: str 
 def one_step_gradients(config: StepConfig, mesh, data):
     """``model -> ((loss, aux), grads)`` through the train step's `step_gradients` of one
     accumulation step of ``data``, split as the trainer splits it (`split_trainable`); the
-    gradients of what it does not train (the balancing biases) as zeros."""
+    gradients of what it does not train (the balancing biases) as zeros; without the batch's
+    target count, which the step also reports (`test_train_step.py` checks it)."""
 
     def value_and_grad(model):
         trainable, frozen = split_trainable(model, config.optimizer)
         batch = jax.tree.map(lambda x: x[None], data)
         grads, metrics = step_gradients(config, mesh)(trainable, frozen, batch)
+        for counted in ("target_tokens", "masked_fraction"):
+            metrics.pop(counted)
         untrained = jax.tree.map(jnp.zeros_like, eqx.filter(frozen, eqx.is_inexact_array))
         return (metrics.pop("loss"), metrics), eqx.combine(grads, untrained)
 

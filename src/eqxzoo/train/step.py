@@ -83,13 +83,10 @@ def train_step(
         return params, opt_state
 
     updated, opt_state = jax.lax.cond(finite, update, keep, grads, state.opt_state, trainable)
-    targets = target_count(batch["targets"])
     metrics.update(
         grad_norm=grad_norm,
         learning_rate=learning_rate_schedule(config.optimizer)(state.step),
         tokens=jnp.asarray(batch["tokens"].size, jnp.int32),
-        target_tokens=targets.astype(jnp.int32),
-        masked_fraction=1.0 - targets / batch["targets"].size,
         skipped=jnp.logical_not(finite).astype(jnp.int32),
     )
     if "expert_fraction" in metrics:
@@ -115,7 +112,8 @@ def accumulated_gradients(
     loss_and_grad_fn: LossAndGradFn | None = None,
 ) -> tuple[PyTree, dict[str, Array]]:
     """The gradients of the ``trainable`` part of the model (float32) and the metrics, each
-    the mean over the batch's ``G`` accumulation steps (`train_step`).
+    the mean over the batch's ``G`` accumulation steps (`train_step`), with the batch's
+    ``target_tokens`` and ``masked_fraction``.
 
     Every accumulation step's per-token loss terms are sums over its target tokens divided by
     ``1 / G`` of the whole batch's target count (over the slices too, where each slice runs
@@ -123,12 +121,11 @@ def accumulated_gradients(
     over every target token of the batch divided by their number
     (`eqxzoo.train.loss`), whatever share of them each step holds."""
     n_accum = batch["tokens"].shape[0]
-    count = target_count(batch["targets"])
-    shares = n_accum
+    count, slices = target_count(batch["targets"]), 1
     if config.slice_axes:  # inside `per_slice`: the whole batch's count, a share per slice
         count = jax.lax.psum(count, config.slice_axes)
-        shares *= jax.lax.psum(1, config.slice_axes)
-    normalizer = jnp.maximum(count, 1.0) / shares
+        slices = jax.lax.psum(1, config.slice_axes)
+    normalizer = jnp.maximum(count, 1.0) / (n_accum * slices)
 
     def microbatch_grads(carry, micro):
         grad_sum, metric_sum = carry
@@ -169,7 +166,12 @@ def accumulated_gradients(
             jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(first_metrics)),
         )
         (grad_sum, metric_sum), _ = jax.lax.scan(microbatch_grads, zeros, batch)
-    return jax.tree.map(lambda x: x / n_accum, (grad_sum, metric_sum))
+    grad_mean, metrics = jax.tree.map(lambda x: x / n_accum, (grad_sum, metric_sum))
+    metrics.update(
+        target_tokens=count.astype(jnp.int32),
+        masked_fraction=1.0 - count / (batch["targets"].size * slices),
+    )
+    return grad_mean, metrics
 
 
 def per_slice(accumulate: Accumulate, mesh: Mesh, config: StepConfig) -> Accumulate:
