@@ -132,14 +132,17 @@ def test_a_model_with_a_prefix_resumes_on_another_pp(tmp_path: Path, cache_dir: 
     assert "blocks.layers.mlp.router.selection_bias" in shapes
 
 
-def test_pp_1_2_4_give_the_same_losses(reference: list[dict], tmp_path: Path, cache_dir: Path):
-    """pp=2 is the reference run (circular, R=2); pp=1 and pp=4 run GPipe on the same batch."""
+def test_one_stage_with_split_sequences_gives_the_same_losses(
+    reference: list[dict], tmp_path: Path, cache_dir: Path
+):
+    """pp=2 is the reference run (circular, R=2); pp=1 with each sequence split over cp
+    (dp2 x tp2 x cp2, ring attention in the layers' own region) runs GPipe on the same
+    batches: the same losses. (pp=4, also with cp=2: `test_resume_on_another_mesh`.)"""
     expected = [r["loss"] for r in reference if "loss" in r][:4]
-    for pp, tp in ((1, 2), (4, 1)):
-        run_dir = tmp_path / f"pp{pp}"
-        overrides = (*GPIPE, f"mesh.pp={pp}", f"mesh.tp={tp}", "run.eval_every=0")
-        run(run_dir, cache_dir, overrides=overrides, extra=("--steps", "4"))
-        np.testing.assert_allclose(losses(run_dir), expected, rtol=1e-5)
+    run_dir = tmp_path / "pp1-cp2"
+    overrides = (*GPIPE, "mesh.pp=1", "mesh.cp=2", "run.eval_every=0")
+    run(run_dir, cache_dir, overrides=overrides, extra=("--steps", "4"))
+    np.testing.assert_allclose(losses(run_dir), expected, rtol=1e-5)
 
 
 def test_zero_bubble_v_gives_the_reference_losses_and_resumes(
