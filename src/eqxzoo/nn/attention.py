@@ -246,11 +246,9 @@ class CausalSelfAttention(AbstractAxesOwner):
     def _attend_across_shards(
         self, x: Float[Array, "*batch seq embed"], positions: Int[Array, " seq"] | None
     ) -> Float[Array, "*batch seq embed"]:
-        context = self.context
-        if positions is None:
-            positions = context.positions(x.shape[-2])
-        q, k, v = self.project_qkv(x, positions, context.sequence_length(x.shape[-2]))
-        attended = context.attend(
+        positions, seq_len = self.context.locate(x.shape[-2], positions)
+        q, k, v = self.project_qkv(x, positions, seq_len)
+        attended = self.context.attend(
             q,
             k,
             v,

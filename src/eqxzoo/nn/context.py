@@ -55,7 +55,6 @@ def balanced_order(seq: int, shards: int) -> np.ndarray:
 
 
 ContextStrategy = Literal["ring", "all_gather"]
-CONTEXT_STRATEGIES: tuple[str, ...] = ("ring", "all_gather")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,19 +71,17 @@ class ContextSplit:
     axis_name: str
     strategy: ContextStrategy = "ring"
 
-    def __post_init__(self):
-        if self.strategy not in CONTEXT_STRATEGIES:
-            raise ValueError(
-                f"context parallel strategy must be one of {CONTEXT_STRATEGIES}, "
-                f"got {self.strategy!r}"
-            )
-
     def shards(self) -> int:
         return jax.lax.axis_size(self.axis_name)
 
-    def sequence_length(self, local_seq: int) -> int:
-        """The whole sequence's length, from a shard's ``local_seq`` tokens."""
-        return local_seq * self.shards()
+    def locate(
+        self, local_seq: int, positions: Int[Array, " seq"] | None = None
+    ) -> tuple[Int[Array, " seq"], int]:
+        """A shard of ``local_seq`` tokens' positions (``positions``, or by default this
+        device's in the split) and the whole sequence's length."""
+        if positions is None:
+            positions = self.positions(local_seq)
+        return positions, local_seq * self.shards()
 
     def positions(self, local_seq: int) -> Int[Array, " seq"]:
         """The positions of this device's ``local_seq`` tokens in the whole sequence."""

@@ -278,12 +278,9 @@ class LatentAttention(AbstractAxesOwner):
     def _attend_across_shards(
         self, x: Float[Array, "*batch seq embed"], positions: Int[Array, " seq"] | None
     ) -> Float[Array, "*batch seq embed"]:
-        context = self.context
-        if positions is None:
-            positions = context.positions(x.shape[-2])
-        seq_len = context.sequence_length(x.shape[-2])
+        positions, seq_len = self.context.locate(x.shape[-2], positions)
         keys, values = self.expand(*self.compress(x, positions, seq_len))
-        attended = context.attend(
+        attended = self.context.attend(
             self.queries(x, positions, seq_len),
             keys,
             values,
