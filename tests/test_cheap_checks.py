@@ -244,6 +244,27 @@ def test_a_signal_before_the_run_starts_is_the_same_line(capsys, monkeypatch):
     assert signal.getsignal(signal.SIGINT) is before
 
 
+class _SignalledWhileFinalised:
+    def __del__(self):
+        signal.raise_signal(signal.SIGTERM)
+        sum(range(10))  # the handler runs here: the stop is dropped with the finaliser
+
+
+def test_a_stop_dropped_by_a_finaliser_is_raised_before_the_run_goes_on(capsys):
+    """The handler's exception lands where the main thread is; a finaliser (or a callback
+    from C++) drops it. It is raised again, quietly, before the first step."""
+    with pytest.raises(StoppedBeforeFirstStep) as stopped:
+        with stop_signal.stopping_before_first_step():
+            _SignalledWhileFinalised()
+            assert signal.getsignal(signal.SIGTERM) is stop_signal._stop_now
+            with stop_signal.StopSignal():
+                pass
+    assert stopped.value.signum == signal.SIGTERM
+    assert "Exception ignored" not in capsys.readouterr().err
+    with stop_signal.StopSignal() as stop:  # the next run starts afresh
+        assert not stop.received
+
+
 def test_with_the_preemption_service_ctrl_c_is_passed_on_as_sigterm(monkeypatch):
     """Joined processes stop together through JAX's preemption service (which owns SIGTERM:
     here Python's handler stands in for it): one leaving alone would take the others down."""

@@ -87,7 +87,7 @@ from eqxzoo.train.step import (
     compile_train_step_for,
     make_eval_step,
 )
-from eqxzoo.train.stop_signal import StopSignal
+from eqxzoo.train.stop_signal import StopSignal, raise_a_stop_received
 from models import flops_per_token, model_factory
 from models.hf import open_hf
 
@@ -217,6 +217,7 @@ class _Trainer:
             at_the_end = self.nothing_left_to_do(self.step)
             if at_the_end is not None:
                 return at_the_end
+            raise_a_stop_received()
             if self.is_main:  # every check passed and the state is open
                 write_run_config(self.run_dir, self.config)
                 keep_run_sources(self.run_dir, self.config, self.data_dir, fresh=self.step == 0)

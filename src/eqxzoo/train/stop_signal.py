@@ -47,11 +47,39 @@ def stopped_by_signal(error: BaseException) -> bool:
     return False
 
 
+_received: list[int] = []
+
+
 def _stop_now(signum: int, frame: Any) -> None:
     if signum == signal.SIGINT and _preemption_service():
         os.kill(os.getpid(), signal.SIGTERM)  # as `StopSignal` passes it on: see below
         return
+    _received.append(signum)
     raise StoppedBeforeFirstStep(signum)
+
+
+def raise_a_stop_received() -> None:
+    """Raise the `StoppedBeforeFirstStep` of a signal received since
+    `stopping_before_first_step` began, if any.
+
+    A handler's exception is raised wherever the main thread is, and some places drop it: a
+    finaliser (``__del__``, a weakref callback) or a callback from C++ reports it as
+    "Exception ignored" and carries on, and the run would train as if no signal had come.
+    The run calls this before it writes anything; `StopSignal` calls it as it takes over.
+    """
+    if _received:
+        raise StoppedBeforeFirstStep(_received[0])
+
+
+def _unraisable(previous: Any) -> Any:
+    """A `sys.unraisablehook` that keeps a dropped stop quiet (`raise_a_stop_received`
+    raises it again) and passes anything else to ``previous``."""
+
+    def hook(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, StoppedBeforeFirstStep):
+            previous(unraisable)
+
+    return hook
 
 
 @contextlib.contextmanager
@@ -66,10 +94,14 @@ def stopping_before_first_step() -> Iterator[None]:
     on its own before the others would take their coordination service down with it (or
     leave them waiting in a collective).
     """
+    _received.clear()
     previous = {signum: signal.signal(signum, _stop_now) for signum in SIGNALS}
+    previous_unraisable, sys.unraisablehook = sys.unraisablehook, _unraisable(sys.unraisablehook)
     try:
         yield
     finally:
+        _received.clear()
+        sys.unraisablehook = previous_unraisable
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
@@ -100,6 +132,7 @@ class StopSignal:
     def __enter__(self):
         import jax
 
+        raise_a_stop_received()
         if jax.process_count() == 1:
             for signum in SIGNALS:
                 self._take_over(signum, self._on_signal)
