@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 from eqxzoo.nn import (
     MLP,
     CausalSelfAttention,
+    Documents,
     Embedding,
     HeadInputs,
     LatentAttention,
@@ -148,11 +149,16 @@ class DecoderBlock(eqx.Module):
         return self.mlp(x), {}
 
     def __call__(
-        self, h: Float[Array, "*batch seq embed"], *, key: PRNGKeyArray | None = None
+        self,
+        h: Float[Array, "*batch seq embed"],
+        *,
+        documents: Documents | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, "*batch seq embed"], dict[str, Array]]:
-        h, _ = _residual(
-            h, self.attention_norm, lambda x: (self.attention(x), {}), self.attention_post_norm
-        )
+        def attention(x):
+            return self.attention(x, documents=documents), {}
+
+        h, _ = _residual(h, self.attention_norm, attention, self.attention_post_norm)
         return _residual(h, self.mlp_norm, self._mlp, self.mlp_post_norm)
 
     def cached_forward(
@@ -314,10 +320,11 @@ class DecoderLM(eqx.Module):
         self.config = config
 
     def embed(
-        self, tokens: Int[Array, "*batch seq"], positions: Int[Array, " seq"] | None = None
+        self, tokens: Int[Array, "*batch seq"], positions: Int[Array, "*#batch seq"] | None = None
     ) -> Float[Array, "*batch seq embed"]:
         """Token embeddings (times ``sqrt(d_model)`` with ``scale_embeddings``), plus learned
-        position embeddings at ``positions`` (default ``0, 1, ...``) where the model has them."""
+        position embeddings at ``positions`` (default ``0, 1, ...``; per sequence with packed
+        documents) where the model has them."""
         h = self.embedding(tokens)
         if self.config.scale_embeddings:
             h = h * jnp.asarray(self.config.d_model**0.5, h.dtype)
@@ -358,12 +365,18 @@ class DecoderLM(eqx.Module):
         return HeadInputs(features, self.unembedding.weight, False, cap)
 
     def __call__(
-        self, tokens: Int[Array, " seq"], *, key: PRNGKeyArray | None = None
+        self,
+        tokens: Int[Array, " seq"],
+        *,
+        documents: Documents | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, "seq vocab"], dict[str, Array]]:
-        h = self.embed(tokens)
+        """Logits and the layers' aux values; with ``documents`` the packed documents of
+        ``tokens`` attend each within itself, at positions counted from its start."""
+        h = self.embed(tokens, None if documents is None else documents.positions)
         if self.prefix is not None:
-            h, _ = self.prefix(h)
-        h, layer_aux = self.blocks(h, key=key)
+            h, _ = self.prefix(h, documents=documents)
+        h, layer_aux = self.blocks(h, documents=documents, key=key)
         return self.head(h), summarize_layer_aux(layer_aux)
 
     def cache_slots_needed(self, max_len: int) -> int:

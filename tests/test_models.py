@@ -10,7 +10,7 @@ import pytest
 from grids import dense_and_one_moe, every_family
 
 import models
-from eqxzoo.nn import Axes, logical_axes
+from eqxzoo.nn import Axes, documents_of, logical_axes
 from eqxzoo.parallel import DEFAULT_RULES, MeshConfig, make_mesh, tree_shardings
 
 SMALL = dict(vocab_size=97, d_model=32, n_layers=3, n_heads=4, mlp_dim=48)
@@ -127,6 +127,32 @@ def test_causality(name):
     changed, _ = model(sequence.at[9].set((sequence[9] + 5) % 97))
     np.testing.assert_array_equal(logits[:9], changed[:9])
     assert not np.allclose(logits[9:], changed[9:])
+
+
+@pytest.mark.parametrize(
+    ("name", "kernel"),
+    [("llama", "dense"), ("gemma2", "blockwise"), ("deepseek_v3", "blockwise"), ("gpt2", "dense")],
+)
+def test_packed_documents_compute_what_each_document_does_alone(name, kernel):
+    """Three documents packed in one sequence (with `Documents` from their segment ids):
+    each document's logits are those of the document run alone (fp32, 1e-5), for a plain,
+    a windowed and soft-capped, a latent-attention (with a dense prefix and MoE) and a
+    learned-position family, on the dense kernel and on the blockwise one with blocks that
+    straddle the documents' boundaries."""
+    config = dataclasses.replace(CONFIGS[name], attention_kernel=kernel, attention_block_size=4)
+    model = build(config)
+    lengths = (5, 7, 4)
+    sequence = tokens(sum(lengths), seed=3)
+    segments = jnp.repeat(jnp.asarray([4, 1, 9]), jnp.asarray(lengths), total_repeat_length=16)
+    documents = documents_of(segments)
+    packed, _ = model(sequence, documents=documents)
+    starts = np.cumsum((0,) + lengths)
+    for start, stop in zip(starts[:-1], starts[1:], strict=True):
+        alone, _ = model(sequence[start:stop])
+        np.testing.assert_allclose(packed[start:stop], alone, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(documents.positions[start:stop], np.arange(stop - start))
+    unpacked, _ = model(sequence)
+    assert not np.allclose(unpacked[starts[1] :], packed[starts[1] :], atol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen_moe"])

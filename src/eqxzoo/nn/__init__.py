@@ -12,6 +12,7 @@ from eqxzoo.nn.contract import (
     summarize_layer_aux,
 )
 from eqxzoo.nn.cross_entropy import fused_cross_entropy
+from eqxzoo.nn.documents import Documents, documents_of
 from eqxzoo.nn.experts import ExpertActivation, Experts, gated_activation
 from eqxzoo.nn.grouped import grouped_matmul
 from eqxzoo.nn.kernels import AttentionKernel, attend, dense_attend
@@ -40,6 +41,7 @@ __all__ = [
     "AttentionKernel",
     "Axes",
     "CausalSelfAttention",
+    "Documents",
     "Embedding",
     "ExpertActivation",
     "Experts",
@@ -69,6 +71,7 @@ __all__ = [
     "context_attend",
     "deinterleave_rope_columns",
     "dense_attend",
+    "documents_of",
     "embedding_lookup",
     "fused_cross_entropy",
     "gated_activation",

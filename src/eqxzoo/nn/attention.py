@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
 from eqxzoo.nn.context import ContextSplit
+from eqxzoo.nn.documents import Documents
 from eqxzoo.nn.kernels import DEFAULT_BLOCK_SIZE, AttentionKernel, attend
 from eqxzoo.nn.linear import dense, normal_init
 from eqxzoo.nn.norm import RMSNorm
@@ -183,15 +184,16 @@ class CausalSelfAttention(AbstractAxesOwner):
     def project_qkv(
         self,
         x: Float[Array, "*batch seq embed"],
-        positions: Int[Array, " seq"],
+        positions: Int[Array, "*#batch seq"],
         seq_len: Int[Array, ""] | int | None = None,
     ) -> tuple[
         Float[Array, "*batch seq heads head_dim"],
         Float[Array, "*batch seq kv_heads head_dim"],
         Float[Array, "*batch seq kv_heads head_dim"],
     ]:
-        """Queries, keys (both normed and rotated) and values for ``x`` at ``positions`` of a
-        sequence of ``seq_len`` positions so far (default: the last position plus one)."""
+        """Queries, keys (both normed and rotated) and values for ``x`` at ``positions`` (per
+        sequence with packed documents) of a sequence of ``seq_len`` positions so far
+        (default: the last position plus one)."""
         q, k, v = dense(x, self.wq), dense(x, self.wk), dense(x, self.wv)
         if self.bq is not None:
             q, k, v = q + self.bq, k + self.bk, v + self.bv
@@ -215,18 +217,24 @@ class CausalSelfAttention(AbstractAxesOwner):
         return out if self.bo is None else out + self.bo
 
     def __call__(
-        self, x: Float[Array, "*batch seq embed"], positions: Int[Array, " seq"] | None = None
+        self,
+        x: Float[Array, "*batch seq embed"],
+        positions: Int[Array, " seq"] | None = None,
+        documents: Documents | None = None,
     ) -> Float[Array, "*batch seq embed"]:
         """Attention over each sequence; any leading axes are independent sequences. With a
         ``context`` split, ``x`` is this device's shard of each sequence and ``positions``
-        (default: the split's) its tokens' positions."""
+        (default: the split's) its tokens' positions. With ``documents`` (packed in each
+        sequence) a token attends only within its own and is rotated by its position there."""
         with jax.named_scope("attention"):
             if self.context is not None:
-                return self._attend_across_shards(x, positions)
+                return self._attend_across_shards(x, positions, documents)
             positions_are_indices = positions is None
             if positions is None:
                 positions = jnp.arange(x.shape[-2])
-            q, k, v = self.project_qkv(x, positions)
+            rotated = positions if documents is None else documents.positions
+            q, k, v = self.project_qkv(x, rotated, positions[-1] + 1)
+            segments = None if documents is None else documents.segments
             attended = attend(
                 q,
                 k,
@@ -240,14 +248,20 @@ class CausalSelfAttention(AbstractAxesOwner):
                 kernel=self.kernel,
                 block_size=self.block_size,
                 positions_are_indices=positions_are_indices,
+                q_segments=segments,
+                k_segments=segments,
             )
             return self.project_out(attended)
 
     def _attend_across_shards(
-        self, x: Float[Array, "*batch seq embed"], positions: Int[Array, " seq"] | None
+        self,
+        x: Float[Array, "*batch seq embed"],
+        positions: Int[Array, " seq"] | None,
+        documents: Documents | None,
     ) -> Float[Array, "*batch seq embed"]:
         positions, seq_len = self.context.locate(x.shape[-2], positions)
-        q, k, v = self.project_qkv(x, positions, seq_len)
+        rotated = positions if documents is None else documents.positions
+        q, k, v = self.project_qkv(x, rotated, seq_len)
         attended = self.context.attend(
             q,
             k,
@@ -258,6 +272,7 @@ class CausalSelfAttention(AbstractAxesOwner):
             softcap=self.softcap,
             sinks=self.sinks,
             block_size=self.block_size,
+            segments=None if documents is None else documents.segments,
         )
         return self.project_out(attended)
 

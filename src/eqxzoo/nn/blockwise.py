@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Shaped
 
 from eqxzoo.nn.varying import cotangent_for, varying_like
 
@@ -39,6 +39,8 @@ def blockwise_attend(
     softcap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
     block_size: int = 512,
+    q_segments: Int[Array, "*batch seq"] | None = None,
+    k_segments: Int[Array, "*batch kv_seq"] | None = None,
 ) -> Float[Array, "*batch seq heads v_head_dim"]:
     """`eqxzoo.nn.kernels.attend`, computed over blocks of keys and queries.
 
@@ -53,7 +55,9 @@ def blockwise_attend(
 
     ``block_size`` keys make a key block and ``block_size`` rows a query block (rows: tokens
     times the query heads that share a key/value head); the default measured fastest on
-    XLA:CPU (`_Blocks.choose`).
+    XLA:CPU (`_Blocks.choose`). With ``q_segments`` and ``k_segments`` (packed documents,
+    per sequence) a query sees only keys of its own segment: every visited pair is then
+    masked, none taken as seen throughout.
     """
 
     def run(blocks, q, k, v):
@@ -66,9 +70,29 @@ def blockwise_attend(
             k_positions.astype(jnp.int32),
             jnp.asarray(window, jnp.int32),
             sinks,
+            flat_segments(q_segments, k_segments, q.shape[0]),
         )
 
     return on_one_batch_axis(run, q, k, v, block_size=block_size, scale=scale, softcap=softcap)
+
+
+Segments = tuple[Int[Array, "b seq"], Int[Array, "b kv_seq"]]
+
+
+def flat_segments(
+    q_segments: Int[Array, "*batch seq"] | None,
+    k_segments: Int[Array, "*batch kv_seq"] | None,
+    lead: int,
+) -> Segments | None:
+    """The queries' and keys' segment ids with their batch axes flattened into ``lead``
+    (`on_one_batch_axis`), or None without them."""
+    if q_segments is None:
+        assert k_segments is None
+        return None
+    return (
+        q_segments.reshape(lead, q_segments.shape[-1]).astype(jnp.int32),
+        k_segments.reshape(lead, k_segments.shape[-1]).astype(jnp.int32),
+    )
 
 
 def on_one_batch_axis(run, q, k, v, *, block_size: int, scale: float, softcap: float | None):
@@ -180,8 +204,8 @@ def _plan(
 
 
 def _to_blocks(
-    x: Float[Array, "b t heads d"], block: int, groups: int, per_step: int
-) -> Float[Array, "steps n per_step rows d"]:
+    x: Shaped[Array, "b t heads d"], block: int, groups: int, per_step: int
+) -> Shaped[Array, "steps n per_step rows d"]:
     """Pad the sequence to whole blocks and bring each block's rows together: ``rows`` is
     ``block * groups`` (token-major), one entry per batch element and key/value head, and
     these ``b * kv_heads`` entries ``per_step`` at a time."""
@@ -191,6 +215,22 @@ def _to_blocks(
     x = x.reshape(b, n, block, heads // groups, groups, d).transpose(0, 3, 1, 2, 4, 5)
     x = x.reshape(-1, per_step, n, block * groups, d)
     return x.transpose(0, 2, 1, 3, 4)
+
+
+def _segment_blocks(
+    segments: Int[Array, "b t"], heads: int, block: int, groups: int, per_step: int
+) -> Int[Array, "steps n per_step rows"]:
+    """Each token's segment id in the layout of `_to_blocks` (padding: segment 0, which a
+    padded key's position hides and a padded query's dropped row does not need)."""
+    b, t = segments.shape
+    spread = jnp.broadcast_to(segments[:, :, None, None], (b, t, heads, 1))
+    return _to_blocks(spread, block, groups, per_step)[..., 0]
+
+
+def _same_segment(
+    q_segments: Int[Array, "c rows"], k_segments: Int[Array, "c keys"]
+) -> Bool[Array, "c rows keys"]:
+    return q_segments[:, :, None] == k_segments[:, None, :]
 
 
 def _from_blocks(
@@ -230,10 +270,11 @@ def _sink_rows(
     return jnp.broadcast_to(rows, (b, *rows.shape)).reshape(-1, per_step, rows.shape[-1])
 
 
-def _forward(blocks, q, k, v, q_positions, k_positions, window, sinks):
+def _forward(blocks, q, k, v, q_positions, k_positions, window, sinks, segments=None):
     """The output ``(b, seq, heads, v_head_dim)`` and the float32 log-sum-exp of every row
     ``(steps, n_q, per_step, rows)`` (+inf for a row that sees nothing, so that its
-    probabilities recompute to zero)."""
+    probabilities recompute to zero). ``segments``: the queries' and keys' segment ids
+    (`flat_segments`), or None."""
     b, seq, n_heads, _ = q.shape
     n_kv_heads = k.shape[2]
     groups = n_heads // n_kv_heads
@@ -242,6 +283,8 @@ def _forward(blocks, q, k, v, q_positions, k_positions, window, sinks):
     q_blocks = _to_blocks(q, blocks.q_block, groups, per_step)
     k_blocks = _to_blocks(k, blocks.k_block, 1, per_step)
     v_blocks = _to_blocks(v, blocks.k_block, 1, per_step)
+    segment_blocks = _blocked_segments(segments, blocks, n_heads, n_kv_heads)
+    n_full = plan.n_full if segments is None else jnp.zeros_like(plan.n_full)
     rows = blocks.q_block * groups
     if sinks is None:
         sink_rows = jnp.full((q_blocks.shape[0], per_step, rows), -jnp.inf, jnp.float32)
@@ -253,14 +296,14 @@ def _forward(blocks, q, k, v, q_positions, k_positions, window, sinks):
     sources += () if sinks is None else (sinks,)
 
     def step(inputs):
-        q_step, k_step, v_step, sink_step = inputs
+        q_step, k_step, v_step, sink_step, segment_step = inputs
         # The sink is a key with logit `sink` and a zero value: the softmax starts from it.
         max0 = varying_like(sink_step, *sources)
         sum0 = jnp.zeros_like(max0) if sinks is None else jnp.ones_like(max0)
         acc0 = varying_like(jnp.zeros((per_step, rows, v.shape[-1]), jnp.float32), *sources)
 
         def query_block(_, inputs):
-            q_block, q_pos, order, n_full, n_visited = inputs
+            q_block, q_pos, order, n_full, n_visited, q_segment = inputs
             row_pos = jnp.repeat(q_pos, groups)
 
             def key_block(n, state, masked: bool):
@@ -269,6 +312,8 @@ def _forward(blocks, q, k, v, q_positions, k_positions, window, sinks):
                 raw = _dot(q_block, k_step[j], "crd,csd->crs")
                 if masked:
                     visible = _visible(row_pos, plan.k_positions[j], window)
+                    if segment_step is not None:
+                        visible = visible & _same_segment(q_segment, segment_step[1][j])
                     raw = jnp.where(visible, raw, -jnp.inf)
                 # The logits are increasing in the raw products: their row maximum is the
                 # logit of the raw maximum, which saves a pass over the block.
@@ -293,21 +338,36 @@ def _forward(blocks, q, k, v, q_positions, k_positions, window, sinks):
             lse = jnp.where(seen, running_max + jnp.log(running_sum), jnp.inf)
             return None, (out.astype(q.dtype), lse)
 
-        xs = (q_step, plan.q_positions, plan.order, plan.n_full, plan.n_visited)
+        q_segment_step = None if segment_step is None else segment_step[0]
+        xs = (q_step, plan.q_positions, plan.order, n_full, plan.n_visited, q_segment_step)
         return jax.lax.scan(query_block, None, xs)[1]
 
-    out, lse = jax.lax.map(step, (q_blocks, k_blocks, v_blocks, sink_rows))
+    out, lse = jax.lax.map(step, (q_blocks, k_blocks, v_blocks, sink_rows, segment_blocks))
     return _from_blocks(out, b, groups, seq), lse
 
 
+def _blocked_segments(
+    segments: Segments | None, blocks: _Blocks, n_heads: int, n_kv_heads: int
+) -> tuple[Int[Array, "steps n_q per_step rows"], Int[Array, "steps n_k per_step keys"]] | None:
+    """The queries' segment ids per row and the keys' per key, in the blocks' layouts."""
+    if segments is None:
+        return None
+    q_segments, k_segments = segments
+    groups = n_heads // n_kv_heads
+    return (
+        _segment_blocks(q_segments, n_heads, blocks.q_block, groups, blocks.per_step),
+        _segment_blocks(k_segments, n_kv_heads, blocks.k_block, 1, blocks.per_step),
+    )
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _blockwise(blocks, q, k, v, q_positions, k_positions, window, sinks):
-    return _forward(blocks, q, k, v, q_positions, k_positions, window, sinks)[0]
+def _blockwise(blocks, q, k, v, q_positions, k_positions, window, sinks, segments):
+    return _forward(blocks, q, k, v, q_positions, k_positions, window, sinks, segments)[0]
 
 
-def _blockwise_fwd(blocks, q, k, v, q_positions, k_positions, window, sinks):
-    out, lse = _forward(blocks, q, k, v, q_positions, k_positions, window, sinks)
-    return out, (q, k, v, q_positions, k_positions, window, sinks, out, lse)
+def _blockwise_fwd(blocks, q, k, v, q_positions, k_positions, window, sinks, segments):
+    out, lse = _forward(blocks, q, k, v, q_positions, k_positions, window, sinks, segments)
+    return out, (q, k, v, q_positions, k_positions, window, sinks, segments, out, lse)
 
 
 def _blockwise_bwd(blocks, residuals, d_out):
@@ -318,12 +378,14 @@ def _blockwise_bwd(blocks, residuals, d_out):
     dS^T Q``, ``dQ += scale dS K``. Everything is computed transposed, ``(keys, rows)``;
     ``dQ`` accumulates as ``dQ^T = K^T dS^T`` over all query blocks.
     """
-    q, k, v, q_positions, k_positions, window, sinks, out, lse = residuals
+    q, k, v, q_positions, k_positions, window, sinks, segments, out, lse = residuals
     b, seq, n_heads, _ = q.shape
     n_kv_heads = k.shape[2]
     groups = n_heads // n_kv_heads
     per_step = blocks.per_step
     plan = _plan(q_positions, k_positions, window, blocks, by_key=True)
+    segment_blocks = _blocked_segments(segments, blocks, n_heads, n_kv_heads)
+    n_full = plan.n_full if segments is None else jnp.zeros_like(plan.n_full)
     q_blocks = _to_blocks(q, blocks.q_block, groups, per_step)
     k_blocks = _to_blocks(k, blocks.k_block, 1, per_step)
     v_blocks = _to_blocks(v, blocks.k_block, 1, per_step)
@@ -334,10 +396,10 @@ def _blockwise_bwd(blocks, residuals, d_out):
     sources = (q, k, v, d_out, q_positions, k_positions, jnp.asarray(window))
 
     def step(inputs):
-        q_step, k_step, v_step, d_out_step, lse_step, delta_step = inputs
+        q_step, k_step, v_step, d_out_step, lse_step, delta_step, segment_step = inputs
 
         def key_block(dq_t, inputs):
-            k_block, v_block, k_pos, order, n_full, n_visited = inputs
+            k_block, v_block, k_pos, order, n_full, n_visited, k_segment = inputs
             k_block_t = jnp.swapaxes(k_block, -1, -2)
 
             def query_block(n, state, masked: bool):
@@ -349,7 +411,10 @@ def _blockwise_bwd(blocks, residuals, d_out):
                 probs_t = jnp.exp(logits_t - lse_step[i][..., None, :])
                 if masked:
                     row_pos = jnp.repeat(plan.q_positions[i], groups)
-                    probs_t = jnp.where(_visible(row_pos, k_pos, window).T, probs_t, 0.0)
+                    visible = _visible(row_pos, k_pos, window)
+                    if segment_step is not None:
+                        visible = visible & _same_segment(segment_step[0][i], k_segment)
+                    probs_t = jnp.where(jnp.swapaxes(visible, -1, -2), probs_t, 0.0)
                 dv = dv + _dot(probs_t.astype(d_out.dtype), d_out_block, "csr,crd->csd")
                 dp_t = _dot(v_block, d_out_block, "csd,crd->csr")
                 ds_t = probs_t * (dp_t - delta_step[i][..., None, :])
@@ -373,11 +438,14 @@ def _blockwise_bwd(blocks, residuals, d_out):
             return dq_t, (dk.astype(k.dtype), dv.astype(v.dtype))
 
         dq_t0 = varying_like(jnp.zeros(jnp.swapaxes(q_step, -1, -2).shape, jnp.float32), *sources)
-        xs = (k_step, v_step, plan.k_positions, plan.order, plan.n_full, plan.n_visited)
+        k_segment_step = None if segment_step is None else segment_step[1]
+        xs = (k_step, v_step, plan.k_positions, plan.order, n_full, plan.n_visited, k_segment_step)
         dq_t, (dk, dv) = jax.lax.scan(key_block, dq_t0, xs)
         return jnp.swapaxes(dq_t, -1, -2), dk, dv
 
-    dq, dk, dv = jax.lax.map(step, (q_blocks, k_blocks, v_blocks, d_out_blocks, lse, delta))
+    dq, dk, dv = jax.lax.map(
+        step, (q_blocks, k_blocks, v_blocks, d_out_blocks, lse, delta, segment_blocks)
+    )
     dq = _from_blocks(dq, b, groups, seq).astype(q.dtype)
     dk = _from_blocks(dk, b, 1, k.shape[1])
     dv = _from_blocks(dv, b, 1, v.shape[1])
@@ -391,7 +459,7 @@ def _blockwise_bwd(blocks, residuals, d_out):
         d_sinks = -per_row.sum((0, 2)).reshape(n_heads).astype(sinks.dtype)
         # Rows split over a manual axis the sinks are not (a context-parallel sequence).
         d_sinks = cotangent_for(d_sinks, sinks)
-    return dq, dk, dv, None, None, None, d_sinks
+    return dq, dk, dv, None, None, None, d_sinks, None
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)

@@ -39,6 +39,7 @@ from eqxzoo.nn.blockwise import (
     _from_blocks,
     _sink_rows,
     blockwise_attend,
+    flat_segments,
     on_one_batch_axis,
 )
 from eqxzoo.nn.varying import cotangent_for, varying_like
@@ -120,12 +121,14 @@ def context_attend(
     softcap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
     block_size: int = 512,
+    segments: Int[Array, "*batch seq"] | None = None,
 ) -> Float[Array, "*batch seq heads v_head_dim"]:
     """`eqxzoo.nn.blockwise.blockwise_attend` of this device's shard of the queries against
     the keys and values of every shard along ``axis_name`` (called inside a region manual
     over it): ``positions`` are this shard's tokens' positions in the sequence, the keys'
-    and the queries' alike. Same options (window, soft-cap, sinks, grouped-query heads), the
-    same result to float32 rounding; ``strategy`` as the module docstring says."""
+    and the queries' alike, and so are ``segments`` (packed documents; they travel with the
+    keys). Same options (window, soft-cap, sinks, grouped-query heads), the same result to
+    float32 rounding; ``strategy`` as the module docstring says."""
     if strategy == "all_gather":
         gather = functools.partial(jax.lax.all_gather, axis_name=axis_name, tiled=True)
         return blockwise_attend(
@@ -139,6 +142,8 @@ def context_attend(
             softcap=softcap,
             sinks=sinks,
             block_size=block_size,
+            q_segments=segments,
+            k_segments=None if segments is None else gather(segments, axis=segments.ndim - 1),
         )
     if strategy != "ring":
         raise ValueError(
@@ -155,6 +160,7 @@ def context_attend(
             positions.astype(jnp.int32),
             jnp.asarray(window, jnp.int32),
             sinks,
+            None if segments is None else flat_segments(segments, segments, q.shape[0])[0],
         )
 
     return on_one_batch_axis(run, q, k, v, block_size=block_size, scale=scale, softcap=softcap)
@@ -180,18 +186,35 @@ def _shift(tree, axis_name: str):
     return jax.tree.map(shift, tree)
 
 
-def _ring_forward(blocks, axis_name, q, k, v, positions, window, sinks):
+def _held_segments(segments, k_segments):
+    """The queries' and the held keys' segment ids as `_forward` takes them (None: none)."""
+    return None if segments is None else (segments, k_segments)
+
+
+def _ring_forward(blocks, axis_name, q, k, v, positions, window, sinks, segments):
     """The output and the float32 log-sum-exp of every row in `_forward`'s block layout
-    (+inf where a row sees nothing, sink included), folded over the ring's shards."""
+    (+inf where a row sees nothing, sink included), folded over the ring's shards.
+    ``segments``: this shard's tokens' segment ids ``(b, seq)`` (they travel with the keys),
+    or None."""
     n = jax.lax.axis_size(axis_name)
     b, seq, n_heads, _ = q.shape
     groups = n_heads // k.shape[2]
 
     def fold(carry, _):
-        out, lse, k_held, v_held, k_positions = carry
+        out, lse, k_held, v_held, k_positions, k_segments = carry
         # Sent first, so that the transfer can run while this shard is attended to.
-        arriving = _shift((k_held, v_held, k_positions), axis_name)
-        part, part_lse = _forward(blocks, q, k_held, v_held, positions, k_positions, window, None)
+        arriving = _shift((k_held, v_held, k_positions, k_segments), axis_name)
+        part, part_lse = _forward(
+            blocks,
+            q,
+            k_held,
+            v_held,
+            positions,
+            k_positions,
+            window,
+            None,
+            _held_segments(segments, k_segments),
+        )
         part_lse = jnp.where(part_lse == jnp.inf, -jnp.inf, part_lse)
         new_lse = jnp.logaddexp(lse, part_lse)
         safe = jnp.where(new_lse == -jnp.inf, 0.0, new_lse)
@@ -203,7 +226,8 @@ def _ring_forward(blocks, axis_name, q, k, v, positions, window, sinks):
     sources = (q, k, v, positions)
     lse0 = varying_like(jnp.full(_lse_shape(blocks, q, k.shape[2]), -jnp.inf), *sources)
     out0 = varying_like(jnp.zeros((*q.shape[:3], v.shape[-1]), jnp.float32), *sources)
-    (out, lse, *_), _ = jax.lax.scan(fold, (out0, lse0, k, v, positions), None, length=n)
+    init = (out0, lse0, k, v, positions, segments)
+    (out, lse, *_), _ = jax.lax.scan(fold, init, None, length=n)
     if sinks is not None:
         sink_rows = _sink_rows(sinks, b, k.shape[2], blocks.q_block, blocks.per_step)
         with_sink = jnp.logaddexp(lse, sink_rows[:, None])
@@ -227,13 +251,13 @@ def _as_rows(lse_like: Array, b: int, groups: int, seq: int) -> Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring(blocks, axis_name, q, k, v, positions, window, sinks):
-    return _ring_forward(blocks, axis_name, q, k, v, positions, window, sinks)[0]
+def _ring(blocks, axis_name, q, k, v, positions, window, sinks, segments):
+    return _ring_forward(blocks, axis_name, q, k, v, positions, window, sinks, segments)[0]
 
 
-def _ring_fwd(blocks, axis_name, q, k, v, positions, window, sinks):
-    out, lse = _ring_forward(blocks, axis_name, q, k, v, positions, window, sinks)
-    return out, (q, k, v, positions, window, sinks, out, lse)
+def _ring_fwd(blocks, axis_name, q, k, v, positions, window, sinks, segments):
+    out, lse = _ring_forward(blocks, axis_name, q, k, v, positions, window, sinks, segments)
+    return out, (q, k, v, positions, window, sinks, segments, out, lse)
 
 
 def _ring_bwd(blocks, axis_name, residuals, d_out):
@@ -242,16 +266,19 @@ def _ring_bwd(blocks, axis_name, residuals, d_out):
     accumulate here; the keys' and values' travel with their shard and arrive home after
     the ``n``-th pass. The sinks' gradient (their probability against the global
     log-sum-exp) is taken once, from the first step."""
-    q, k, v, positions, window, sinks, out, lse = residuals
+    q, k, v, positions, window, sinks, segments, out, lse = residuals
     n = jax.lax.axis_size(axis_name)
 
     def step(carry, _):
-        dq, k_held, v_held, k_positions, dk_held, dv_held = carry
-        arriving = _shift((k_held, v_held, k_positions), axis_name)
+        dq, k_held, v_held, k_positions, k_segments, dk_held, dv_held = carry
+        arriving = _shift((k_held, v_held, k_positions, k_segments), axis_name)
+        held_segments = _held_segments(segments, k_segments)
         parts = _blockwise_bwd(
-            blocks, (q, k_held, v_held, positions, k_positions, window, sinks, out, lse), d_out
+            blocks,
+            (q, k_held, v_held, positions, k_positions, window, sinks, held_segments, out, lse),
+            d_out,
         )
-        d_q, d_k, d_v, *_, d_sinks = parts
+        d_q, d_k, d_v, _, _, _, d_sinks, _ = parts
         dq = dq + d_q.astype(jnp.float32)
         dk_held = dk_held + d_k.astype(jnp.float32)
         dv_held = dv_held + d_v.astype(jnp.float32)
@@ -260,11 +287,11 @@ def _ring_bwd(blocks, axis_name, residuals, d_out):
     def zeros(x):
         return varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v, d_out)
 
-    init = (zeros(q), k, v, positions, zeros(k), zeros(v))
-    (dq, _, _, _, dk, dv), d_sinks = jax.lax.scan(step, init, None, length=n)
+    init = (zeros(q), k, v, positions, segments, zeros(k), zeros(v))
+    (dq, _, _, _, _, dk, dv), d_sinks = jax.lax.scan(step, init, None, length=n)
     # Each device's rows' share of the sinks' gradient: summed over the axis.
     d_sinks = None if sinks is None else cotangent_for(d_sinks[0], sinks)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_sinks
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_sinks, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -6,13 +6,16 @@ over ``pp`` inside it):
 
 - ``embed(tokens, positions=None) -> h``: token ids ``(*batch, seq)`` to hidden states
   ``(*batch, seq, embed)``; ``positions`` (default ``0, 1, ...``) where the tokens sit, for
-  models with learned position embeddings (a sequence split for context parallelism).
+  models with learned position embeddings (a sequence split for context parallelism; per
+  sequence, each token's position in its document, for packed documents).
 - ``prefix``: a `Stack` of the few first layers whose shapes differ from the repeated block
   (DeepSeek's dense first layers), run outside the pipeline after ``embed``; ``None`` for
   most models. Its layers return no auxiliary values.
 - ``blocks``: one `Stack` of identical layers, every array with a leading ``layers`` axis;
   each layer is called as ``layer(h, key=None) -> (h, aux)`` on ``(*batch, seq, embed)``.
-  ``blocks.remat_policy`` is how each layer is rematerialised.
+  ``blocks.remat_policy`` is how each layer is rematerialised. Batches of packed documents
+  call it (and the prefix's layers) with ``documents=`` (`eqxzoo.nn.Documents`) as well: a
+  model trained on them takes that keyword; one that is not never sees it.
 - ``head(h) -> logits``: hidden states to ``(*batch, seq, vocab)`` logits, and
   ``head_inputs(h) -> HeadInputs``: what ``head`` makes them of, so that the trainer's loss
   can compute them chunk by chunk (`eqxzoo.nn.fused_cross_entropy`) instead of all at once.
@@ -25,7 +28,8 @@ over ``pp`` inside it):
   layer), stacked like the weights: it is staged, sharded and checkpointed with them, and
   never differentiated or updated (only floating arrays are parameters).
 - ``__call__(tokens, *, key=None) -> (logits, aux)`` for one sequence: the composition,
-  with ``aux`` the per-layer auxiliary values reduced by `summarize_layer_aux`.
+  with ``aux`` the per-layer auxiliary values reduced by `summarize_layer_aux` (and
+  ``documents=`` for packed documents, as the layers).
 
 Every array is annotated with logical axes (`eqxzoo.nn.AbstractAxesOwner`).
 """
@@ -63,7 +67,7 @@ class LanguageModel(Protocol):
     blocks: Stack
 
     def embed(
-        self, tokens: Int[Array, "*batch seq"], positions: Int[Array, " seq"] | None = None
+        self, tokens: Int[Array, "*batch seq"], positions: Int[Array, "*#batch seq"] | None = None
     ) -> Float[Array, "*batch seq embed"]: ...
 
     def head(self, h: Float[Array, "*batch seq embed"]) -> Float[Array, "*batch seq vocab"]: ...

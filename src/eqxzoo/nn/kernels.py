@@ -30,9 +30,12 @@ def attend(
     kernel: AttentionKernel = "dense",
     block_size: int = DEFAULT_BLOCK_SIZE,
     positions_are_indices: bool = False,
+    q_segments: Int[Array, "*batch seq"] | None = None,
+    k_segments: Int[Array, "*batch kv_seq"] | None = None,
 ) -> Float[Array, "*batch seq heads v_head_dim"]:
-    """Softmax attention of each query over the keys its position may see (`dense_attend`
-    defines it), computed by ``kernel`` (`choose_kernel` resolves ``"auto"``):
+    """Softmax attention of each query over the keys its position (and segment, with packed
+    documents) may see (`dense_attend` defines it), computed by ``kernel``
+    (`choose_kernel` resolves ``"auto"``):
 
     - ``"dense"``: the whole ``(heads, seq, kv_seq)`` score matrix, masked (the reference);
     - ``"blockwise"``: `eqxzoo.nn.blockwise.blockwise_attend`, an online softmax over key
@@ -52,8 +55,16 @@ def attend(
         sinks=sinks is not None,
         same_head_dims=q.shape[-1] == v.shape[-1],
         positions_are_indices=positions_are_indices,
+        segmented=q_segments is not None,
     )
-    options = dict(window=window, scale=scale, softcap=softcap, sinks=sinks)
+    options = dict(
+        window=window,
+        scale=scale,
+        softcap=softcap,
+        sinks=sinks,
+        q_segments=q_segments,
+        k_segments=k_segments,
+    )
     if kernel == "dense":
         return dense_attend(q, k, v, q_positions, k_positions, **options)
     if kernel == "blockwise":
@@ -72,6 +83,7 @@ def choose_kernel(
     sinks: bool,
     same_head_dims: bool,
     positions_are_indices: bool,
+    segmented: bool = False,
     platform: str | None = None,
 ) -> Literal["blockwise", "dense", "cudnn"]:
     """The kernel ``"auto"`` means here: on a GPU, cuDNN where it computes this attention
@@ -86,6 +98,7 @@ def choose_kernel(
         sinks=sinks,
         same_head_dims=same_head_dims,
         positions_are_indices=positions_are_indices,
+        segmented=segmented,
     )
     if requested == "cudnn" and supported is not True:
         refuse("kernel", f"'cudnn' cannot compute this attention: {supported}")
@@ -122,6 +135,7 @@ def cudnn_supports(
     sinks: bool,
     same_head_dims: bool,
     positions_are_indices: bool,
+    segmented: bool = False,
 ) -> Literal[True] | str:
     """True where `cudnn_attend` computes the same attention, else the reason it cannot."""
     runs = cudnn_runs(dtype=dtype)
@@ -133,6 +147,7 @@ def cudnn_supports(
         "attention sinks": sinks,
         "value heads of another size than query heads": not same_head_dims,
         "positions other than 0, 1, ... (a KV cache)": not positions_are_indices,
+        "masks between packed documents": segmented,
     }
     unsupported = [reason for reason, present in reasons.items() if present]
     return f"it has no {', '.join(unsupported)}" if unsupported else True
@@ -168,6 +183,8 @@ def dense_attend(
     scale: float,
     softcap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
+    q_segments: Int[Array, "*batch seq"] | None = None,
+    k_segments: Int[Array, "*batch kv_seq"] | None = None,
 ) -> Float[Array, "*batch seq heads v_head_dim"]:
     """Softmax attention of each query over the keys its position may see.
 
@@ -178,6 +195,8 @@ def dense_attend(
     dimension than queries and keys (latent attention). ``sinks`` (GPT-OSS) is one logit
     per head that joins every softmax of the head as a key with no value: the probabilities
     of the real keys then sum to less than one, so a head can attend to nothing.
+    ``q_segments`` and ``k_segments`` (packed documents, per sequence): a query sees only
+    the keys of its own segment as well.
     """
     *batch, seq, n_heads, head_dim = q.shape
     n_kv_heads = k.shape[-2]
@@ -189,6 +208,9 @@ def dense_attend(
     offsets = q_positions[:, None] - k_positions[None, :]
     visible = (k_positions[None, :] >= 0) & (offsets >= 0)
     visible = visible & ((window == 0) | (offsets < window))
+    if q_segments is not None:
+        same = q_segments[..., :, None] == k_segments[..., None, :]
+        visible = visible & same[..., None, None, :, :]
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     if sinks is None:
         probs = jax.nn.softmax(scores, axis=-1)

@@ -21,6 +21,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from eqxzoo.nn.attention import write_cache
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
 from eqxzoo.nn.context import ContextSplit
+from eqxzoo.nn.documents import Documents
 from eqxzoo.nn.kernels import DEFAULT_BLOCK_SIZE, AttentionKernel, attend
 from eqxzoo.nn.linear import dense, normal_init
 from eqxzoo.nn.norm import RMSNorm
@@ -190,7 +191,7 @@ class LatentAttention(AbstractAxesOwner):
     def _rotate(
         self,
         x: Float[Array, "*batch seq heads rope"],
-        positions: Int[Array, " seq"],
+        positions: Int[Array, "*#batch seq"],
         seq_len: Int[Array, ""] | int | None,
     ) -> Float[Array, "*batch seq heads rope"]:
         frequencies = rope_frequencies(
@@ -204,7 +205,7 @@ class LatentAttention(AbstractAxesOwner):
     def queries(
         self,
         x: Float[Array, "*batch seq embed"],
-        positions: Int[Array, " seq"],
+        positions: Int[Array, "*#batch seq"],
         seq_len: Int[Array, ""] | int | None = None,
     ) -> Float[Array, "*batch seq heads qk_head_dim"]:
         """Each head's query: ``qk_nope_head_dim`` plain features, then the rotated ones
@@ -222,7 +223,7 @@ class LatentAttention(AbstractAxesOwner):
     def compress(
         self,
         x: Float[Array, "*batch seq embed"],
-        positions: Int[Array, " seq"],
+        positions: Int[Array, "*#batch seq"],
         seq_len: Int[Array, ""] | int | None = None,
     ) -> tuple[Float[Array, "*batch seq kv_lora"], Float[Array, "*batch seq rope"]]:
         """What the cache keeps of each token: its normed latent and its rotated shared key."""
@@ -254,17 +255,25 @@ class LatentAttention(AbstractAxesOwner):
         return out if self.bo is None else out + self.bo
 
     def __call__(
-        self, x: Float[Array, "*batch seq embed"], positions: Int[Array, " seq"] | None = None
+        self,
+        x: Float[Array, "*batch seq embed"],
+        positions: Int[Array, " seq"] | None = None,
+        documents: Documents | None = None,
     ) -> Float[Array, "*batch seq embed"]:
-        """Attention over each sequence; any leading axes are independent sequences."""
+        """Attention over each sequence; any leading axes are independent sequences. With
+        ``documents`` (packed in each sequence) a token attends only within its own and is
+        rotated by its position there."""
         with jax.named_scope("attention"):
             if self.context is not None:
-                return self._attend_across_shards(x, positions)
+                return self._attend_across_shards(x, positions, documents)
             if positions is None:
                 positions = jnp.arange(x.shape[-2])
-            keys, values = self.expand(*self.compress(x, positions))
+            rotated = positions if documents is None else documents.positions
+            seq_len = positions[-1] + 1
+            keys, values = self.expand(*self.compress(x, rotated, seq_len))
+            segments = None if documents is None else documents.segments
             attended = attend(
-                self.queries(x, positions),
+                self.queries(x, rotated, seq_len),
                 keys,
                 values,
                 positions,
@@ -272,21 +281,28 @@ class LatentAttention(AbstractAxesOwner):
                 scale=self.scale,
                 kernel=self.kernel,
                 block_size=self.block_size,
+                q_segments=segments,
+                k_segments=segments,
             )
             return self.project_out(attended)
 
     def _attend_across_shards(
-        self, x: Float[Array, "*batch seq embed"], positions: Int[Array, " seq"] | None
+        self,
+        x: Float[Array, "*batch seq embed"],
+        positions: Int[Array, " seq"] | None,
+        documents: Documents | None,
     ) -> Float[Array, "*batch seq embed"]:
         positions, seq_len = self.context.locate(x.shape[-2], positions)
-        keys, values = self.expand(*self.compress(x, positions, seq_len))
+        rotated = positions if documents is None else documents.positions
+        keys, values = self.expand(*self.compress(x, rotated, seq_len))
         attended = self.context.attend(
-            self.queries(x, positions, seq_len),
+            self.queries(x, rotated, seq_len),
             keys,
             values,
             positions,
             scale=self.scale,
             block_size=self.block_size,
+            segments=None if documents is None else documents.segments,
         )
         return self.project_out(attended)
 

@@ -166,18 +166,19 @@ def _yarn_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> Floa
 
 def apply_rope(
     x: Float[Array, "*batch seq heads head_dim"],
-    positions: Int[Array, " seq"],
+    positions: Int[Array, "*#batch seq"],
     frequencies: Float[Array, " half"],
     amplitude: Float[Array, ""] | float = 1.0,
 ) -> Float[Array, "*batch seq heads head_dim"]:
     """Rotate each (i, i + head_dim/2) pair of features by ``position * frequencies[i]`` and
-    scale it by ``amplitude`` (`rope_amplitude`: YaRN's, else 1).
+    scale it by ``amplitude`` (`rope_amplitude`: YaRN's, else 1). ``positions`` are one
+    per token of the sequence, shared by the batch or per sequence (packed documents).
 
     The angles are computed in float32; the result has the input dtype.
     """
-    angles = positions.astype(jnp.float32)[:, None] * frequencies[None, :]
-    cos = amplitude * jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :]
-    sin = amplitude * jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :]
+    angles = positions.astype(jnp.float32)[..., None] * frequencies
+    cos = amplitude * jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[..., None, :]
+    sin = amplitude * jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[..., None, :]
     x32 = x.astype(jnp.float32)
     first, second = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-second, first], axis=-1)

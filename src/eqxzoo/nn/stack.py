@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
+from eqxzoo.nn.documents import Documents
 from eqxzoo.typed_config import refuse
 
 RematPolicy = Literal["none", "full", "dots"]
@@ -34,7 +35,8 @@ class Stack(AbstractAxesOwner):
     Built with `eqx.filter_vmap` over split keys, so a 64-layer model is one set of arrays
     and compiles as fast as a 1-layer one; applied with `jax.lax.scan` (``scan=True``) or a
     Python loop (``scan=False``, for tests and debugging). Each layer is called as
-    ``layer(h, key=key) -> (h, aux)``; the per-layer ``aux`` dicts are returned stacked on a
+    ``layer(h, key=key) -> (h, aux)`` (with ``documents=`` too when given: packed
+    documents, `eqxzoo.nn.Documents`); the per-layer ``aux`` dicts are returned stacked on a
     leading ``layers`` axis.
     """
 
@@ -69,20 +71,47 @@ class Stack(AbstractAxesOwner):
         return eqx.combine(jax.tree.map(lambda p: p[index], params), static)
 
     def __call__(
-        self, h: Float[Array, "*batch seq embed"], *, key: PRNGKeyArray | None = None
+        self,
+        h: Float[Array, "*batch seq embed"],
+        *,
+        documents: Documents | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, "*batch seq embed"], dict[str, Array]]:
-        return apply_layers(self.layers, h, key=key, scan=self.scan, remat_policy=self.remat_policy)
+        return apply_layers(
+            self.layers,
+            h,
+            documents=documents,
+            key=key,
+            scan=self.scan,
+            remat_policy=self.remat_policy,
+        )
+
+
+def run_layer(
+    layer: Callable,
+    h: Float[Array, "*batch seq embed"],
+    *,
+    documents: Documents | None = None,
+    key: PRNGKeyArray | None = None,
+) -> tuple[Float[Array, "*batch seq embed"], Any]:
+    """``layer(h, key=key)``, with ``documents=`` only where there are packed documents (a
+    layer that never sees any need not take them)."""
+    if documents is None:
+        return layer(h, key=key)
+    return layer(h, documents=documents, key=key)
 
 
 def apply_layers(
     layers: PyTree,
     h: Float[Array, "*batch seq embed"],
     *,
+    documents: Documents | None = None,
     key: PRNGKeyArray | None = None,
     scan: bool = True,
     remat_policy: RematPolicy = "none",
 ) -> tuple[Float[Array, "*batch seq embed"], dict[str, Array]]:
-    """Apply stacked ``layers`` (leading axis = layer) in order to ``h``.
+    """Apply stacked ``layers`` (leading axis = layer) in order to ``h`` (of sequences
+    packed with ``documents``, when given).
 
     Shared by `Stack` and the pipeline stages, which hold a slice of the same stacked layers.
     Returns the final hidden states and each layer's aux values stacked on a leading axis.
@@ -92,7 +121,7 @@ def apply_layers(
     layer_keys = None if key is None else jax.random.split(key, n_layers)
 
     def one_layer(h, layer_params, layer_key):
-        return eqx.combine(layer_params, static)(h, key=layer_key)
+        return run_layer(eqx.combine(layer_params, static), h, documents=documents, key=layer_key)
 
     one_layer = remat(one_layer, remat_policy)
     if scan:
