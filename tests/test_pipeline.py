@@ -12,7 +12,9 @@ each of those pairs appears together at least once (`grids.covering`), in 59 cas
 of the product's 9,225 (``EQXZOO_FULL_GRIDS=1`` runs the product).
 Every case fills the pipeline's bubbles (its idle ticks' inputs, and what idle stages send)
 with NaN: they must leak into nothing. Every case masks a quarter of the targets (a loss mask,
-`with_masked_targets`): the loss is the sum over the rest divided by their number.
+`with_masked_targets`): the loss is the sum over the rest divided by their number. Every other
+case of the grid (and every context-parallel one) packs documents into its sequences
+(`with_documents`): attention stays within each, positions restart at each.
 
 A family meets the pipeline through its layers: the executor that differentiates them and
 the mesh axes that split their arrays. Stage counts, microbatch counts and the variants are
@@ -35,11 +37,18 @@ import pytest
 from grids import case_id, cover, covering, levels_of, pairs_of
 
 import models
+from eqxzoo.nn import documents_of
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh
 from eqxzoo.parallel.mesh import DcnConfig
 from eqxzoo.parallel.schedule import ScheduleError
 from eqxzoo.train.layout import from_pipeline_layout, to_pipeline_layout
-from eqxzoo.train.loss import IGNORED, pipelined_loss, pipelined_loss_and_grad, sequential_loss
+from eqxzoo.train.loss import (
+    IGNORED,
+    batch_documents,
+    pipelined_loss,
+    pipelined_loss_and_grad,
+    sequential_loss,
+)
 from eqxzoo.train.loss_terms import LossConfig
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import split_trainable
@@ -203,6 +212,20 @@ def with_masked_targets(data: dict) -> dict:
     return {**data, "targets": jnp.asarray(targets)}
 
 
+def with_documents(data: dict) -> dict:
+    """``data`` with its sequences cut into packed documents at fixed random places (about
+    one token in three starts one): their ``segments`` and ``positions`` (`documents_of`)."""
+    starts = np.random.default_rng(1).random(data["tokens"].shape) < 0.35
+    starts[..., 0] = True
+    documents = documents_of(jnp.asarray(np.cumsum(starts, axis=-1) - 1))
+    return {**data, "segments": documents.segments, "positions": documents.positions}
+
+
+def packs_documents(case: dict, mesh: MeshConfig) -> bool:
+    """Whether the case packs documents: every other case of the grid, every cp case."""
+    return mesh.cp > 1 or (case in GRID and GRID.index(case) % 2 == 1)
+
+
 def loss_and_grads(tiny_config, random_batch, case: dict, context_parallel: str = "ring"):
     """``(sequential (loss, aux), grads), (pipelined (loss, aux), grads)`` of the case's tiny
     model, the pipelined one with NaN bubbles (and, on a mesh with cp, its layers splitting
@@ -231,20 +254,35 @@ def loss_and_grads(tiny_config, random_batch, case: dict, context_parallel: str 
         )
         split_model = models.DecoderLM(split_config, key=jax.random.key(0))
     data = with_masked_targets(random_batch((schedule.microbatches, BATCH, SEQ)))
+    if packs_documents(case, mesh_config):
+        data = with_documents(data)
+    documents = batch_documents(data)
     if case["variant"] == "chunked-z-pooled":  # the plain loss of the whole logits as the reference
         config = dataclasses.replace(config, loss=dataclasses.replace(loss, chunk_size=0))
 
     def sequential(model):
-        return sequential_loss(model, data["tokens"], data["targets"], config=config)
+        return sequential_loss(
+            model, data["tokens"], data["targets"], config=config, documents=documents
+        )
 
     def pipelined(model):
         return pipelined_loss(
-            model, data["tokens"], data["targets"], config=pipelined_config, mesh=mesh
+            model,
+            data["tokens"],
+            data["targets"],
+            config=pipelined_config,
+            mesh=mesh,
+            documents=documents,
         )
 
     def fused(model):
         return pipelined_loss_and_grad(
-            model, data["tokens"], data["targets"], config=pipelined_config, mesh=mesh
+            model,
+            data["tokens"],
+            data["targets"],
+            config=pipelined_config,
+            mesh=mesh,
+            documents=documents,
         )
 
     value_and_grad = functools.partial(eqx.filter_value_and_grad, has_aux=True)

@@ -364,7 +364,7 @@ def test_non_finite_step_is_skipped_and_counted(dense, make_batch):
     make_model = functools.partial(models.DecoderLM, dense)
     state = init_train_state(make_model, jax.random.key(0), config=config, mesh=mesh)
 
-    def poisoned_loss(model, tokens, targets, normalizer):
+    def poisoned_loss(model, tokens, targets, normalizer, documents):
         loss, metrics = sequential_loss(
             from_pipeline_layout(model, config.schedule),
             tokens,

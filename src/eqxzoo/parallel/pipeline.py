@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import Array, Float, PyTree
 
-from eqxzoo.nn import Axes, apply_layers
+from eqxzoo.nn import Axes, Documents, apply_layers
 from eqxzoo.nn.stack import RematPolicy
 from eqxzoo.nn.varying import varying_axes
 from eqxzoo.parallel.mesh import check_stage_loops
@@ -90,6 +90,7 @@ def run_pipeline(
     layers: PyTree,
     microbatches: Float[Array, "microbatches batch seq embed"],
     *,
+    documents: Documents | None = None,
     schedule: Schedule,
     mesh: Mesh | AbstractMesh,
     remat_policy: RematPolicy = "none",
@@ -103,7 +104,9 @@ def run_pipeline(
     ``layers`` are stacked layers in ``schedule``'s `stage_layers` layout (``zb_v``'s are
     moved to the looped placement first: the forward runs ``circular``); each layer is called as
     ``layer(h, key=None) -> (h, aux)`` on a whole microbatch ``(batch, seq, embed)`` (the zoo's
-    layers treat leading axes as independent sequences and average their aux values).
+    layers treat leading axes as independent sequences and average their aux values), with
+    ``documents=`` the microbatch's packed documents where ``documents`` (leading axis: the
+    microbatches) is given: every stage holds them all and picks its microbatch's.
 
     Returns the outputs (same shape as ``microbatches``) and every layer's aux values for
     every microbatch, shape ``(microbatches, L, ...)`` in layer order. With one stage (no
@@ -151,18 +154,19 @@ def run_pipeline(
             return jax.lax.with_sharding_constraint(h, activation_spec("batch", rules=rules))
         return jax.lax.with_sharding_constraint(h, activation_sharding(mesh, "batch", rules=rules))
 
-    def stage_compute(stage_params, h):
+    def stage_compute(stage_params, h, documents):
         h_out, aux = apply_layers(
             eqx.combine(stage_params, static),
             split_batch(h).astype(compute_dtype),
+            documents=documents,
             remat_policy=remat_policy,
         )
         return split_batch(h_out).astype(h.dtype), aux
 
-    def run_stage(stage_params, h):
-        return varying_over(stage_compute(stage_params, h), manual_axes)
+    def run_stage(stage_params, h, documents):
+        return varying_over(stage_compute(stage_params, h, documents), manual_axes)
 
-    def per_stage(stage_params, inputs):
+    def per_stage(stage_params, inputs, documents):
         stage = jax.lax.axis_index("pp") if pipelined else 0
         # Used by every shard of the sequence (cp): their gradient is summed once, here.
         stage_params = varying_over(jax.tree.map(lambda p: p[:, 0], stage_params), manual_axes)
@@ -170,12 +174,13 @@ def run_pipeline(
         # is summed over the stages once, not at every tick.
         inputs = varying_over(inputs, manual_axes)
         # Traced here, where the layers see the region's axes (a shard of each sequence).
+        first_documents = None if documents is None else documents[0]
         _, aux_shapes = jax.eval_shape(
-            stage_compute, jax.tree.map(lambda p: p[0], stage_params), inputs[0]
+            stage_compute, jax.tree.map(lambda p: p[0], stage_params), inputs[0], first_documents
         )
 
-        def skip_stage(stage_params, h):
-            del stage_params
+        def skip_stage(stage_params, h, documents):
+            del stage_params, documents
             aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes)
             return varying_over((jnp.full_like(h, bubble_fill), aux), manual_axes)
 
@@ -192,20 +197,21 @@ def run_pipeline(
             # The repeat's weights are picked inside the checkpoint: what it saves for the
             # backward pass is then the whole (loop-invariant) stage and a scalar, not a copy
             # of the picked weights for every tick.
-            def stage_or_bubble(w, r, h):
+            def stage_or_bubble(w, r, h, documents):
                 w = jax.tree.map(lambda p: p[r], w)
                 if skip_bubbles:
-                    return jax.lax.cond(active, run_stage, skip_stage, w, h)
-                computed = run_stage(w, jnp.where(active, h, jnp.zeros_like(h)))
+                    return jax.lax.cond(active, run_stage, skip_stage, w, h, documents)
+                computed = run_stage(w, jnp.where(active, h, jnp.zeros_like(h)), documents)
                 return jax.tree.map(
                     lambda value, skipped: jnp.where(active, value, skipped),
                     computed,
-                    skip_stage(w, h),
+                    skip_stage(w, h, documents),
                 )
 
             if remat_stages:
                 stage_or_bubble = jax.checkpoint(stage_or_bubble, prevent_cse=False)
-            h_out, aux = stage_or_bubble(stage_params, repeat, h_in)
+            microbatch_documents = None if documents is None else documents[microbatch]
+            h_out, aux = stage_or_bubble(stage_params, repeat, h_in, microbatch_documents)
             aux_sums = jax.tree.map(lambda acc, v: acc.at[microbatch, repeat].add(v), aux_sums, aux)
             is_output = active & (stage == last_stage) & (repeat == n_repeats - 1)
             outputs = outputs.at[microbatch].set(jnp.where(is_output, h_out, outputs[microbatch]))
@@ -253,16 +259,17 @@ def run_pipeline(
             microbatches, activation_sharding(mesh, "microbatches", "batch", rules=rules)
         )
     if not manual:
-        outputs, aux_sums = per_stage(params, microbatches)
+        outputs, aux_sums = per_stage(params, microbatches, documents)
     else:
+        per_microbatch = spec("microbatches", "batch", "seq")
         outputs, aux_sums = jax.shard_map(
             per_stage,
             mesh=mesh,
-            in_specs=(stage_spec, spec("microbatches", "batch", "seq")),
+            in_specs=(stage_spec, per_microbatch, per_microbatch),
             out_specs=(spec("stages", "microbatches", "batch", "seq"), spec("stages")),
             axis_names=set(manual_axes),
             check_vma=True,
-        )(params, microbatches)
+        )(params, microbatches, documents)
     layer_aux = jax.tree.map(lambda v: in_layer_order(v, schedule), aux_sums)
     return outputs[last_stage].astype(compute_dtype), layer_aux
 

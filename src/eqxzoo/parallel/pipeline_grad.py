@@ -47,8 +47,8 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jaxtyping import Array, Float, Int, PyTree
 
-from eqxzoo.nn import Axes, apply_layers, logical_axes
-from eqxzoo.nn.stack import RematPolicy, remat
+from eqxzoo.nn import Axes, Documents, apply_layers, logical_axes
+from eqxzoo.nn.stack import RematPolicy, remat, run_layer
 from eqxzoo.nn.varying import typed_shape, varying_as, varying_axes, varying_like, zeros_of
 from eqxzoo.parallel.backward_split import (
     PullbackResiduals,
@@ -79,7 +79,9 @@ from eqxzoo.parallel.schedule import (
     W,
 )
 
-FirstFn = Callable[[PyTree, Int[Array, "batch seq"]], Float[Array, "batch seq embed"]]
+FirstFn = Callable[
+    [PyTree, Int[Array, "batch seq"], Documents | None], Float[Array, "batch seq embed"]
+]
 LastFn = Callable[
     [PyTree, Float[Array, "batch seq embed"], Int[Array, "batch seq"]], Float[Array, "*parts"]
 ]
@@ -91,6 +93,7 @@ def pipeline_value_and_grad(
     tokens: Int[Array, "microbatches batch seq"],
     targets: Int[Array, "microbatches batch seq"],
     *,
+    documents: Documents | None = None,
     first: FirstFn,
     last: LastFn,
     part_weights: Sequence[float],
@@ -107,7 +110,9 @@ def pipeline_value_and_grad(
     respect to ``layers`` and ``outer``.
 
     ``layers`` are staged (`stage_layers`), ``outer`` is what the pipeline does not stage
-    (embedding, head). ``first(outer, tokens)`` gives a microbatch's input to the blocks,
+    (embedding, head). ``first(outer, tokens, documents)`` gives a microbatch's input to the
+    blocks (``documents``: the microbatch's packed documents, which every layer takes too,
+    or None),
     ``last(outer, h, targets)`` its share of the loss (the caller divides by the tokens of the
     whole batch, so the shares sum to the loss's parts): a vector of the loss's per-token
     parts (cross-entropy, z-loss), differentiated as their sum weighted by ``part_weights``
@@ -150,22 +155,32 @@ def pipeline_value_and_grad(
     layer_params, layer_data = eqx.partition(layer_arrays, eqx.is_inexact_array)
     outer_params, outer_static = eqx.partition(outer, eqx.is_inexact_array)
 
-    def stage_fn(stage_params, stage_data, h):
+    def stage_fn(stage_params, stage_data, h, documents):
         stage = eqx.combine(stage_params, stage_data, layer_static)
-        return apply_layers(stage, h, remat_policy=remat_policy)
+        return apply_layers(stage, h, documents=documents, remat_policy=remat_policy)
 
-    def stage_with(stage_data):
-        """The stage as a function of its weights and input, for one repeat's data."""
-        return lambda stage_params, h: stage_fn(stage_params, stage_data, h)
+    def stage_with(stage_data, documents):
+        """The stage as a function of its weights and input, for one repeat's data and a
+        microbatch's documents."""
+        return lambda stage_params, h: stage_fn(stage_params, stage_data, h, documents)
 
     # A schedule with W actions cuts each layer's backward into B and W
     # (`eqxzoo.parallel.backward_split`): the stage then runs layer by layer.
     scheduled = set(np.unique(np.asarray(table.action)).tolist())
     splits_backward = W in scheduled
-    layer_fn = remat(lambda w, d, h: eqx.combine(w, d, layer_static)(h, key=None), remat_policy)
+    one_layer = remat(
+        lambda w, d, h, documents: run_layer(
+            eqx.combine(w, d, layer_static), h, documents=documents
+        ),
+        remat_policy,
+    )
 
-    def first_fn(params, tokens_m):
-        return first(eqx.combine(params, outer_static), tokens_m)
+    def layer_fn_for(documents):
+        """A layer as `eqxzoo.parallel.backward_split` takes it, for a microbatch's documents."""
+        return lambda w, d, h: one_layer(w, d, h, documents)
+
+    def first_fn(params, tokens_m, documents_m):
+        return first(eqx.combine(params, outer_static), tokens_m, documents_m)
 
     def last_fn(params, h, targets_m):
         return last(eqx.combine(params, outer_static), h, targets_m)
@@ -178,7 +193,9 @@ def pipeline_value_and_grad(
     def to_float32(tree):
         return jax.tree.map(lambda g: g.astype(jnp.float32), tree)
 
-    def per_stage(layer_params, layer_data, outer_params, tick_tokens, tick_targets):
+    def per_stage(
+        layer_params, layer_data, outer_params, tick_tokens, tick_targets, tick_documents
+    ):
         stage = jax.lax.axis_index("pp") if pipelined else 0
         layer_params, layer_data = jax.tree.map(lambda p: p[:, 0], (layer_params, layer_data))
         # Used by every shard of the sequence (cp): their gradients are summed once, at the end.
@@ -189,10 +206,14 @@ def pipeline_value_and_grad(
         # Traced here, where the layers see the region's axes (a shard of each sequence).
         one_repeat, one_repeat_data = jax.tree.map(lambda p: p[0], (layer_params, layer_data))
         ids = jax.ShapeDtypeStruct(tick_tokens.shape[2:], tick_tokens.dtype)
-        h_shape = _shape_of(jax.eval_shape(first_fn, outer_params, ids))
+        # Placeholders for shapes and layouts only: a microbatch's documents.
+        probe_documents = None if tick_documents is None else tick_documents[0, 0]
+        h_shape = _shape_of(jax.eval_shape(first_fn, outer_params, ids, probe_documents))
         probe = varying(jnp.zeros(h_shape.shape, h_shape.dtype))
         loss_shape = jax.eval_shape(last_fn, outer_params, probe, ids).shape
-        _, aux_shapes = jax.eval_shape(stage_fn, one_repeat, one_repeat_data, probe)
+        _, aux_shapes = jax.eval_shape(
+            stage_fn, one_repeat, one_repeat_data, probe, probe_documents
+        )
         # A microbatch's aux values summed over layers: what travels with its activation.
         total_shapes = {
             name: jax.ShapeDtypeStruct(shape.shape[1:], shape.dtype)
@@ -220,13 +241,14 @@ def pipeline_value_and_grad(
         w_stash_shapes, residual_shapes = [], []
         if splits_backward:
             first_weights, first_data = jax.tree.map(lambda p: p[0], (weights, data))
+            probe_layer_fn = layer_fn_for(probe_documents)
             layer_layout = PullbackResiduals.of(
-                lambda w, x: layer_fn(w, first_data, x), first_weights, probe
+                lambda w, x: probe_layer_fn(w, first_data, x), first_weights, probe
             )
             # Traced on placeholders for their shapes only (dead code, as the layouts are).
-            _, probe_residuals = stage_forward(layer_fn, layer_layout, weights, data, probe)
+            _, probe_residuals = stage_forward(probe_layer_fn, layer_layout, weights, data, probe)
             _, probe_stash = stage_input_grad(
-                layer_fn,
+                probe_layer_fn,
                 layer_layout,
                 weights,
                 data,
@@ -238,22 +260,23 @@ def pipeline_value_and_grad(
             w_stash_shapes = [typed_shape(leaf) for leaf in probe_stash]
             residual_shapes = [typed_shape(leaf) for leaf in probe_residuals]
         elif not remat_stages:
-            layout = PullbackResiduals.of(stage_with(data), weights, probe)
+            layout = PullbackResiduals.of(stage_with(data, probe_documents), weights, probe)
             residual_shapes = list(layout.shapes)
 
-        def embedding_grads(tokens_m, d_h):
+        def embedding_grads(tokens_m, documents_m, d_h):
             """The outer parameters' gradient through ``first`` of a microbatch's tokens."""
-            _, pullback = jax.vjp(lambda o: first_fn(o, tokens_m), outer_params)
+            _, pullback = jax.vjp(lambda o: first_fn(o, tokens_m, documents_m), outer_params)
             return pullback(d_h)[0]
 
-        def vjp_of_stage(weights, data, h_in, h_grad, aux_grad, residuals):
+        def vjp_of_stage(weights, data, documents_m, h_in, h_grad, aux_grad, residuals):
             """The stage's pullback, and the cotangent of its outputs: the item's gradient,
             and for every layer's aux values the aux loss's gradient at the microbatch's
             totals (zero for an output that does not vary over ``pp``: a constant)."""
+            stage = stage_with(data, documents_m)
             if remat_stages:
-                outputs, pullback = jax.vjp(stage_with(data), weights, h_in)
+                outputs, pullback = jax.vjp(stage, weights, h_in)
             else:
-                outputs = jax.eval_shape(stage_with(data), weights, h_in)
+                outputs = jax.eval_shape(stage, weights, h_in)
                 pullback = layout.pullback(weights, residuals)
             per_layer = {
                 name: jnp.broadcast_to(aux_grad[name], shape.shape)
@@ -264,7 +287,8 @@ def pipeline_value_and_grad(
         def tick(carry: TickCarry, tick_inputs) -> tuple[TickCarry, None]:
             """One tick of every stage: the action the table names, then the exchange with
             the neighbouring stages."""
-            t, tokens_m, targets_m = tick_inputs
+            t, tokens_m, targets_m, documents_m = tick_inputs
+            layer_fn = layer_fn_for(documents_m)
             row = {name: column[t, stage] for name, column in columns.items()}
             kind, r, slot, m = row["action"], row["repeat"], row["slot"], row["microbatch"]
             # What was sent at the tick before (by the stage below, the stage above or this
@@ -314,18 +338,20 @@ def pipeline_value_and_grad(
             def forward(written: dict, sent: Sent) -> tuple[dict, Sent]:
                 h_in = jax.lax.cond(
                     is_first,
-                    lambda: varying(first_fn(outer_params, tokens_m)),
+                    lambda: varying(first_fn(outer_params, tokens_m, documents_m)),
                     lambda: stash.inputs[slot],
                 )
                 if remat_stages:
-                    h_out, aux = stage_fn(weights, data, h_in)
+                    h_out, aux = stage_fn(weights, data, h_in, documents_m)
                 else:
                     if splits_backward:
                         (h_out, aux), new_residuals = stage_forward(
                             layer_fn, layer_layout, weights, data, h_in
                         )
                     else:
-                        (h_out, aux), pullback = jax.vjp(stage_with(data), weights, h_in)
+                        (h_out, aux), pullback = jax.vjp(
+                            stage_with(data, documents_m), weights, h_in
+                        )
                         new_residuals = layout.residuals(pullback)
                     written["residuals"] = [
                         buffer.at[slot].set(value)
@@ -372,7 +398,13 @@ def pipeline_value_and_grad(
                     aux_grad = jax.tree.map(lambda buffer: buffer[slot], stash.aux_grads)
                     residuals = [buffer[residual_slot] for buffer in stash.residuals]
                     pullback, cotangent = vjp_of_stage(
-                        weights, data, stash.inputs[slot], stash.grads[slot], aux_grad, residuals
+                        weights,
+                        data,
+                        documents_m,
+                        stash.inputs[slot],
+                        stash.grads[slot],
+                        aux_grad,
+                        residuals,
                     )
                     d_weights, d_h = pullback(cotangent)
                     if weight_grad:
@@ -383,7 +415,7 @@ def pipeline_value_and_grad(
                         written["outer_grads"] = add_outer_grads(
                             written["outer_grads"],
                             is_first,
-                            lambda: embedding_grads(tokens_m, d_h),
+                            lambda: embedding_grads(tokens_m, documents_m, d_h),
                         )
                         sent = (d_h.astype(h_shape.dtype), aux_grad, sent[2])
                     return written, sent
@@ -415,7 +447,7 @@ def pipeline_value_and_grad(
                         written["outer_grads"] = add_outer_grads(
                             written["outer_grads"],
                             is_first,
-                            lambda: embedding_grads(tokens_m, d_h),
+                            lambda: embedding_grads(tokens_m, documents_m, d_h),
                         )
                         sent = (d_h.astype(h_shape.dtype), aux_grad, sent[2])
                     else:
@@ -545,7 +577,12 @@ def pipeline_value_and_grad(
                 w_stash=[zeros_of(s, (n_slots,), slot_axes) for s in w_stash_shapes],
             )
         )
-        ticks = (jnp.arange(table.ticks), tick_tokens[:, 0], tick_targets[:, 0])
+        ticks = (
+            jnp.arange(table.ticks),
+            tick_tokens[:, 0],
+            tick_targets[:, 0],
+            None if tick_documents is None else tick_documents[:, 0],
+        )
         final, _ = jax.lax.scan(tick, init, ticks)
         sums = final.stash
         layer_grads, outer_grads, loss, aux = (
@@ -587,7 +624,7 @@ def pipeline_value_and_grad(
         run = jax.shard_map(
             per_stage,
             mesh=mesh,
-            in_specs=(*stage_spec, replicated, per_tick_spec, per_tick_spec),
+            in_specs=(*stage_spec, replicated, per_tick_spec, per_tick_spec, per_tick_spec),
             out_specs=(stage_spec[0], per_stage_spec, per_stage_spec, per_stage_spec),
             axis_names=set(manual_axes),
             check_vma=True,
@@ -601,8 +638,13 @@ def pipeline_value_and_grad(
     replicated_ids = NamedSharding(mesh, activation_spec(rules=rules))
     tick_tokens = jax.lax.with_sharding_constraint(tokens[columns["microbatch"]], replicated_ids)
     tick_targets = jax.lax.with_sharding_constraint(targets[columns["microbatch"]], replicated_ids)
+    tick_documents = (
+        None
+        if documents is None
+        else jax.lax.with_sharding_constraint(documents[columns["microbatch"]], replicated_ids)
+    )
     layer_grads, outer_grads, loss_sums, aux_sums = run(
-        layer_params, layer_data, outer_params, tick_tokens, tick_targets
+        layer_params, layer_data, outer_params, tick_tokens, tick_targets, tick_documents
     )
     outer_grads = jax.tree.map(lambda g: g.sum(axis=0), outer_grads)
     layer_aux = jax.tree.map(lambda v: in_layer_order(v, schedule), aux_sums)

@@ -14,6 +14,10 @@ The trainer's cross-entropy is the fused, chunked one (`eqxzoo.nn.fused_cross_en
 ``[loss] chunk_size`` > 0): the head's matmul, log-softmax and loss run over vocabulary
 chunks, so the ``(tokens, vocab)`` logits never exist. ``chunk_size = 0`` computes the
 plain logits instead (the reference `sequential_loss` always does).
+
+Batches of packed documents carry `eqxzoo.nn.Documents` (``segments`` and ``positions`` of
+every token, `batch_documents`): every loss takes them as ``documents`` and hands them to
+the embedding (learned positions) and to every layer of the prefix and the pipeline.
 """
 
 import math
@@ -28,6 +32,7 @@ from jaxtyping import Array, Float, Int, PyTree
 
 from eqxzoo.nn import (
     ContextSplit,
+    Documents,
     LanguageModel,
     Stack,
     balanced_order,
@@ -44,6 +49,16 @@ from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import cast_floats
 
 IGNORED = -1  # a target id that is not a target: its token adds nothing to the loss
+DOCUMENT_FIELDS = ("segments", "positions")  # a batch's `Documents`, when it has them
+
+
+def batch_documents(batch: Mapping[str, Array]) -> Documents | None:
+    """The packed documents of a batch (its ``segments`` and ``positions``, shaped like its
+    ``tokens``), or None for a batch without them."""
+    if not all(name in batch for name in DOCUMENT_FIELDS):
+        assert not any(name in batch for name in DOCUMENT_FIELDS), sorted(batch)
+        return None
+    return Documents(segments=batch["segments"], positions=batch["positions"])
 
 
 def target_mask(targets: Int[Array, "*tokens"]) -> Float[Array, "*tokens"]:
@@ -72,6 +87,7 @@ def pipelined_loss(
     config: StepConfig,
     mesh: Mesh | AbstractMesh,
     normalizer: Float[Array, ""] | None = None,
+    documents: Documents | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """Cross-entropy over the target tokens (summed, divided by ``normalizer``: module
     docstring) plus weighted aux losses, with the blocks pipelined over ``pp``.
@@ -84,7 +100,7 @@ def pipelined_loss(
     model = cast_floats(model, config.precision.compute)
     n_micro = tokens.shape[0]
     normalizer = default_normalizer(targets, normalizer)
-    tokens, targets, positions = in_context_order(tokens, targets, mesh)
+    tokens, targets, documents, positions = in_context_order(tokens, targets, documents, mesh)
     with jax.named_scope("embed"):
         h = model.embed(tokens, positions)
     if model.prefix is not None:
@@ -96,11 +112,12 @@ def pipelined_loss(
                         mesh, "prefix_microbatches", "batch", "seq", rules=config.rules
                     ),
                 )
-            h = run_prefix(model.prefix, h, mesh, config.rules)
+            h = run_prefix(model.prefix, h, mesh, config.rules, documents)
     with jax.named_scope("pipeline"):
         h, layer_aux = run_pipeline(
             model.blocks.layers,
             h,
+            documents=documents,
             schedule=config.schedule,
             mesh=mesh,
             remat_policy=model.blocks.remat_policy,
@@ -124,15 +141,28 @@ def splits_context(mesh: Mesh | AbstractMesh) -> bool:
 
 
 def in_context_order(
-    tokens: Int[Array, "*batch seq"], targets: Int[Array, "*batch seq"], mesh: Mesh | AbstractMesh
-) -> tuple[Int[Array, "*batch seq"], Int[Array, "*batch seq"], Int[Array, " seq"] | None]:
-    """``tokens`` and ``targets`` in the order whose ``cp`` shards carry equal causal work
-    (`eqxzoo.nn.balanced_order`), and the positions they then sit at (None, the plain
-    order, without ``cp``). The loss is a mean over tokens, so the order changes nothing."""
-    if not splits_context(mesh):
-        return tokens, targets, None
-    order = balanced_order(tokens.shape[-1], mesh.shape[CONTEXT_AXIS])
-    return tokens[..., order], targets[..., order], jnp.asarray(order, jnp.int32)
+    tokens: Int[Array, "*batch seq"],
+    targets: Int[Array, "*batch seq"],
+    documents: Documents | None,
+    mesh: Mesh | AbstractMesh,
+) -> tuple[
+    Int[Array, "*batch seq"],
+    Int[Array, "*batch seq"],
+    Documents | None,
+    Int[Array, "*#batch seq"] | None,
+]:
+    """``tokens``, ``targets`` and ``documents`` in the order whose ``cp`` shards carry equal
+    causal work (`eqxzoo.nn.balanced_order`), and the positions the embedding takes: the
+    documents', else where the tokens then sit (None, the plain order, without ``cp``). The
+    loss is a sum over tokens, so the order changes nothing."""
+    if splits_context(mesh):
+        order = balanced_order(tokens.shape[-1], mesh.shape[CONTEXT_AXIS])
+        tokens, targets = tokens[..., order], targets[..., order]
+        documents = None if documents is None else documents[..., order]
+        positions = jnp.asarray(order, jnp.int32)
+    else:
+        positions = None
+    return tokens, targets, documents, positions if documents is None else documents.positions
 
 
 def run_prefix(
@@ -140,30 +170,31 @@ def run_prefix(
     h: Float[Array, "microbatches batch seq embed"],
     mesh: Mesh | AbstractMesh,
     rules: Mapping[str, MeshAxes],
+    documents: Documents | None = None,
 ) -> Float[Array, "microbatches batch seq embed"]:
     """The model's prefix layers on ``h`` (their aux values dropped, as the loss has no use
     for them); inside a region manual over ``cp`` where the sequences are split, where
     their attention exchanges the shards' keys and values."""
     if not splits_context(mesh):
-        return prefix(h)[0]
+        return prefix(h, documents=documents)[0]
     arrays, static = eqx.partition(prefix, eqx.is_array)
     context_axes = (CONTEXT_AXIS,)
 
-    def run(arrays, h):
+    def run(arrays, h, documents):
         # Used by every shard: their gradient is summed over cp once, here.
         weights, data = eqx.partition(arrays, eqx.is_inexact_array)
         weights = varying_over(weights, context_axes)
-        return eqx.combine(weights, data, static)(h)[0]
+        return eqx.combine(weights, data, static)(h, documents=documents)[0]
 
     spec = manual_spec("microbatches", "batch", "seq", manual_axes=context_axes, rules=rules)
     return jax.shard_map(
         run,
         mesh=mesh,
-        in_specs=(manual_spec(manual_axes=context_axes, rules=rules), spec),
+        in_specs=(manual_spec(manual_axes=context_axes, rules=rules), spec, spec),
         out_specs=spec,
         axis_names=set(context_axes),
         check_vma=True,
-    )(arrays, h)
+    )(arrays, h, documents)
 
 
 def over_slices(
@@ -188,10 +219,15 @@ def sequential_loss(
     *,
     config: StepConfig,
     normalizer: Float[Array, ""] | None = None,
+    documents: Documents | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """The same loss computed the plain way: the (unstaged) model vmapped over every sequence."""
     model = cast_floats(model, config.precision.compute)
-    logits, aux = jax.vmap(jax.vmap(model))(tokens)
+
+    if documents is None:
+        logits, aux = jax.vmap(jax.vmap(model))(tokens)
+    else:
+        logits, aux = jax.vmap(jax.vmap(lambda t, d: model(t, documents=d)))(tokens, documents)
     aux = batch_aux_metrics(jax.tree.map(lambda v: jnp.mean(v, axis=1), aux), config)
     token_losses, log_normalizers = plain_cross_entropy(
         logits.astype(config.precision.output), targets
@@ -309,6 +345,7 @@ def pipelined_loss_and_grad(
     config: StepConfig,
     mesh: Mesh | AbstractMesh,
     normalizer: Float[Array, ""] | None = None,
+    documents: Documents | None = None,
 ) -> tuple[tuple[Float[Array, ""], dict[str, Array]], PyTree]:
     """``((loss, metrics), grads)`` of `pipelined_loss` by the 1F1B-family executor
     (`eqxzoo.parallel.pipeline_value_and_grad`), which runs the backward itself.
@@ -322,14 +359,18 @@ def pipelined_loss_and_grad(
     n_micro = tokens.shape[0]
     normalizer = default_normalizer(targets, normalizer)
     n_layers = model.blocks.n_layers
-    tokens, targets, _ = in_context_order(tokens, targets, mesh)
+    tokens, targets, documents, _ = in_context_order(tokens, targets, documents, mesh)
     context = ContextSplit(CONTEXT_AXIS) if splits_context(mesh) else None
 
-    def first(outer, tokens):
+    def first(outer, tokens, documents):
         # Inside the executor's region: a shard of each sequence where cp splits them.
-        h = outer.embed(tokens, None if context is None else context.positions(tokens.shape[-1]))
+        if documents is not None:
+            positions = documents.positions
+        else:
+            positions = None if context is None else context.positions(tokens.shape[-1])
+        h = outer.embed(tokens, positions)
         if outer.prefix is not None:
-            h, _ = outer.prefix(h)
+            h, _ = outer.prefix(h, documents=documents)
         return h
 
     def last(outer, h, targets):
@@ -356,6 +397,7 @@ def pipelined_loss_and_grad(
             outer,
             tokens,
             targets,
+            documents=documents,
             first=first,
             last=last,
             part_weights=[term.weight(config.loss) for term in terms],

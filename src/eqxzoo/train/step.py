@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PyTree
 
 from eqxzoo.errors import UserError
-from eqxzoo.nn import Axes, LanguageModel, balance_selection_bias
+from eqxzoo.nn import Axes, Documents, LanguageModel, balance_selection_bias
 from eqxzoo.nn.parameters import is_buffer
 from eqxzoo.optim import build_optimizer, learning_rate_schedule, trainable_mask
 from eqxzoo.parallel import DEFAULT_RULES, MeshAxes, Schedule, activation_sharding, stage_layers
@@ -32,17 +32,27 @@ from eqxzoo.parallel.collectives import permutes_in_branches
 from eqxzoo.parallel.mesh import DP_WITHIN_SLICE
 from eqxzoo.parallel.rules import partition_spec, rule_axes
 from eqxzoo.train.layout import from_pipeline_layout
-from eqxzoo.train.loss import pipelined_loss, pipelined_loss_and_grad, target_count
+from eqxzoo.train.loss import (
+    DOCUMENT_FIELDS,
+    batch_documents,
+    pipelined_loss,
+    pipelined_loss_and_grad,
+    target_count,
+)
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import TrainState, pipeline_model_axes, split_trainable
 
 Batch = dict[str, Int[Array, "grad_accum microbatches batch seq"]]
 
-LossFn = Callable[[LanguageModel, Array, Array, Array], tuple[Array, dict[str, Array]]]
-# ``(model, tokens, targets, normalizer) -> ((loss, metrics), grads)``, grads shaped like the
-# model.
+# ``(model, tokens, targets, normalizer, documents) -> (loss, metrics)``.
+LossFn = Callable[
+    [LanguageModel, Array, Array, Array, Documents | None], tuple[Array, dict[str, Array]]
+]
+# ``(model, tokens, targets, normalizer, documents) -> ((loss, metrics), grads)``, grads
+# shaped like the model.
 LossAndGradFn = Callable[
-    [LanguageModel, Array, Array, Array], tuple[tuple[Array, dict[str, Array]], LanguageModel]
+    [LanguageModel, Array, Array, Array, Documents | None],
+    tuple[tuple[Array, dict[str, Array]], LanguageModel],
 ]
 # ``(trainable, frozen, batch) -> (mean float32 gradients, mean metrics)``.
 Accumulate = Callable[[PyTree, PyTree, Batch], tuple[PyTree, dict[str, Array]]]
@@ -130,17 +140,15 @@ def accumulated_gradients(
     def microbatch_grads(carry, micro):
         grad_sum, metric_sum = carry
 
+        inputs = (micro["tokens"], micro["targets"], normalizer, batch_documents(micro))
+
         def loss_of(trainable):
-            return loss_fn(
-                eqx.combine(trainable, frozen), micro["tokens"], micro["targets"], normalizer
-            )
+            return loss_fn(eqx.combine(trainable, frozen), *inputs)
 
         if loss_and_grad_fn is None:
             (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
         else:
-            (loss, metrics), grads = loss_and_grad_fn(
-                eqx.combine(trainable, frozen), micro["tokens"], micro["targets"], normalizer
-            )
+            (loss, metrics), grads = loss_and_grad_fn(eqx.combine(trainable, frozen), *inputs)
             grads, _ = eqx.partition(grads, trainable_mask(grads, config.optimizer.freeze))
         metrics = {"loss": loss, **metrics}
         if grad_sum is None:
@@ -152,7 +160,10 @@ def accumulated_gradients(
 
     def first_metrics():
         model = eqx.combine(trainable, frozen)
-        loss, metrics = loss_fn(model, batch["tokens"][0], batch["targets"][0], normalizer)
+        first = jax.tree.map(lambda x: x[0], batch)
+        loss, metrics = loss_fn(
+            model, first["tokens"], first["targets"], normalizer, batch_documents(first)
+        )
         return {"loss": loss, **metrics}
 
     if n_accum == 1:
@@ -280,15 +291,21 @@ def batch_sharding(mesh: Mesh, rules: Mapping[str, MeshAxes] = DEFAULT_RULES) ->
 
 
 def compile_train_step(
-    config: StepConfig, mesh: Mesh, state: TrainState, batch_shape: tuple[int, int, int, int]
+    config: StepConfig,
+    mesh: Mesh,
+    state: TrainState,
+    batch_shape: tuple[int, int, int, int],
+    *,
+    documents: bool = False,
 ) -> jax.stages.Compiled:
     """`make_train_step` compiled for ``state`` (arrays or `jax.ShapeDtypeStruct` leaves) and
-    ``(G, M, B, T)`` batches, without running it: the run checks its memory analysis before
+    ``(G, M, B, T)`` batches (of packed documents, with their `DOCUMENT_FIELDS`, where
+    ``documents``), without running it: the run checks its memory analysis before
     initialising anything, then calls it (the state and batch must match exactly)."""
     sharding = batch_sharding(mesh, config.rules)
+    names = ("tokens", "targets", *(DOCUMENT_FIELDS if documents else ()))
     batch = {
-        name: jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=sharding)
-        for name in ("tokens", "targets")
+        name: jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=sharding) for name in names
     }
     compiled = make_train_step(config, mesh).lower(state, batch).compile()
     check_no_permutes_in_branches(compiled, mesh)
@@ -301,6 +318,7 @@ def compile_train_step_for(
     state: TrainState,
     batch_shape: tuple[int, int, int, int],
     *,
+    documents: bool = False,
     verdicts: Path | None = None,
 ) -> tuple[jax.stages.Compiled, StepConfig]:
     """`compile_train_step`, and the `StepConfig` it compiled with: where XLA:CPU could not
@@ -317,17 +335,17 @@ def compile_train_step_for(
     never a hang."""
     verdict = None
     if verdicts is not None and config.skip_bubbles and not config.schedule.fuses_backward:
-        verdict = verdicts / _program_key(config, mesh, state, batch_shape)
+        verdict = verdicts / _program_key(config, mesh, state, batch_shape, documents)
     if verdict is None or not verdict.exists():
         try:
-            return compile_train_step(config, mesh, state, batch_shape), config
+            return compile_train_step(config, mesh, state, batch_shape, documents=documents), config
         except PlanWouldDeadlock:
             if config.schedule.fuses_backward or not config.skip_bubbles:
                 raise
         if verdict is not None:
             _remember(verdict)
     config = dataclasses.replace(config, skip_bubbles=False)
-    return compile_train_step(config, mesh, state, batch_shape), config
+    return compile_train_step(config, mesh, state, batch_shape, documents=documents), config
 
 
 def bubble_verdicts() -> Path | None:
@@ -338,10 +356,14 @@ def bubble_verdicts() -> Path | None:
 
 
 def _program_key(
-    config: StepConfig, mesh: Mesh, state: TrainState, batch_shape: tuple[int, int, int, int]
+    config: StepConfig,
+    mesh: Mesh,
+    state: TrainState,
+    batch_shape: tuple[int, int, int, int],
+    documents: bool,
 ) -> str:
     """A hash of what the compiled step depends on: versions, platform, mesh, step config,
-    the state's structure, shapes, dtypes and shardings, and the batch's shape."""
+    the state's structure, shapes, dtypes and shardings, and the batch's shape and fields."""
     leaves, structure = jax.tree.flatten(state)
     described = repr(
         (
@@ -351,6 +373,7 @@ def _program_key(
             dict(mesh.shape),
             config,
             batch_shape,
+            documents,
             structure,
             [(leaf.shape, leaf.dtype, getattr(leaf, "sharding", None)) for leaf in leaves],
         )
@@ -405,14 +428,26 @@ def step_gradients(config: StepConfig, mesh: Mesh) -> Accumulate:
     def region_mesh():
         return jax.sharding.get_abstract_mesh() if config.slice_axes else mesh
 
-    def loss_fn(model, tokens, targets, normalizer):
+    def loss_fn(model, tokens, targets, normalizer, documents):
         return pipelined_loss(
-            model, tokens, targets, config=inner, mesh=region_mesh(), normalizer=normalizer
+            model,
+            tokens,
+            targets,
+            config=inner,
+            mesh=region_mesh(),
+            normalizer=normalizer,
+            documents=documents,
         )
 
-    def loss_and_grad_fn(model, tokens, targets, normalizer):
+    def loss_and_grad_fn(model, tokens, targets, normalizer, documents):
         return pipelined_loss_and_grad(
-            model, tokens, targets, config=inner, mesh=region_mesh(), normalizer=normalizer
+            model,
+            tokens,
+            targets,
+            config=inner,
+            mesh=region_mesh(),
+            normalizer=normalizer,
+            documents=documents,
         )
 
     accumulate = functools.partial(
@@ -460,8 +495,14 @@ def make_eval_step(
 
     def evaluate(model, batch):
         batch = jax.lax.with_sharding_constraint(batch, batch_sharding(mesh, config.rules))
+        first = jax.tree.map(lambda x: x[0], batch)
         _, metrics = pipelined_loss(
-            model, batch["tokens"][0], batch["targets"][0], config=config, mesh=mesh
+            model,
+            first["tokens"],
+            first["targets"],
+            config=config,
+            mesh=mesh,
+            documents=batch_documents(first),
         )
         return metrics["cross_entropy"]
 
