@@ -1,13 +1,23 @@
 """Prepare a training corpus: raw text -> tokenizer.json, ArrayRecord shards and manifest.json.
 
-    python -m pipelines.prepare INPUT ... --out DIR [--vocab-size N | --tokenizer FILE]
+    python -m pipelines.prepare INPUT ... --out DIR [--vocab-size N | --tokenizer FILE_OR_DIR]
         [--text-field text] [--val-fraction 0.01] [--records-per-shard 4096]
+        [--format auto|text|chat|prompt_completion] [--train-on completion|all]
+        [--max-tokens N] [--overlong drop|truncate]
     python -m pipelines.prepare --stdlib --out DIR --vocab-size 4096
 
 INPUTs are UTF-8 text files (one document each), JSONL files (``.jsonl``, one document per
-line, its text under ``--text-field``) or directories walked recursively in sorted order;
-any of them may be gzipped (``.gz``). ``--stdlib`` adds the built-in corpus: this Python's
-standard-library sources. Re-running with unchanged inputs and options prints "up to date";
+line) or directories walked recursively in sorted order; any of them may be gzipped
+(``.gz``). ``--stdlib`` adds the built-in corpus: this Python's standard-library sources.
+A JSONL file holds plain text under ``--text-field``, or TRL's chat records
+(``{"messages": [{"role", "content"}, ...]}``, rendered with the chat template of the
+``--tokenizer`` checkpoint directory) or prompt-completion records (``{"prompt",
+"completion"}``); each file's first record tells which, unless ``--format`` says. Of chat and
+prompt-completion records only the assistant turns and completions are targets unless
+``--train-on all``; ``--max-tokens`` drops (or with ``--overlong truncate`` cuts) longer
+ones. Such a record that cannot be used is reported (``file.jsonl:17: ...`` on stderr) and
+skipped, with a count per reason at the end; the exit code is 0 as long as some document
+was prepared. Re-running with unchanged inputs and options prints "up to date";
 with changed ones it replaces DIR, but only while DIR holds nothing but earlier outputs of
 this command: anything else in it is named and refused, and nothing is touched. An empty
 ``--out`` or INPUT (an unset shell variable) is refused rather than taken as the current
@@ -22,12 +32,17 @@ from pathlib import Path
 from rich.status import Status
 from rich.text import Text
 
+from eqxzoo.data.instructions import OVERLONG, TRAIN_ON
+from eqxzoo.data.manifest import DOCUMENT_FORMATS
 from eqxzoo.data.prepare import (
+    AUTO_FORMAT,
     DataError,
     PrepareOptions,
     PrepareResult,
+    describe_counts,
     prepare_corpus,
 )
+from eqxzoo.data.sources import RecordProblem
 from eqxzoo.data.tokenizer import DEFAULT_VOCAB_SIZE
 from eqxzoo.errors import EXIT_OK, run_command
 from eqxzoo.progress import terminal_console
@@ -51,9 +66,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"train a byte-level BPE of this many tokens (default {DEFAULT_VOCAB_SIZE})",
     )
     parser.add_argument(
-        "--tokenizer", type=Path, help="use this tokenizer.json instead of training one"
+        "--tokenizer",
+        type=Path,
+        help="use this tokenizer.json, or a Hugging Face checkpoint directory's tokenizer "
+        "(with its tokenizer_config.json), instead of training one",
     )
     parser.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    parser.add_argument(
+        "--format",
+        choices=(AUTO_FORMAT, *DOCUMENT_FORMATS),
+        default=AUTO_FORMAT,
+        help="the records of every JSONL file (default: each file's first record tells)",
+    )
+    parser.add_argument(
+        "--train-on",
+        choices=TRAIN_ON,
+        default="completion",
+        help="targets of chat / prompt-completion records: assistant turns and completions "
+        "(default), or all tokens",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="chat / prompt-completion records longer than this are dropped (default: no limit)",
+    )
+    parser.add_argument(
+        "--overlong",
+        choices=OVERLONG,
+        default="drop",
+        help="what --max-tokens does to a longer record: drop it (default) or keep its start",
+    )
     parser.add_argument("--val-fraction", type=float, default=0.01, help="validation share")
     parser.add_argument(
         "--records-per-shard", type=int, default=4096, help="documents per shard at most"
@@ -70,7 +113,30 @@ def options_from_args(args: argparse.Namespace) -> PrepareOptions:
         text_field=args.text_field,
         val_fraction=args.val_fraction,
         records_per_shard=args.records_per_shard,
+        document_format=args.format,
+        train_on=args.train_on,
+        max_tokens=args.max_tokens,
+        overlong=args.overlong,
     )
+
+
+PROBLEMS_SHOWN = 20
+
+
+class ProblemReport:
+    """Prints each skipped record as ``skipped file.jsonl:17: why`` on ``stream``, the first
+    `PROBLEMS_SHOWN` of them; the counts at the end cover the rest."""
+
+    def __init__(self, stream: io.TextIOBase):
+        self.stream = stream
+        self.seen = 0
+
+    def __call__(self, problem: RecordProblem) -> None:
+        self.seen += 1
+        if self.seen <= PROBLEMS_SHOWN:
+            print(f"skipped {problem}", file=self.stream, flush=True)
+        elif self.seen == PROBLEMS_SHOWN + 1:
+            print("skipped more records (counted below)", file=self.stream, flush=True)
 
 
 class PhaseProgress:
@@ -125,8 +191,17 @@ def describe(result: PrepareResult) -> str:
         ]
         if result.skipped_files:
             lines.append(f"  skipped {len(result.skipped_files)} files that are not UTF-8 text")
+        if result.skipped_records:
+            skipped = sum(result.skipped_records.values())
+            records = "record" if skipped == 1 else "records"
+            counts = describe_counts(result.skipped_records)
+            lines.append(f"  skipped {skipped} {records}: {counts}")
     tokenizer = manifest.tokenizer
-    lines.append(f"  tokenizer: vocab {tokenizer.vocab_size}, eod id {tokenizer.eod_token_id}")
+    lines.append(
+        f"  tokenizer: vocab {tokenizer.vocab_size}, eod {tokenizer.eod_token} "
+        f"(id {tokenizer.eod_token_id})"
+    )
+    lines.append(f"  formats: {', '.join(manifest.document_formats)}")
     for name, split in manifest.splits.items():
         lines.append(
             f"  {name}: {split.documents} documents, {split.tokens} tokens, "
@@ -154,6 +229,7 @@ def prepare(args: argparse.Namespace) -> int:
             options_from_args(args),
             include_stdlib=args.stdlib,
             progress=progress,
+            report=ProblemReport(sys.stderr),
         )
     print(describe(result))
     return EXIT_OK

@@ -520,3 +520,19 @@ def test_each_rule_has_one_checker_for_the_config_and_the_layers():
         with pytest.raises(ConfigError) as layer_error:
             from_layer()
         assert str(config_error.value) == str(layer_error.value)
+
+
+def test_document_mask_is_unset_by_default_and_part_of_what_the_run_is(tmp_path):
+    """Unset (None: decided by the data), settable both ways, written back, and not among
+    the keys a resume may change."""
+    from eqxzoo.run.config import RESUMABLE_KEYS
+
+    assert load_config(TINY).data.document_mask is None
+    for value in (True, False):
+        config = load_config(TINY, [f"data.document_mask={str(value).lower()}"])
+        assert config.data.document_mask is value
+        written = tmp_path / "written.toml"
+        written.write_text(config_to_toml(config))
+        assert load_config(written) == config
+    assert "data.document_mask" not in RESUMABLE_KEYS
+    assert error_for(["data.document_mask=2"]) == "data.document_mask: expected bool or none, got 2"

@@ -8,11 +8,11 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
-from test_prepare import make_documents, write_text_files
+from test_prepare import checkpoint_tokenizer, make_documents, write_jsonl, write_text_files
 
 from eqxzoo.data import loader
 from eqxzoo.data import prepare as prep
-from eqxzoo.data.manifest import decode_record
+from eqxzoo.data.manifest import NOT_TARGET, decode_marked_record, decode_record
 from eqxzoo.data.prepare import DataError
 from eqxzoo.parallel import MeshConfig, make_mesh
 from eqxzoo.train.step import batch_sharding
@@ -267,3 +267,196 @@ def test_restoring_a_position_from_another_stream(
     state = train_batches(train_documents, seed=1).get_state()
     with pytest.raises(DataError, match="belongs to another stream"):
         train_batches(train_documents, seed=2).set_state(state)
+
+
+# ----------------------------------------------------------------------------- chat data
+
+CHAT_SHAPE = loader.BatchShape(grad_accum=1, microbatches=2, batch_size=3, seq_len=40)
+
+
+@pytest.fixture(scope="module")
+def chat_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Conversations of one to three turns, some ending with a question (a prompt-completion
+    file besides), so windows hold several documents and documents span windows."""
+    root = tmp_path_factory.mktemp("chat")
+    checkpoint = checkpoint_tokenizer(root / "ckpt")
+    texts = make_documents(90, seed=5)
+    conversations = []
+    for index in range(0, 60, 3):
+        turns = texts[index : index + 1 + index % 3]
+        messages = [{"role": "system", "content": "be brief"}] if index % 2 else []
+        for turn in turns:
+            messages += [
+                {"role": "user", "content": turn[:12]},
+                {"role": "assistant", "content": turn[12:]},
+            ]
+        if index % 4 == 0:  # ends with a question: its end-of-document is no target
+            messages.append({"role": "user", "content": "and then?"})
+        conversations.append({"messages": messages})
+    pairs = [{"prompt": text[:10], "completion": text[10:]} for text in texts[60:]]
+    files = [
+        write_jsonl(root / "chat.jsonl", conversations),
+        write_jsonl(root / "pairs.jsonl", pairs),
+    ]
+    options = prep.PrepareOptions(tokenizer_file=checkpoint, val_fraction=0.2)
+    return prep.prepare_corpus(files, root / "prepared", options).out_dir
+
+
+def annotated_stream(
+    documents: loader.SplitDocuments, stream: loader.TokenStream, epochs: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The stream of ``epochs`` epochs built the plain way, document by document: its marked
+    tokens, and each token's document number and that document's start."""
+    marked = [
+        decode_marked_record(r) for r in documents.source.__getitems__(range(len(documents.source)))
+    ]
+    pieces, numbers, starts = [], [], []
+    offset = 0
+    for epoch in range(epochs):
+        order, _ = stream._epoch(epoch)
+        for index in order:
+            document = marked[int(index)]
+            last_mark = document[-1] & np.uint32(NOT_TARGET)
+            piece = np.append(document, np.uint32(documents.eod_token_id) | last_mark)
+            numbers.append(np.full(len(piece), len(pieces)))
+            starts.append(np.full(len(piece), offset))
+            pieces.append(piece)
+            offset += len(piece)
+    return np.concatenate(pieces), np.concatenate(numbers), np.concatenate(starts)
+
+
+def expected_window(stream_arrays, start: int, seq_len: int, document_mask: bool) -> dict:
+    """What a window starting at ``start`` holds, by the rules of the loader's module doc."""
+    marked, numbers, starts = stream_arrays
+    window = slice(start, start + seq_len)
+    following = slice(start + 1, start + seq_len + 1)
+    ids = (marked & np.uint32(NOT_TARGET - 1)).astype(np.int32)
+    is_target = (marked[following] & np.uint32(NOT_TARGET)) == 0
+    if document_mask:
+        is_target &= numbers[following] == numbers[window]
+    expected = {"tokens": ids[window], "targets": np.where(is_target, ids[following], -1)}
+    if document_mask:
+        expected["segments"] = numbers[window] - numbers[start]
+        offsets = np.arange(start, start + seq_len)
+        expected["positions"] = offsets - np.maximum(starts[window], start)
+    return expected
+
+
+@pytest.mark.parametrize("document_mask", [None, False])
+def test_chat_batches_carry_targets_segments_and_positions(chat_corpus: Path, document_mask):
+    """Unset, document masks are on for chat data; off, the targets still skip the prompts."""
+    documents = loader.open_split(chat_corpus, "train")
+    assert documents.document_formats == ("chat", "prompt_completion")
+    batches = loader.train_batches(
+        documents,
+        CHAT_SHAPE,
+        one_device_sharding(),
+        seed=1,
+        prefetch=1,
+        num_threads=1,
+        document_mask=document_mask,
+    )
+    stream = batches.stream
+    steps = 3
+    epochs = steps * CHAT_SHAPE.windows * CHAT_SHAPE.window_tokens // stream.epoch_tokens + 2
+    reference = annotated_stream(documents, stream, epochs)
+    masked = document_mask is None
+    for step in range(steps):
+        batch = {name: np.asarray(array) for name, array in next(batches).items()}
+        names = {"tokens", "targets"} | ({"segments", "positions"} if masked else set())
+        assert set(batch) == names
+        windows = {name: array.reshape(-1, CHAT_SHAPE.seq_len) for name, array in batch.items()}
+        for row in range(CHAT_SHAPE.windows):
+            start = stream.window_start(step * CHAT_SHAPE.windows + row, CHAT_SHAPE.window_tokens)
+            expected = expected_window(reference, start, CHAT_SHAPE.seq_len, masked)
+            for name, values in expected.items():
+                np.testing.assert_array_equal(windows[name][row], values, err_msg=name)
+    batches.close()
+    targets = windows["targets"]
+    assert (targets == -1).any() and (targets >= 0).any()
+    if masked:
+        assert (windows["segments"].max(axis=1) > 0).any(), "some window holds two documents"
+
+
+def test_segments_do_not_depend_on_the_columns_a_process_reads(chat_corpus: Path):
+    """Under context parallelism a process reads some columns of each window: the segment
+    ids, positions and targets of its columns are those of the whole window."""
+    documents = loader.open_split(chat_corpus, "train", verify=False)
+    stream = loader.TokenStream(documents, seed=0, shuffle=True)
+    rows = (0, CHAT_SHAPE.batch_size)
+    whole = loader.WindowReader(stream, CHAT_SHAPE, rows, 0, document_mask=True)
+    parts = [(0, 13), (13, 27), (27, 40)]
+    readers = [
+        loader.WindowReader(stream, CHAT_SHAPE, rows, 0, part, document_mask=True) for part in parts
+    ]
+    for step in (0, 5):
+        expected = whole(step).arrays()
+        pieces = [read(step).arrays() for read in readers]
+        for name, array in expected.items():
+            np.testing.assert_array_equal(np.concatenate([p[name] for p in pieces], axis=3), array)
+
+
+def test_plain_text_is_packed_as_before_unless_masks_are_asked(train_documents, corpus: Path):
+    """Plain text: no segments by default (today's batches); with masks, the same tokens and
+    targets except that an end-of-document token's target is ignored."""
+    plain = train_batches(train_documents)
+    masked = loader.train_batches(
+        train_documents,
+        SHAPE,
+        one_device_sharding(),
+        seed=0,
+        prefetch=1,
+        num_threads=1,
+        document_mask=True,
+    )
+    for _ in range(2):
+        before, after = next(plain), next(masked)
+        assert set(before) == {"tokens", "targets"}
+        tokens, targets = np.asarray(after["tokens"]), np.asarray(after["targets"])
+        np.testing.assert_array_equal(tokens, np.asarray(before["tokens"]))
+        at_eod = tokens == train_documents.eod_token_id
+        np.testing.assert_array_equal(targets[~at_eod], np.asarray(before["targets"])[~at_eod])
+        assert (targets[at_eod] == -1).all() and at_eod.any()
+        assert (np.asarray(after["targets"]) >= 0).sum() > 0.8 * targets.size
+    plain.close()
+    masked.close()
+    documents = loader.open_split(corpus, "val")
+    shape = loader.BatchShape(grad_accum=1, microbatches=1, batch_size=2, seq_len=15)
+    (batch,) = loader.validation_batches(
+        documents, shape, one_device_sharding(), batches=1, document_mask=True
+    )
+    assert set(batch) == {"tokens", "targets", "segments", "positions"}
+    assert batch["segments"].sharding == batch["tokens"].sharding
+
+
+def test_validation_batches_of_chat_data_carry_the_masks(chat_corpus: Path):
+    documents = loader.open_split(chat_corpus, "val")
+    shape = loader.BatchShape(grad_accum=1, microbatches=1, batch_size=2, seq_len=20)
+    sharding = batch_sharding(make_mesh(MeshConfig(dp=2, pp=2, tp=2)))
+    (batch,) = loader.validation_batches(documents, shape, sharding, batches=1)
+    assert set(batch) == {"tokens", "targets", "segments", "positions"}
+    stream = loader.TokenStream(documents, seed=0, shuffle=True)
+    reference = annotated_stream(documents, stream, 2)
+    for row in range(2):
+        expected = expected_window(reference, stream.window_start(row, 21), 20, True)
+        for name, values in expected.items():
+            np.testing.assert_array_equal(np.asarray(batch[name])[0, 0, row], values)
+
+
+def test_the_ignored_target_is_the_trainers():
+    from eqxzoo.train.loss import IGNORED
+
+    assert loader.IGNORED == IGNORED
+
+
+def test_a_manifest_from_before_formats_reads_as_plain_text(corpus: Path, tmp_path: Path):
+    copy = copy_corpus(corpus, tmp_path)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["document_formats"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    documents = loader.open_split(copy, "train")
+    assert documents.document_formats == ("text",) and not documents.document_mask(None)
+    manifest["format_version"] = 3
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"manifest format 3 is not one of 1, 2; re-run"):
+        loader.open_split(copy, "train")

@@ -1,5 +1,6 @@
 """Corpus preparation: shards round-trip, splits, sharding, re-runs, partial output, bad input."""
 
+import dataclasses
 import gzip
 import json
 import random
@@ -462,3 +463,311 @@ def test_unwritable_out_is_one_line(tmp_path: Path, capsys):
     assert (
         code == 2 and stderr.startswith("error: cannot write --out") and "Traceback" not in stderr
     )
+
+
+# ----------------------------------------------------------------------------- chat data
+
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}"
+    "<|end_header_id|>\n\n{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+# name: (special tokens, template, tokenizer_config.json's other keys, an assistant turn's end)
+TEMPLATES = {
+    "chatml": (
+        [EOD_TOKEN, "<|im_start|>", "<|im_end|>"],
+        CHATML,
+        {"eos_token": "<|im_end|>"},
+        "<|im_end|>\n",
+    ),
+    "llama3": (  # no <|endoftext|>: the end of a document is the checkpoint's eos_token
+        ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        LLAMA3,
+        {
+            "bos_token": "<|begin_of_text|>",
+            "eos_token": {"__type": "AddedToken", "content": "<|eot_id|>"},
+        },
+        "<|eot_id|>",
+    ),
+}
+CONVERSATION = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "what does the model read"},
+    {"role": "assistant", "content": "tokens from shards"},
+    {"role": "user", "content": "and then"},
+    {"role": "assistant", "content": "it learns to predict the next one"},
+]
+
+
+def checkpoint_tokenizer(directory: Path, template: str | None = "chatml") -> Path:
+    """A Hugging Face checkpoint's tokenizer files: a small byte-level BPE with the
+    template's special tokens, and a ``tokenizer_config.json`` (with the chat template
+    unless ``template`` is None)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials, chat_template, config, _ = TEMPLATES[template or "chatml"]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(make_documents(40), trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **config}
+    if template is not None:
+        config["chat_template"] = chat_template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return directory
+
+
+def write_jsonl(path: Path, records: list[object]) -> Path:
+    lines = [record if isinstance(record, str) else json.dumps(record) for record in records]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def marked_split(out_dir: Path, split: str = "train") -> list[np.ndarray]:
+    from eqxzoo.data.manifest import decode_marked_record
+
+    manifest = read_manifest(out_dir)
+    records = []
+    for shard in manifest.splits[split].shards:
+        reader = ArrayRecordReader(str(out_dir / shard.file))
+        records.extend(decode_marked_record(record) for record in reader.read_all())
+        reader.close()
+    return records
+
+
+def target_texts(out_dir: Path, marked: np.ndarray) -> tuple[str, str]:
+    """The text of a record's target tokens (joined) and of the whole record."""
+    from eqxzoo.data.manifest import is_target, token_ids
+
+    tokenizer = prep.load_tokenizer(out_dir / "tokenizer.json")
+    ids, targets = token_ids(marked).tolist(), is_target(marked)
+    pieces = [decode_document(tokenizer, [i]) for i in ids]
+    return "".join(p for p, t in zip(pieces, targets) if t), decode_document(tokenizer, ids)
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATES))
+def test_chat_records_target_the_assistant_turns(tmp_path: Path, template: str):
+    """Rendered with the checkpoint's template as transformers renders it; the targets are
+    the assistant turns with their end-of-turn markers, nothing else."""
+    import transformers
+
+    checkpoint = checkpoint_tokenizer(tmp_path / "ckpt", template)
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}])
+    options = {"tokenizer_file": checkpoint, "val_fraction": 0.0}
+    manifest = prep.prepare_corpus(
+        [chat], tmp_path / "out", prep.PrepareOptions(**options)
+    ).manifest
+
+    (marked,) = marked_split(tmp_path / "out")
+    targets, text = target_texts(tmp_path / "out", marked)
+    reference = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    assert text == reference.apply_chat_template(CONVERSATION, tokenize=False)
+    end = TEMPLATES[template][3]
+    assert targets == f"tokens from shards{end}it learns to predict the next one{end}"
+    assert manifest.format_version == 2 and manifest.document_formats == ("chat",)
+    eod = {"chatml": EOD_TOKEN, "llama3": "<|eot_id|>"}[template]
+    assert manifest.tokenizer.eod_token == eod
+    assert manifest.tokenizer.vocab_size == reference.backend_tokenizer.get_vocab_size()
+
+    everything = prep.PrepareOptions(**options, train_on="all")
+    prep.prepare_corpus([chat], tmp_path / "all", everything)
+    (marked,) = marked_split(tmp_path / "all")
+    assert target_texts(tmp_path / "all", marked) == (text, text)
+
+
+def test_prompt_completion_targets_the_completion_and_the_eos(tmp_path: Path):
+    checkpoint = checkpoint_tokenizer(tmp_path / "ckpt")
+    data = write_jsonl(
+        tmp_path / "pairs.jsonl",
+        [{"prompt": "the model reads", "completion": " tokens from shards"}],
+    )
+    options = prep.PrepareOptions(tokenizer_file=checkpoint, val_fraction=0.0)
+    manifest = prep.prepare_corpus([data], tmp_path / "out", options).manifest
+    (marked,) = marked_split(tmp_path / "out")
+    assert target_texts(tmp_path / "out", marked) == (
+        " tokens from shards<|im_end|>",
+        "the model reads tokens from shards<|im_end|>",
+    )
+    assert manifest.document_formats == ("prompt_completion",)
+
+
+CHAT_FILE = [
+    {"messages": CONVERSATION},
+    "{not json",
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}]},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]},
+    {"messages": "hello"},
+    {"messages": [{"role": "user", "content": "a question nobody answers"}]},
+    {"messages": CONVERSATION[1:3]},
+    {"messages": CONVERSATION * 3},
+]
+
+
+def test_bad_records_are_reported_with_their_line_and_skipped(tmp_path: Path, capsys):
+    checkpoint = checkpoint_tokenizer(tmp_path / "ckpt")
+    chat = write_jsonl(tmp_path / "chat.jsonl", CHAT_FILE)
+    argv = [str(chat), "--out", str(tmp_path / "out"), "--tokenizer", str(checkpoint)]
+    code, stdout, stderr = run_cli([*argv, "--max-tokens", "120", "--val-fraction", "0"], capsys)
+    assert code == 0
+    *lines, overlong = stderr.splitlines()
+    assert lines == [
+        f"skipped {chat}:2: not valid JSON (Expecting property name enclosed in double quotes)",
+        f"skipped {chat}:3: messages[1]: unknown role 'robot' (this template takes system, "
+        "user or assistant)",
+        f"skipped {chat}:4: messages[1]: no field 'content'",
+        f"skipped {chat}:5: field 'messages' is str, not a list of messages",
+        f"skipped {chat}:6: no target token (no assistant turn)",
+    ]
+    assert re.fullmatch(
+        rf"skipped {re.escape(str(chat))}:8: \d{{3}} tokens, more than --max-tokens 120 "
+        r"\(--overlong truncate keeps the first ones\)",
+        overlong,
+    )
+    assert (
+        "  skipped 6 records: 2 missing or ill-typed field, 1 longer than --max-tokens, "
+        "1 malformed JSON, 1 no target token, 1 unknown role\n"
+    ) in stdout
+    assert "train: 2 documents" in stdout and "formats: chat" in stdout
+
+    code, _, stderr = run_cli([*argv, "--max-tokens", "2", "--overlong", "truncate"], capsys)
+    assert code == 2
+    assert stderr.splitlines()[-1] == (
+        "error: no usable documents: every record was skipped (4 no target token, 2 missing "
+        "or ill-typed field, 1 malformed JSON, 1 unknown role)"
+    )
+    assert f"skipped {chat}:1: no target token (none left after the cut)" in stderr
+
+
+def test_truncation_keeps_the_start_and_the_cut_end_is_no_target(tmp_path: Path):
+    from eqxzoo.data.manifest import is_target
+
+    checkpoint = checkpoint_tokenizer(tmp_path / "ckpt")
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}])
+    whole = prep.PrepareOptions(tokenizer_file=checkpoint, val_fraction=0.0)
+    prep.prepare_corpus([chat], tmp_path / "whole", whole)
+    (full,) = marked_split(tmp_path / "whole")
+    cut_at = int(np.flatnonzero(is_target(full))[3]) + 1  # inside the first answer
+    cut = dataclasses.replace(whole, max_tokens=cut_at, overlong="truncate")
+    prep.prepare_corpus([chat], tmp_path / "cut", cut)
+    (kept,) = marked_split(tmp_path / "cut")
+    assert len(kept) == cut_at
+    np.testing.assert_array_equal(kept[:-1], full[: cut_at - 1])
+    assert is_target(full[cut_at - 1 : cut_at])[0] and not is_target(kept[-1:])[0]
+
+
+def test_formats_are_detected_per_file_or_forced(tmp_path: Path, capsys):
+    checkpoint = checkpoint_tokenizer(tmp_path / "ckpt")
+    files = [
+        write_jsonl(tmp_path / "a.jsonl", [{"messages": CONVERSATION}]),
+        write_jsonl(tmp_path / "b.jsonl", [{"prompt": "say ", "completion": "yes"}]),
+        write_jsonl(tmp_path / "c.jsonl", [{"text": "plain text"}]),
+        *write_text_files(tmp_path / "text", ["a text file\n"]),
+    ]
+    options = prep.PrepareOptions(tokenizer_file=checkpoint, val_fraction=0.0)
+    manifest = prep.prepare_corpus(files, tmp_path / "out", options).manifest
+    assert manifest.document_formats == ("chat", "prompt_completion", "text")
+    assert manifest.splits["train"].documents == 4
+    argv = [str(files[0]), "--out", str(tmp_path / "forced"), "--tokenizer", str(checkpoint)]
+    code, _, stderr = run_cli([*argv, "--format", "text"], capsys)
+    assert code == 2 and re.search(r"a.jsonl:1: no field 'text' \(set --text-field", stderr)
+
+
+def test_instruction_options_are_recorded_only_when_set(tmp_path: Path, capsys):
+    """Plain text records the options it always did (directories prepared before chat
+    data existed stay up to date); a changed instruction option re-prepares."""
+    files = write_text_files(tmp_path / "corpus", make_documents(8))
+    manifest = prepare(files, tmp_path / "text").manifest
+    assert set(manifest.options) == {"tokenizer", "text_field", "val_fraction", "records_per_shard"}
+    assert manifest.format_version == 1 and manifest.document_formats == ("text",)
+
+    checkpoint = checkpoint_tokenizer(tmp_path / "ckpt")
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 2)
+    argv = [str(chat), "--out", str(tmp_path / "out"), "--tokenizer", str(checkpoint)]
+    assert run_cli(argv, capsys)[0] == 0
+    assert "instructions" not in read_manifest(tmp_path / "out").options
+    assert "up to date" in run_cli(argv, capsys)[1]
+    code, stdout, _ = run_cli([*argv, "--train-on", "all"], capsys)
+    assert code == 0 and "up to date" not in stdout
+    assert read_manifest(tmp_path / "out").options["instructions"]["train_on"] == "all"
+    config = checkpoint / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("<|im_end|>\\n{% endfor", "{% endfor"))
+    assert "up to date" not in run_cli([*argv, "--train-on", "all"], capsys)[1]
+
+
+NO_TEMPLATE = {
+    "trained tokenizer": (
+        lambda ckpt: [],
+        r"chat.jsonl: chat records are rendered with the model's chat template: give "
+        r"--tokenizer the Hugging Face checkpoint directory whose tokenizer_config.json has "
+        r"a chat_template$",
+    ),
+    "bare tokenizer.json": (
+        lambda ckpt: ["--tokenizer", str(ckpt / "tokenizer.json")],
+        r"chat.jsonl: chat records need a chat template, and --tokenizer .*tokenizer.json is "
+        r"a bare tokenizer.json: give --tokenizer the checkpoint directory whose "
+        r"tokenizer_config.json has a chat_template$",
+    ),
+    "directory without one": (
+        lambda ckpt: ["--tokenizer", str(ckpt)],
+        r"chat.jsonl: chat records need a chat template, and .*ckpt has none: add a "
+        r"chat_template to its tokenizer_config.json \(or prepare the records as "
+        r"prompt-completion\)$",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NO_TEMPLATE))
+def test_chat_without_a_template_is_one_line(tmp_path: Path, capsys, case: str):
+    checkpoint = checkpoint_tokenizer(tmp_path / "ckpt", template=None)
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}])
+    make_args, message = NO_TEMPLATE[case]
+    code, _, stderr = run_cli(
+        [str(chat), "--out", str(tmp_path / "out"), *make_args(checkpoint)], capsys
+    )
+    assert code == 2 and stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
+    assert re.search(message, stderr.strip()), stderr
+
+
+def test_instruction_data_bad_options_and_tokenizers_are_one_line(tmp_path: Path, capsys):
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "say ", "completion": "yes"}])
+    out = ["--out", str(tmp_path / "out")]
+    checkpoint = checkpoint_tokenizer(tmp_path / "ckpt", "llama3")
+    config = checkpoint / "tokenizer_config.json"
+    config.write_text(json.dumps({"chat_template": LLAMA3}), encoding="utf-8")
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (
+            [str(pairs), *out],
+            r"pairs.jsonl: prompt-completion records are tokenized by the "
+            r"model's own tokenizer: give --tokenizer its Hugging Face checkpoint directory",
+        ),
+        (
+            [str(pairs), *out, "--tokenizer", str(tmp_path / "empty")],
+            r"tokenizer directory .*empty has no tokenizer.json",
+        ),
+        (
+            [str(pairs), *out, "--tokenizer", str(checkpoint)],
+            r"tokenizer .*ckpt has no <\|endoftext\|> token and its tokenizer_config.json names "
+            r"no eos_token it has: set eos_token there",
+        ),
+        (
+            [str(pairs), *out, "--tokenizer", str(checkpoint), "--max-tokens", "0"],
+            r"--max-tokens must be >= 1, got 0",
+        ),
+    ]
+    for argv, message in cases:
+        code, _, stderr = run_cli(argv, capsys)
+        assert code == 2 and stderr.count("\n") == 1 and re.search(message, stderr), stderr

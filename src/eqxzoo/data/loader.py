@@ -19,6 +19,18 @@ Because a window is addressed by its number alone, any process can read any wind
 process reads only the rows of ``B`` that its devices hold, the mesh and the number of
 processes never change what a global batch contains, and the iterator state is one integer
 (the next window), saved with grain's orbax handler and identical on every process.
+
+A batch is ``{"tokens", "targets"}``: a target is the next token, or `IGNORED` where that token
+is no target (the prompt and user turns of chat and prompt-completion records, marked by
+`eqxzoo.data.manifest.NOT_TARGET`); the end-of-document token after a document is a target
+when the document's last token is, so the model learns to stop after an answer. With
+document masks on, a batch also carries ``"segments"`` and ``"positions"``: a document's
+segment is its tokens and its end-of-document token, numbered from the window's first
+document (0) on, and positions count from 0 at each document's start (at the window's start
+for the document it begins inside); the end-of-document token's target, the next document's
+first token, which its segment cannot see, is then `IGNORED`. Both come from the documents'
+boundaries in the stream, never from token values (an end-of-turn token may be the
+end-of-document token), so every process computes the same for its part of a window.
 """
 
 import dataclasses
@@ -36,13 +48,21 @@ from jax.sharding import Sharding
 from jaxtyping import Array, Int, Int64, UInt32
 
 from eqxzoo.data.manifest import (
+    NOT_TARGET,
+    TEXT_FORMAT,
     DataError,
     Manifest,
-    decode_record,
+    decode_marked_record,
+    is_target,
+    masks_documents,
     read_manifest,
+    token_ids,
     verify_shards,
 )
 
+# The trainer's "no target" id, eqxzoo.train.loss.IGNORED, restated so that the data package
+# does not import the trainer; tests/test_data.py checks that they agree.
+IGNORED = -1
 BATCH_AXIS, SEQ_AXIS = 2, 3  # B and T in (G, M, B, T)
 STATE_VERSION = 1
 DOCUMENT_CACHE = 2048  # decoded documents kept per stream
@@ -81,13 +101,19 @@ class BatchShape:
 
 @dataclasses.dataclass(frozen=True)
 class SplitDocuments:
-    """The documents of one split: a grain source over its shards and every document's length."""
+    """The documents of one split: a grain source over its shards, every document's length,
+    and the formats of the prepared documents (`eqxzoo.data.manifest.DOCUMENT_FORMATS`)."""
 
     name: str
     source: grain.sources.ArrayRecordDataSource
     lengths: Int64[np.ndarray, " documents"]
     eod_token_id: int
     vocab_size: int
+    document_formats: tuple[str, ...] = (TEXT_FORMAT,)
+
+    def document_mask(self, setting: bool | None) -> bool:
+        """`eqxzoo.data.manifest.masks_documents` of this split's data."""
+        return masks_documents(setting, self.document_formats)
 
     @property
     def stream_tokens(self) -> int:
@@ -136,6 +162,7 @@ def open_split(directory: Path | str, split: str, *, verify: bool = True) -> Spl
         lengths=all_lengths,
         eod_token_id=manifest.tokenizer.eod_token_id,
         vocab_size=manifest.tokenizer.vocab_size,
+        document_formats=manifest.document_formats,
     )
 
 
@@ -168,6 +195,8 @@ class TokenStream:
     epoch; epoch ``e``'s document order is ``permutation(seed, e)`` (or file order if not
     ``shuffle``). Reads are thread-safe, so grain's reader threads can share one stream.
 
+    Tokens are read as stored, `NOT_TARGET` marks kept (`eqxzoo.data.manifest.token_ids`
+    clears them); an end-of-document token carries its document's last token's mark.
     `window` reads the windows of ``T + 1`` tokens that the stream is cut into, in the
     shuffled consumption order (see the module doc)."""
 
@@ -182,22 +211,47 @@ class TokenStream:
         self._document = functools.lru_cache(maxsize=DOCUMENT_CACHE)(self._read_document)
 
     def _read_document(self, index: int) -> UInt32[np.ndarray, " tokens"]:
-        return decode_record(self.documents.source[index])
+        return decode_marked_record(self.documents.source[index])
 
     def _window_permutation(self, block: int, block_windows: int) -> Int64[np.ndarray, " windows"]:
         return np.random.default_rng([self.seed, block, 1]).permutation(block_windows)
+
+    def window_start(self, index: int, width: int) -> int:
+        """Where in the stream the ``index``-th window of ``width`` tokens in consumption
+        order starts."""
+        if self.shuffle:
+            block_windows = max(1, self.epoch_tokens // width)
+            block, offset = divmod(index, block_windows)
+            index = block * block_windows + int(self._block_order(block, block_windows)[offset])
+        return index * width
 
     def window(
         self, index: int, width: int, part: tuple[int, int] | None = None
     ) -> UInt32[np.ndarray, " width"]:
         """The ``index``-th window of ``width`` tokens in consumption order (its tokens
         ``[lo, hi)`` with ``part``, reading only those)."""
-        if self.shuffle:
-            block_windows = max(1, self.epoch_tokens // width)
-            block, offset = divmod(index, block_windows)
-            index = block * block_windows + int(self._block_order(block, block_windows)[offset])
+        start = self.window_start(index, width)
         lo, hi = (0, width) if part is None else part
-        return self.read(index * width + lo, index * width + hi)
+        return self.read(start + lo, start + hi)
+
+    def documents_at(
+        self, start: int, stop: int
+    ) -> tuple[Int64[np.ndarray, " tokens"], Int64[np.ndarray, " tokens"]]:
+        """For each stream position in ``[start, stop)``: the number of its document in the
+        stream (counted over all epochs) and the position where that document starts."""
+        positions = np.arange(start, stop, dtype=np.int64)
+        numbers = np.empty_like(positions)
+        starts = np.empty_like(positions)
+        epochs = positions // self.epoch_tokens
+        for epoch in np.unique(epochs):
+            here = epochs == epoch
+            _, ends = self._epoch(int(epoch))
+            offsets = positions[here] - epoch * self.epoch_tokens
+            index = np.searchsorted(ends, offsets, side="right")
+            numbers[here] = epoch * len(ends) + index
+            begins = np.concatenate([[0], ends[:-1]])[index]
+            starts[here] = epoch * self.epoch_tokens + begins
+        return numbers, starts
 
     def _order_and_ends(
         self, epoch: int
@@ -226,11 +280,13 @@ class TokenStream:
         order, ends = self._epoch(epoch)
         first = int(np.searchsorted(ends, start, side="right"))
         last = int(np.searchsorted(ends, stop - 1, side="right"))
-        eod = np.array([self.documents.eod_token_id], dtype=np.uint32)
+        eod = np.uint32(self.documents.eod_token_id)
         pieces = []
         for index in order[first : last + 1]:
-            pieces.append(self._document(int(index)))
-            pieces.append(eod)
+            document = self._document(int(index))
+            pieces.append(document)
+            last_mark = document[-1] & np.uint32(NOT_TARGET) if len(document) else 0
+            pieces.append(np.array([eod | last_mark], dtype=np.uint32))
         tokens = np.concatenate(pieces)
         begin = int(ends[first - 1]) if first > 0 else 0
         return tokens[start - begin : stop - begin]
@@ -265,15 +321,57 @@ def held_range(slices: list[slice], size: int, what: str) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class HostBatch:
-    """One process's part of a global batch: rows ``[lo, hi)`` of B, as numpy arrays."""
+    """One process's part of a global batch: rows ``[lo, hi)`` of B, as numpy arrays;
+    ``segments`` and ``positions`` only with document masks."""
 
     inputs: Int[np.ndarray, "grad_accum microbatches rows seq"]
     targets: Int[np.ndarray, "grad_accum microbatches rows seq"]
+    segments: Int[np.ndarray, "grad_accum microbatches rows seq"] | None = None
+    positions: Int[np.ndarray, "grad_accum microbatches rows seq"] | None = None
+
+    def arrays(self) -> dict[str, Int[np.ndarray, "grad_accum microbatches rows seq"]]:
+        """The batch's arrays by the names the trainer reads."""
+        named = {"tokens": self.inputs, "targets": self.targets}
+        if self.segments is not None and self.positions is not None:
+            named |= {"segments": self.segments, "positions": self.positions}
+        return named
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowPart:
+    """Tokens ``[lo, hi)`` of one window with their targets, and with document masks their
+    segments and positions (see the module doc)."""
+
+    inputs: Int[np.ndarray, " tokens"]
+    targets: Int[np.ndarray, " tokens"]
+    segments: Int[np.ndarray, " tokens"] | None
+    positions: Int[np.ndarray, " tokens"] | None
+
+
+def read_window_part(
+    stream: TokenStream, index: int, width: int, part: tuple[int, int], document_mask: bool
+) -> WindowPart:
+    """Inputs ``part`` of the ``index``-th window and their targets (read one token on)."""
+    start = stream.window_start(index, width)
+    lo, hi = part
+    marked = stream.read(start + lo, start + hi + 1)
+    ids = token_ids(marked).astype(np.int32)
+    targets = np.where(is_target(marked[1:]), ids[1:], IGNORED).astype(np.int32)
+    if not document_mask:
+        return WindowPart(ids[:-1], targets, None, None)
+    numbers, begins = stream.documents_at(start + lo, start + hi + 1)
+    first_number, _ = stream.documents_at(start, start + 1)
+    segments = (numbers - first_number[0]).astype(np.int32)
+    targets = np.where(segments[1:] == segments[:-1], targets, IGNORED).astype(np.int32)
+    offsets = np.arange(start + lo, start + hi, dtype=np.int64)
+    positions = (offsets - np.maximum(begins[:-1], start)).astype(np.int32)
+    return WindowPart(ids[:-1], targets, segments[:-1], positions)
 
 
 class WindowReader:
     """Reads step ``k``'s rows ``rows`` of windows, starting at window ``first_window``: of
-    each, the tokens ``columns`` of the sequence (all by default) and the targets after them."""
+    each, the tokens ``columns`` of the sequence (all by default) and the targets after them,
+    and with ``document_mask`` their segments and positions."""
 
     def __init__(
         self,
@@ -282,30 +380,40 @@ class WindowReader:
         rows: tuple[int, int],
         first_window: int,
         columns: tuple[int, int] | None = None,
+        *,
+        document_mask: bool = False,
     ):
         self.stream = stream
         self.shape = shape
         self.rows = rows
         self.columns = (0, shape.seq_len) if columns is None else columns
         self.first_window = first_window
+        self.document_mask = document_mask
 
     def __call__(self, step: int) -> HostBatch:
         shape = self.shape
         lo, hi = self.rows
         first, last = self.columns
-        width = shape.window_tokens
-        # Inputs ``[first, last)`` and their targets, one token on.
-        part = (first, last + 1)
-        windows = np.empty(
-            (shape.grad_accum, shape.microbatches, hi - lo, last + 1 - first), np.int32
-        )
+        names = ("inputs", "targets", "segments", "positions")
+        if not self.document_mask:
+            names = names[:2]
+        local = (shape.grad_accum, shape.microbatches, hi - lo, last - first)
+        arrays = {name: np.empty(local, np.int32) for name in names}
         base = self.first_window + step * shape.windows
         for g in range(shape.grad_accum):
             for m in range(shape.microbatches):
                 start = base + (g * shape.microbatches + m) * shape.batch_size + lo
                 for row in range(hi - lo):
-                    windows[g, m, row] = self.stream.window(start + row, width, part)
-        return HostBatch(inputs=windows[..., :-1], targets=windows[..., 1:])
+                    part = read_window_part(
+                        self.stream,
+                        start + row,
+                        shape.window_tokens,
+                        self.columns,
+                        self.document_mask,
+                    )
+                    for name, array in arrays.items():
+                        array[g, m, row] = getattr(part, name)
+        return HostBatch(**arrays)
 
 
 class Batches(grain.DatasetIterator):
@@ -315,7 +423,8 @@ class Batches(grain.DatasetIterator):
     threads; a background thread turns them into global arrays
     (`jax.make_array_from_process_local_data`) ``prefetch`` steps ahead of the consumer.
     ``get_state()`` is the position of the next batch *handed out* (not of the prefetched
-    ones), the same on every process; `set_state` continues exactly there.
+    ones), the same on every process; `set_state` continues exactly there. With
+    ``document_mask`` the batches also carry ``"segments"`` and ``"positions"``.
     """
 
     def __init__(
@@ -326,11 +435,13 @@ class Batches(grain.DatasetIterator):
         *,
         prefetch: int = 2,
         num_threads: int = 2,
+        document_mask: bool = False,
     ):
         super().__init__()
         self.stream = stream
         self.shape = shape
         self.sharding = sharding
+        self.document_mask = document_mask
         self.rows = process_rows(sharding, shape)
         self.columns = process_columns(sharding, shape)
         self.prefetch = max(prefetch, 1)
@@ -341,7 +452,14 @@ class Batches(grain.DatasetIterator):
         self._queue: queue.Queue = queue.Queue(maxsize=self.prefetch)
 
     def _host_batches(self, first_window: int):
-        reader = WindowReader(self.stream, self.shape, self.rows, first_window, self.columns)
+        reader = WindowReader(
+            self.stream,
+            self.shape,
+            self.rows,
+            first_window,
+            self.columns,
+            document_mask=self.document_mask,
+        )
         dataset = grain.MapDataset.range(0, 1 << 62).map(reader)
         options = grain.ReadOptions(
             num_threads=self.num_threads,
@@ -355,12 +473,11 @@ class Batches(grain.DatasetIterator):
             window = first_window
             while not stop.is_set():
                 batch = next(host)
-                inputs = self._to_global(batch.inputs)
-                targets = self._to_global(batch.targets)
+                arrays = {name: self._to_global(part) for name, part in batch.arrays().items()}
                 window += self.shape.windows
                 while not stop.is_set():
                     try:
-                        out.put((window, inputs, targets), timeout=0.1)
+                        out.put((window, arrays), timeout=0.1)
                         break
                     except queue.Full:
                         continue
@@ -395,8 +512,8 @@ class Batches(grain.DatasetIterator):
         if isinstance(item, BaseException):
             self._thread = None
             raise item
-        self._next_window, inputs, targets = item
-        return {"tokens": inputs, "targets": targets}
+        self._next_window, arrays = item
+        return arrays
 
     def get_state(self) -> dict[str, Any]:
         return {
@@ -446,30 +563,47 @@ def train_batches(
     seed: int,
     prefetch: int = 2,
     num_threads: int = 2,
+    document_mask: bool | None = None,
 ) -> Batches:
-    """Shuffled, endless training batches (see the module doc for the order)."""
+    """Shuffled, endless training batches (see the module doc for the order); document masks
+    as `SplitDocuments.document_mask` decides from ``document_mask``."""
     check_fits(documents, shape)
     stream = TokenStream(documents, seed=seed, shuffle=True)
-    return Batches(stream, shape, sharding, prefetch=prefetch, num_threads=num_threads)
+    return Batches(
+        stream,
+        shape,
+        sharding,
+        prefetch=prefetch,
+        num_threads=num_threads,
+        document_mask=documents.document_mask(document_mask),
+    )
 
 
 def validation_batches(
-    documents: SplitDocuments, shape: BatchShape, sharding: Sharding, *, batches: int
+    documents: SplitDocuments,
+    shape: BatchShape,
+    sharding: Sharding,
+    *,
+    batches: int,
+    document_mask: bool | None = None,
 ) -> list[dict[str, Int[Array, "grad_accum microbatches batch seq"]]]:
     """A fixed set of ``batches`` batches: the first of the split's stream shuffled with seed 0
-    (distinct windows drawn from the whole split, the same whatever the run's seed)."""
+    (distinct windows drawn from the whole split, the same whatever the run's seed), with the
+    keys `train_batches` gives."""
     check_fits(documents, shape, batches=batches)
     stream = TokenStream(documents, seed=0, shuffle=True)
     reader = WindowReader(
-        stream, shape, process_rows(sharding, shape), 0, process_columns(sharding, shape)
+        stream,
+        shape,
+        process_rows(sharding, shape),
+        0,
+        process_columns(sharding, shape),
+        document_mask=documents.document_mask(document_mask),
     )
-    result = []
-    for step in range(batches):
-        host = reader(step)
-        result.append(
-            {
-                name: jax.make_array_from_process_local_data(sharding, part, shape.shape)
-                for name, part in (("tokens", host.inputs), ("targets", host.targets))
-            }
-        )
-    return result
+    return [
+        {
+            name: jax.make_array_from_process_local_data(sharding, part, shape.shape)
+            for name, part in reader(step).arrays().items()
+        }
+        for step in range(batches)
+    ]

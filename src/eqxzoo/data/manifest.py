@@ -3,8 +3,14 @@ and the record format of the shards.
 
 This is all the loader needs from preparation: `read_manifest` parses ``manifest.json``,
 `verify_shards` checks every file against its sha256, `decode_record` turns one shard record
-back into token ids. Writing the shards lives in `eqxzoo.data.shards`, the run that produces
-a directory in `eqxzoo.data.prepare`.
+back into token ids (`decode_marked_record` keeps its target marks). Writing the shards lives
+in `eqxzoo.data.shards`, the run that produces a directory in `eqxzoo.data.prepare`.
+
+A record is one document's tokens as little-endian uint32. Token ids are below 2^31, so bit 31
+(`NOT_TARGET`) is free to say "this token is no target": the prompt and user turns of chat and
+prompt-completion records. Plain text never sets it, and its manifests keep format version 1;
+a manifest of data that may set it has version 2, which older readers refuse rather than
+reading marked tokens as ids.
 """
 
 import dataclasses
@@ -14,15 +20,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from jaxtyping import UInt32
+from jaxtyping import Bool, UInt32
 
 from eqxzoo.errors import UserError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # plain text: every token is a target
+MARKED_FORMAT_VERSION = 2  # chat or prompt-completion records: tokens may carry NOT_TARGET
+READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, MARKED_FORMAT_VERSION)
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 SPLITS = ("train", "val")
 TOKEN_DTYPE = "<u4"  # little-endian uint32, one per token
+NOT_TARGET = 1 << 31  # set on a token the loss must not predict; token ids stay below it
+TEXT_FORMAT = "text"
+DOCUMENT_FORMATS = (TEXT_FORMAT, "chat", "prompt_completion")
 
 
 class DataError(UserError, ValueError):
@@ -71,7 +82,8 @@ class Manifest:
     """What a prepared directory holds; ``splits`` has the keys ``"train"`` and ``"val"``.
 
     Token counts exclude end-of-document tokens; ``token_dtype`` is the NumPy dtype of the
-    records' bytes.
+    records' bytes. ``document_formats`` are the formats of the documents present, sorted
+    (`DOCUMENT_FORMATS`; a manifest written before there were others means ``("text",)``).
     """
 
     format_version: int
@@ -81,6 +93,25 @@ class Manifest:
     inputs_fingerprint: str
     inputs: tuple[InputFileInfo, ...]
     options: dict[str, object]
+    document_formats: tuple[str, ...] = (TEXT_FORMAT,)
+
+    @property
+    def has_instructions(self) -> bool:
+        """True when some documents are chat or prompt-completion records, not plain text."""
+        return any(name != TEXT_FORMAT for name in self.document_formats)
+
+    def document_mask(self, setting: bool | None) -> bool:
+        """`masks_documents` of this data."""
+        return masks_documents(setting, self.document_formats)
+
+
+def masks_documents(setting: bool | None, document_formats: tuple[str, ...]) -> bool:
+    """Whether batches keep documents apart: ``setting`` (``data.document_mask``), or when
+    None, for chat and prompt-completion data only (each record is one example; plain text
+    keeps the usual pretraining packing, where a window reads across document boundaries)."""
+    if setting is not None:
+        return setting
+    return any(name != TEXT_FORMAT for name in document_formats)
 
 
 def manifest_to_json(manifest: Manifest) -> str:
@@ -91,10 +122,10 @@ def manifest_from_json(text: str, source: str) -> Manifest:
     """Parse manifest JSON; ``source`` names it in the error of a damaged or foreign file."""
     try:
         raw = json.loads(text)
-        if raw["format_version"] != FORMAT_VERSION:
+        if raw["format_version"] not in READABLE_FORMAT_VERSIONS:
             raise DataError(
-                f"{source}: manifest format {raw['format_version']} is not {FORMAT_VERSION}; "
-                "re-run python -m pipelines.prepare"
+                f"{source}: manifest format {raw['format_version']} is not one of "
+                f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}; re-run python -m pipelines.prepare"
             )
         splits = {
             name: SplitInfo(
@@ -112,6 +143,7 @@ def manifest_from_json(text: str, source: str) -> Manifest:
             inputs_fingerprint=raw["inputs_fingerprint"],
             inputs=tuple(InputFileInfo(**info) for info in raw["inputs"]),
             options=raw["options"],
+            document_formats=tuple(raw.get("document_formats", [TEXT_FORMAT])),
         )
     except DataError:
         raise
@@ -175,14 +207,39 @@ def verify_shards(directory: Path | str) -> Manifest:
 # ----------------------------------------------------------------------------- records
 
 
-def encode_record(token_ids: Sequence[int]) -> bytes:
-    """One document's record: its token ids as little-endian uint32 bytes."""
+def encode_record(token_ids: Sequence[int] | UInt32[np.ndarray, " tokens"]) -> bytes:
+    """One document's record: its token ids (with their `NOT_TARGET` marks, if any) as
+    little-endian uint32 bytes."""
     return np.asarray(token_ids, dtype=TOKEN_DTYPE).tobytes()
 
 
-def decode_record(record: bytes) -> UInt32[np.ndarray, " tokens"]:
-    """The token ids of one record (the inverse of `encode_record`)."""
+def decode_marked_record(record: bytes) -> UInt32[np.ndarray, " tokens"]:
+    """The tokens of one record as written, `NOT_TARGET` marks kept (inverse of `encode_record`)."""
     return np.frombuffer(record, dtype=TOKEN_DTYPE).astype(np.uint32)
+
+
+def decode_record(record: bytes) -> UInt32[np.ndarray, " tokens"]:
+    """The token ids of one record, target marks cleared."""
+    return token_ids(decode_marked_record(record))
+
+
+def token_ids(marked: UInt32[np.ndarray, "*shape"]) -> UInt32[np.ndarray, "*shape"]:
+    """The ids of marked tokens: bit 31 (`NOT_TARGET`) cleared."""
+    return marked & np.uint32(NOT_TARGET - 1)
+
+
+def is_target(marked: UInt32[np.ndarray, "*shape"]) -> Bool[np.ndarray, "*shape"]:
+    """Which marked tokens are targets: those without `NOT_TARGET`."""
+    return (marked & np.uint32(NOT_TARGET)) == 0
+
+
+def mark_targets(
+    ids: Sequence[int] | UInt32[np.ndarray, " tokens"], targets: Bool[np.ndarray, " tokens"]
+) -> UInt32[np.ndarray, " tokens"]:
+    """Token ids with `NOT_TARGET` set where ``targets`` is false."""
+    ids = np.asarray(ids, dtype=np.uint32)
+    assert ids.shape == targets.shape and (ids < NOT_TARGET).all()
+    return np.where(targets, ids, ids | np.uint32(NOT_TARGET)).astype(np.uint32)
 
 
 def shard_file_name(split: str, index: int) -> str:

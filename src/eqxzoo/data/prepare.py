@@ -5,8 +5,16 @@ An output directory holds
     tokenizer.json                  the byte-level BPE (trained here or copied from --tokenizer)
     train-00000.array_record ...    one record per document: its token ids as little-endian
     val-00000.array_record ...      uint32 bytes, *without* the end-of-document token (the
-                                    loader appends it), at most ``records_per_shard`` per shard
+                                    loader appends it), at most ``records_per_shard`` per shard;
+                                    bit 31 set on a chat or prompt-completion record's tokens
+                                    that are no targets (`eqxzoo.data.manifest.NOT_TARGET`)
     manifest.json                   written last: counts, checksums, inputs and options
+
+Chat and prompt-completion records (`eqxzoo.data.instructions`) need the model's own tokenizer
+(``--tokenizer``, a checkpoint directory for a chat template); a record that cannot be used is
+reported and skipped (`eqxzoo.data.sources.RecordProblem`), the rest prepared. The options
+that only such records use are recorded in the manifest once one differs from its default,
+so a directory of plain text prepared before they existed is still up to date.
 
 Documents are split into train and validation by a hash of their content, so the split
 does not depend on input order and duplicates never straddle it. Everything is written into
@@ -40,13 +48,24 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-from jaxtyping import Bool
+from jaxtyping import Bool, UInt32
 from tokenizers import Tokenizer
 
+from eqxzoo.data.instructions import (
+    OVERLONG,
+    TRAIN_ON,
+    Fit,
+    InstructionEncoder,
+    Overlong,
+    TrainOn,
+)
 from eqxzoo.data.manifest import (
+    DOCUMENT_FORMATS,
     FORMAT_VERSION,
     MANIFEST_FILE,
+    MARKED_FORMAT_VERSION,
     SPLITS,
+    TEXT_FORMAT,
     TOKEN_DTYPE,
     TOKENIZER_FILE,
     DataError,
@@ -59,11 +78,13 @@ from eqxzoo.data.manifest import (
 )
 from eqxzoo.data.shards import fsync_file, write_shards
 from eqxzoo.data.sources import (
+    RecordProblem,
     SourceFile,
     assign_validation,
     collect_source_files,
     inputs_record,
     iter_documents,
+    iter_prepared_documents,
     scan_corpus,
     stdlib_source_files,
 )
@@ -71,22 +92,52 @@ from eqxzoo.data.tokenizer import (
     DEFAULT_VOCAB_SIZE,
     EOD_TOKEN,
     MIN_VOCAB_SIZE,
+    TOKENIZER_CONFIG_FILE,
+    TokenizerSource,
+    checkpoint_eod_token,
     ensure_eod_token,
+    load_tokenizer,
+    open_tokenizer,
     train_byte_level_bpe,
 )
+
+__all__ = [
+    "DataError",
+    "PrepareOptions",
+    "PrepareResult",
+    "default_stdlib_cache_dir",
+    "load_tokenizer",
+    "prepare_corpus",
+    "prepare_stdlib_corpus",
+]
+AUTO_FORMAT = "auto"
 
 # ----------------------------------------------------------------------------- options
 
 
 @dataclasses.dataclass(frozen=True)
 class PrepareOptions:
-    """How to turn inputs into shards; ``tokenizer_file`` set means load it instead of training."""
+    """How to turn inputs into shards; ``tokenizer_file`` set (a ``tokenizer.json`` or a
+    Hugging Face checkpoint directory holding one) means load it instead of training.
+
+    ``document_format`` is the format of every JSONL file (``"auto"``: each file's own, see
+    `eqxzoo.data.sources.detect_format`). For chat and prompt-completion records,
+    ``train_on`` picks the targets (``"completion"``: the assistant turns and completions, as
+    TRL's ``assistant_only_loss`` / ``completion_only_loss`` do; ``"all"``: every token), and
+    a record of more than ``max_tokens`` tokens (None: no limit, records then span windows
+    like text does) is dropped or cut as ``overlong`` says. The default is to drop: a cut
+    record ends where its answer does not.
+    """
 
     vocab_size: int = DEFAULT_VOCAB_SIZE
     tokenizer_file: Path | None = None
     text_field: str = "text"
     val_fraction: float = 0.01
     records_per_shard: int = 4096
+    document_format: str = AUTO_FORMAT
+    train_on: TrainOn = "completion"
+    max_tokens: int | None = None
+    overlong: Overlong = "drop"
 
     def __post_init__(self):
         if self.tokenizer_file is None and self.vocab_size < MIN_VOCAB_SIZE:
@@ -100,39 +151,65 @@ class PrepareOptions:
             raise DataError(f"--records-per-shard must be >= 1, got {self.records_per_shard}")
         if not self.text_field:
             raise DataError("--text-field must not be empty")
+        formats = (AUTO_FORMAT, *DOCUMENT_FORMATS)
+        if self.document_format not in formats:
+            raise DataError(
+                f"--format must be one of {', '.join(formats)}, got {self.document_format!r}"
+            )
+        if self.train_on not in TRAIN_ON:
+            raise DataError(
+                f"--train-on must be one of {', '.join(TRAIN_ON)}, got {self.train_on!r}"
+            )
+        if self.overlong not in OVERLONG:
+            raise DataError(
+                f"--overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}"
+            )
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise DataError(f"--max-tokens must be >= 1, got {self.max_tokens}")
 
-
-# ----------------------------------------------------------------------------- tokenizer
-
-
-def load_tokenizer(path: Path | str) -> Tokenizer:
-    """A tokenizer from a Hugging Face ``tokenizer.json``; `DataError` if it cannot be loaded."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"tokenizer {path} does not exist")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as error:  # noqa: BLE001 (tokenizers raises bare Exceptions)
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise DataError(f"cannot load tokenizer {path}: {message}") from None
+    @property
+    def instruction_options(self) -> dict[str, object]:
+        """The options only chat and prompt-completion records use."""
+        return {
+            "format": self.document_format,
+            "train_on": self.train_on,
+            "max_tokens": self.max_tokens,
+            "overlong": self.overlong,
+        }
 
 
 # ----------------------------------------------------------------------------- publishing
 
 
-def options_record(options: PrepareOptions) -> dict[str, object]:
-    """The options as recorded in the manifest: a changed one means the output is stale."""
+def tokenizer_record(options: PrepareOptions) -> dict[str, object]:
+    """The tokenizer as recorded: the size to train, or the file's path and sha256 (and for a
+    checkpoint directory, the sha256 of the config that holds its chat template)."""
     if options.tokenizer_file is None:
-        tokenizer: dict[str, object] = {"train_vocab_size": options.vocab_size}
-    else:
-        path = Path(options.tokenizer_file)
-        tokenizer = {"file": str(path.resolve()), "sha256": file_sha256(path)}
+        return {"train_vocab_size": options.vocab_size}
+    path = Path(options.tokenizer_file)
+    if not path.is_dir():
+        return {"file": str(path.resolve()), "sha256": file_sha256(path)}
+    record: dict[str, object] = {
+        "file": str((path / TOKENIZER_FILE).resolve()),
+        "sha256": file_sha256(path / TOKENIZER_FILE),
+    }
+    for name in (TOKENIZER_CONFIG_FILE, "chat_template.jinja"):
+        if (path / name).is_file():
+            record[f"{name} sha256"] = file_sha256(path / name)
+    return record
+
+
+def options_record(options: PrepareOptions) -> dict[str, object]:
+    """The options as recorded in the manifest: a changed one means the output is stale.
+    The instruction options appear only once one differs from its default."""
     record = {
-        "tokenizer": tokenizer,
+        "tokenizer": tokenizer_record(options),
         "text_field": options.text_field,
         "val_fraction": options.val_fraction,
         "records_per_shard": options.records_per_shard,
     }
+    if options.instruction_options != PrepareOptions().instruction_options:
+        record["instructions"] = options.instruction_options
     return json.loads(json.dumps(record))
 
 
@@ -270,16 +347,46 @@ def _publish(staging: Path, out_dir: Path) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class PrepareResult:
+    """What a run did; ``skipped_records`` counts the records skipped, by reason."""
+
     out_dir: Path
     manifest: Manifest
     up_to_date: bool
     skipped_files: tuple[Path, ...]
     tokenizer_seconds: float
     total_seconds: float
+    skipped_records: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _no_progress(message: str) -> None:
     del message
+
+
+def _no_report(problem: RecordProblem) -> None:
+    del problem
+
+
+def skipped_counts(problems: Sequence[RecordProblem]) -> dict[str, int]:
+    """How many records were skipped for each reason, most frequent first."""
+    counts: dict[str, int] = {}
+    for problem in problems:
+        counts[problem.reason] = counts.get(problem.reason, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
+def describe_counts(counts: dict[str, int]) -> str:
+    """``3 malformed JSON, 1 unknown role``."""
+    return ", ".join(f"{count} {reason}" for reason, count in counts.items())
+
+
+def _eod_token(source: TokenizerSource | None) -> str:
+    """The end-of-document token, added to the tokenizer (`ensure_eod_token`) where it lacks
+    it; only a bare file or a trained tokenizer lacks it (`checkpoint_eod_token`)."""
+    if source is None:
+        return EOD_TOKEN
+    token = checkpoint_eod_token(source)
+    ensure_eod_token(source.tokenizer, token)
+    return token
 
 
 def prepare_corpus(
@@ -289,11 +396,13 @@ def prepare_corpus(
     *,
     include_stdlib: bool = False,
     progress: Callable[[str], None] = _no_progress,
+    report: Callable[[RecordProblem], None] = _no_report,
 ) -> PrepareResult:
     """Prepare ``inputs`` (and the stdlib corpus if asked) into ``out_dir``; see the module doc.
 
     A no-op returning ``up_to_date=True`` when ``out_dir`` already holds this preparation.
-    Raises `DataError` for bad inputs, options or output paths.
+    Each record skipped is passed to ``report`` as it is found. Raises `DataError` for bad
+    inputs, options or output paths, and when no document is usable.
     """
     start = time.perf_counter()
     out_dir = Path(out_dir).resolve()
@@ -302,7 +411,13 @@ def prepare_corpus(
     sources += collect_source_files(inputs, exclude=out_dir)
     if not sources:
         raise DataError("no usable documents: the inputs hold no files")
-    tokenizer = None if options.tokenizer_file is None else load_tokenizer(options.tokenizer_file)
+    source = None if options.tokenizer_file is None else open_tokenizer(options.tokenizer_file)
+    tokenizer = None if source is None else source.tokenizer
+    eod_token = _eod_token(source)
+    encoder = None
+    if source is not None:
+        fit = Fit(options.max_tokens, options.overlong)
+        encoder = InstructionEncoder(source, options.train_on, fit)
     inputs_info = inputs_record(sources)
     inputs_fingerprint = fingerprint(inputs_info)
     options_info = options_record(options)
@@ -316,7 +431,14 @@ def prepare_corpus(
             _remove_stale_staging(out_dir)
 
             progress(f"reading {len(sources)} input files")
-            scan = scan_corpus(sources, options.text_field)
+            scan = scan_corpus(
+                sources, options.text_field, options.document_format, encoder, report
+            )
+            skipped = skipped_counts(scan.problems)
+            if len(scan.scores) == 0 and skipped:
+                raise DataError(
+                    f"no usable documents: every record was skipped ({describe_counts(skipped)})"
+                )
             if len(scan.scores) == 0:
                 raise DataError("no usable documents: the inputs hold no non-empty UTF-8 text")
             is_val = assign_validation(scan.scores, options.val_fraction)
@@ -329,15 +451,20 @@ def prepare_corpus(
             tokenizer_seconds = time.perf_counter() - tokenizer_start
 
             progress(f"tokenising {len(scan.scores)} documents")
+            documents = iter_prepared_documents(
+                scan.files, scan.formats, options.text_field, encoder
+            )
             manifest = _write_output(
                 out_dir,
                 tokenizer,
-                iter_documents(scan.files, options.text_field),
+                documents,
                 is_val,
                 options.records_per_shard,
                 inputs_fingerprint=inputs_fingerprint,
                 inputs=inputs_info,
                 options=options_info,
+                eod_token=eod_token,
+                document_formats=scan.document_formats,
             )
     except OSError as error:
         raise DataError(f"cannot write --out {out_dir}: {error.strerror or error}") from None
@@ -348,23 +475,27 @@ def prepare_corpus(
         scan.skipped,
         tokenizer_seconds,
         time.perf_counter() - start,
+        skipped,
     )
 
 
 def _write_output(
     out_dir: Path,
     tokenizer: Tokenizer,
-    documents: Iterable[str],
+    documents: Iterable[str | UInt32[np.ndarray, " tokens"]],
     is_val: Bool[np.ndarray, " documents"],
     records_per_shard: int,
     *,
     inputs_fingerprint: str,
     inputs: tuple[InputFileInfo, ...],
     options: dict[str, object],
+    eod_token: str,
+    document_formats: tuple[str, ...],
 ) -> Manifest:
     """Write shards, tokenizer.json and (last) manifest.json into a staging directory beside
     ``out_dir``, then rename it into place; nothing is left behind if this fails."""
-    eod_token_id = ensure_eod_token(tokenizer)
+    eod_token_id = ensure_eod_token(tokenizer, eod_token)
+    marked = any(name != TEXT_FORMAT for name in document_formats)
     staging = out_dir.parent / f"{_staging_prefix(out_dir)}{uuid.uuid4().hex[:12]}"
     staging.mkdir()
     try:
@@ -374,18 +505,19 @@ def _write_output(
         tokenizer_info = TokenizerInfo(
             file=TOKENIZER_FILE,
             vocab_size=tokenizer.get_vocab_size(),
-            eod_token=EOD_TOKEN,
+            eod_token=eod_token,
             eod_token_id=eod_token_id,
             sha256=file_sha256(staging / TOKENIZER_FILE),
         )
         manifest = Manifest(
-            format_version=FORMAT_VERSION,
+            format_version=MARKED_FORMAT_VERSION if marked else FORMAT_VERSION,
             token_dtype=TOKEN_DTYPE,
             tokenizer=tokenizer_info,
             splits=splits,
             inputs_fingerprint=inputs_fingerprint,
             inputs=inputs,
             options=options,
+            document_formats=document_formats,
         )
         with open(staging / MANIFEST_FILE, "w", encoding="utf-8") as file:
             file.write(manifest_to_json(manifest))

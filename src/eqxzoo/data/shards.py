@@ -1,6 +1,7 @@
 """Writing ArrayRecord shards: tokenised documents -> numbered shard files of one split each.
 
-Each record is one document's token ids (`eqxzoo.data.manifest.encode_record`), compressed on
+Each record is one document's token ids (`eqxzoo.data.manifest.encode_record`, with their
+target marks for chat and prompt-completion records), compressed on
 its own so that one random read decompresses one record; a shard holds at most
 ``records_per_shard`` records because ArrayRecord random reads cost O(records per file).
 Every finished shard is fsynced and summarised (records, tokens, bytes, sha256) for the
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
-from jaxtyping import Bool
+from jaxtyping import Bool, UInt32
 from tokenizers import Tokenizer
 
 from eqxzoo.data.manifest import (
@@ -50,7 +51,7 @@ class ShardWriter:
         self._records = 0
         self._tokens = 0
 
-    def write(self, token_ids: Sequence[int]) -> None:
+    def write(self, token_ids: Sequence[int] | UInt32[np.ndarray, " tokens"]) -> None:
         if self._writer is None:
             path = self.directory / shard_file_name(self.split, len(self.shards))
             self._writer = ArrayRecordWriter(str(path), SHARD_WRITER_OPTIONS)
@@ -88,33 +89,41 @@ class ShardWriter:
         )
 
 
-def _batched(items: Iterable[str], size: int) -> Iterator[list[str]]:
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+def tokenized(
+    tokenizer: Tokenizer, documents: Iterable[str | UInt32[np.ndarray, " tokens"]]
+) -> Iterator[Sequence[int] | UInt32[np.ndarray, " tokens"]]:
+    """Each document's tokens: texts encoded in batches (`encode_documents`), documents that
+    are tokens already passed on, in order."""
+    texts: list[str] = []
+    for document in documents:
+        if isinstance(document, str):
+            texts.append(document)
+            if len(texts) == ENCODE_BATCH_DOCUMENTS:
+                yield from encode_documents(tokenizer, texts)
+                texts = []
+        else:
+            yield from encode_documents(tokenizer, texts)
+            texts = []
+            yield document
+    yield from encode_documents(tokenizer, texts)
 
 
 def write_shards(
     directory: Path,
     tokenizer: Tokenizer,
-    documents: Iterable[str],
+    documents: Iterable[str | UInt32[np.ndarray, " tokens"]],
     is_val: Bool[np.ndarray, " documents"],
     records_per_shard: int,
 ) -> dict[str, SplitInfo]:
-    """Tokenise ``documents`` and write each to its split's shards; the splits' summaries."""
+    """Write each document (a text to tokenise, or marked tokens) to its split's shards; the
+    splits' summaries."""
     writers = {split: ShardWriter(directory, split, records_per_shard) for split in SPLITS}
     index = 0
-    for batch in _batched(documents, ENCODE_BATCH_DOCUMENTS):
-        for token_ids in encode_documents(tokenizer, batch):
-            if index >= len(is_val):
-                raise DataError("the inputs changed while being prepared; run again")
-            writers["val" if is_val[index] else "train"].write(token_ids)
-            index += 1
+    for token_ids in tokenized(tokenizer, documents):
+        if index >= len(is_val):
+            raise DataError("the inputs changed while being prepared; run again")
+        writers["val" if is_val[index] else "train"].write(token_ids)
+        index += 1
     if index != len(is_val):
         raise DataError("the inputs changed while being prepared; run again")
     return {split: writer.close() for split, writer in writers.items()}

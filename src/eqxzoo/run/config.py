@@ -15,7 +15,7 @@
     [loss]        the loss terms' weights, chunk_size, bias_update_rate
                   (`eqxzoo.train.loss_terms.LossConfig`)
     [data]        path, vocab_size, seq_len (T), batch_size (B), grad_accum (G), seed,
-                  prefetch, num_threads
+                  prefetch, num_threads, document_mask
     [checkpoint]  every, keep, async_save
     [sharding]    mesh axes per logical axis (`eqxzoo.parallel.ShardingConfig`)
 
@@ -161,6 +161,13 @@ class DataConfig:
     vocabulary; write ``./stdlib`` for a directory of that name). ``batch_size`` is the
     global number of sequences per microbatch, split over ``mesh.dp``; ``prefetch`` batches
     are read ahead on ``num_threads`` threads.
+
+    ``document_mask`` keeps the documents packed into a window apart: batches carry segment
+    ids and per-document positions, so attention stays within a document and positions
+    restart at each (`eqxzoo.data.loader`). Unset, it is on for chat and prompt-completion
+    data, where each record is one example that must not see the others, and off for plain
+    text, the usual pretraining packing (a window reads across document boundaries, and the
+    end-of-document token teaches where one ends).
     """
 
     path: str = identity_field(STDLIB_DATA)
@@ -171,6 +178,7 @@ class DataConfig:
     seed: int = identity_field(0)
     prefetch: int = runtime_field(2)
     num_threads: int = runtime_field(2)
+    document_mask: bool | None = identity_field(None)
 
     def __post_init__(self):
         check_fields(self)
