@@ -41,6 +41,7 @@ from eqxzoo.run.config import (
     step_config,
 )
 from eqxzoo.run.provenance import (
+    batches_carry_documents,
     check_hf_tokenizer,
     check_run_tokenizer,
     data_directory,
@@ -302,6 +303,7 @@ class _Trainer:
             self.mesh,
             self.target,
             batch_shape(self.config).shape,
+            documents=self.documents,
             verdicts=bubble_verdicts(),
         )
         if not self.step_config.skip_bubbles:
@@ -325,6 +327,7 @@ class _Trainer:
             check_run_tokenizer(self.run_dir, directory)
         train_documents = open_split(directory, "train")
         check_vocab(train_documents, self.config.model.vocab_size)
+        self.documents = batches_carry_documents(self.config)
         sharding = batch_sharding(self.mesh, self.step_config.rules)
         self.batches = train_batches(
             train_documents,
@@ -333,6 +336,7 @@ class _Trainer:
             seed=self.config.data.seed,
             prefetch=self.config.data.prefetch,
             num_threads=self.config.data.num_threads,
+            document_mask=self.documents,
         )
         opened.callback(self.batches.close)
         self.val_batches = []
@@ -343,6 +347,7 @@ class _Trainer:
                 batch_shape(self.config, grad_accum=1),
                 sharding,
                 batches=self.config.run.eval_batches,
+                document_mask=self.documents,
             )
 
     def open_state(self, opened: contextlib.ExitStack) -> None:

@@ -30,6 +30,7 @@ from eqxzoo.run.config import (
     step_config,
 )
 from eqxzoo.run.loop import batch_shape, run_memory_checks
+from eqxzoo.run.provenance import batches_carry_documents
 from eqxzoo.train.memory import StepMemory, format_bytes
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import ModelFactory, TrainState, abstract_train_state
@@ -137,8 +138,14 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
     counts = parameter_counts(config.model)
     shape = batch_shape(config)
     start = time.perf_counter()
+    documents = batches_carry_documents(config)
     compiled, config_for_step = compile_train_step_for(
-        config_for_step, mesh, target, shape.shape, verdicts=bubble_verdicts()
+        config_for_step,
+        mesh,
+        target,
+        shape.shape,
+        documents=documents,
+        verdicts=bubble_verdicts(),
     )
     compile_seconds = time.perf_counter() - start
     memory = StepMemory.of(compiled)
@@ -171,6 +178,7 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
             else f"; each sequence split over cp={context}, {shape.seq_len // context} tokens "
             f"per device, {config.model.context_parallel} attention across them"
         )
+        + ("; packed documents kept apart" if documents else "")
         + f"); {flops_per_token(config.model, shape.seq_len) * config.tokens_per_step:.3g} "
         "training FLOPs per step"
     )

@@ -15,7 +15,7 @@ existing (`run_tokenizer_file`, `hf_source_dir`).
 import shutil
 from pathlib import Path
 
-from eqxzoo.data.manifest import TOKENIZER_FILE, DataError, file_sha256
+from eqxzoo.data.manifest import TOKENIZER_FILE, DataError, file_sha256, read_manifest
 from eqxzoo.data.prepare import default_stdlib_cache_dir, load_tokenizer, prepare_stdlib_corpus
 from eqxzoo.data.tokenizer import tokenization_differences
 from eqxzoo.errors import UserError
@@ -41,6 +41,20 @@ def data_directory(config: RunConfig, *, prepare: bool = True) -> Path:
     if prepare:
         return prepare_stdlib_corpus(vocab_size=config.data.vocab_size)
     return default_stdlib_cache_dir(config.data.vocab_size)
+
+
+def batches_carry_documents(config: RunConfig) -> bool:
+    """Whether the run's batches carry packed documents (segments and positions):
+    ``data.document_mask``, or when unset, as the prepared data's formats decide
+    (`eqxzoo.data.manifest.masks_documents`; the built-in corpus is plain text). Reads the
+    manifest only (a dry run opens no data); data not prepared yet counts as plain text."""
+    if config.data.document_mask is not None or config.data.is_stdlib:
+        return bool(config.data.document_mask)
+    try:
+        manifest = read_manifest(data_directory(config))
+    except DataError:
+        return False
+    return manifest.document_mask(None)
 
 
 def _describe(path: Path) -> str:
