@@ -24,6 +24,8 @@ from eqxzoo.nn.attention import check_kv_heads
 from eqxzoo.nn.context import ContextSplit, ContextStrategy
 from eqxzoo.nn.experts import DroplessKernel
 from eqxzoo.nn.kernels import DEFAULT_BLOCK_SIZE, AttentionKernel, cudnn_supports
+from eqxzoo.nn.lora import adaptable_names
+from eqxzoo.nn.mlp import GATED
 from eqxzoo.nn.moe import check_shared_experts
 from eqxzoo.nn.rope import check_rotary_dim
 from eqxzoo.nn.router import check_groups, check_top_k
@@ -31,6 +33,7 @@ from eqxzoo.typed_config import (
     ConfigError,
     architecture_field,
     check_fields,
+    identity_field,
     keys_with_role,
     refuse,
     require_at_least,
@@ -43,6 +46,7 @@ __all__ = [
     "DecoderConfig",
     "LatentAttentionConfig",
     "LayerType",
+    "LoraConfig",
     "MoEConfig",
     "NormKind",
     "NormPosition",
@@ -56,6 +60,33 @@ NormKind = Literal["rms", "rms_plus_one", "layer"]
 NormPosition = Literal["pre", "post", "both"]
 QKNormOver = Literal["head", "all_heads"]
 PositionKind = Literal["rope", "learned"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (`eqxzoo.nn.lora`) of ``rank`` on the projections named in
+    ``targets`` (the zoo's own names: ``wq``, ``wk``, ``wv``, ``wo`` of attention, ``wq_a``,
+    ``wq_b``, ``wkv_a``, ``wkv_b`` of latent attention, ``gate``, ``up``, ``down`` of the
+    MLPs, shared experts included; routed experts take none), scaled by ``alpha / rank``."""
+
+    rank: int = identity_field(8)
+    alpha: float = identity_field(16.0)
+    targets: tuple[str, ...] = identity_field(("wq", "wk", "wv", "wo", "gate", "up", "down"))
+
+    def __post_init__(self):
+        check_fields(self)
+        require_at_least(self, 1, "rank")
+        if self.alpha <= 0:
+            refuse("alpha", f"must be > 0, got {self.alpha}")
+        if not self.targets:
+            refuse("targets", 'names no projection: give at least one, e.g. ["wq", "wv"]')
+        unknown = [name for name in self.targets if name not in adaptable_names()]
+        if unknown:
+            refuse(
+                "targets",
+                f"{', '.join(map(repr, unknown))} name(s) no projection of the zoo (its "
+                f"projections: {', '.join(adaptable_names())})",
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +282,7 @@ class DecoderConfig:
     moe: MoEConfig | None = None
     first_dense_layers: int = architecture_field(0)
     latent_attention: LatentAttentionConfig | None = None
+    lora: LoraConfig | None = None
     scan_layers: bool = runtime_field(True)
     remat: RematPolicy = runtime_field("none")
     attention_kernel: AttentionKernel = runtime_field("auto")
@@ -310,9 +342,61 @@ class DecoderConfig:
             refuse("latent_attention", "latent attention needs rotary positions")
         if self.latent_attention is not None and self.attention_sinks:
             refuse("attention_sinks", "latent attention has no attention sinks; set it to false")
+        if self.lora is not None:
+            self._check_lora_targets(self.lora)
         if self.attention_kernel == "cudnn":
             self._check_cudnn_expresses_attention()
         self._canonicalize()
+
+    def projection_sizes(self) -> dict[str, int]:
+        """The projections of this model a LoRA target may name (`LoraConfig`), each with
+        the smaller of its input and output sizes (the largest rank that means anything)."""
+        heads, latent = self.n_heads, self.latent_attention
+        if latent is None:
+            head_dim = self.attention_head_dim
+            q, kv = heads * head_dim, self.kv_heads * head_dim
+            sizes = {"wq": min(self.d_model, q), "wk": min(self.d_model, kv)}
+            sizes |= {"wv": sizes["wk"], "wo": sizes["wq"]}
+        else:
+            qk_head_dim = latent.qk_nope_head_dim + latent.qk_rope_head_dim
+            if latent.q_lora_rank is None:
+                sizes = {"wq": min(self.d_model, heads * qk_head_dim)}
+            else:
+                sizes = {
+                    "wq_a": min(self.d_model, latent.q_lora_rank),
+                    "wq_b": min(latent.q_lora_rank, heads * qk_head_dim),
+                }
+            sizes["wkv_a"] = min(self.d_model, latent.kv_lora_rank + latent.qk_rope_head_dim)
+            expanded = heads * (latent.qk_nope_head_dim + latent.v_head_dim)
+            sizes["wkv_b"] = min(latent.kv_lora_rank, expanded)
+            sizes["wo"] = min(heads * latent.v_head_dim, self.d_model)
+        widths = [self.mlp_dim] if self.moe is None or self.first_dense_layers else []
+        widths += (
+            [self.moe.shared_mlp_dim] if self.moe is not None and self.moe.shared_mlp_dim else []
+        )
+        if widths:
+            mlp = min(self.d_model, *widths)
+            names = ("gate", "up", "down") if self.activation in GATED else ("up", "down")
+            sizes |= dict.fromkeys(names, mlp)
+        return sizes
+
+    def _check_lora_targets(self, lora: LoraConfig) -> None:
+        sizes = self.projection_sizes()
+        absent = [name for name in lora.targets if name not in sizes]
+        if absent:
+            refuse(
+                "lora.targets",
+                f"{', '.join(map(repr, absent))} name(s) no projection of this "
+                f"{self.family} model (it has {', '.join(sizes)})",
+            )
+        too_small = {name: sizes[name] for name in lora.targets if sizes[name] < lora.rank}
+        if too_small:
+            name, size = min(too_small.items(), key=lambda item: item[1])
+            refuse(
+                "lora.rank",
+                f"{lora.rank} is larger than projection {name!r} ({size} wide): a rank beyond "
+                "a projection's smaller side adds nothing; lower it",
+            )
 
     def _check_cudnn_expresses_attention(self) -> None:
         supported = cudnn_supports(

@@ -12,6 +12,7 @@ import equinox as eqx
 import jax
 
 from eqxzoo.nn import logical_axes
+from eqxzoo.nn.lora import adapter_count
 from eqxzoo.nn.parameters import parameter_mask
 from models.config import DecoderConfig
 from models.registry import model_factory
@@ -20,11 +21,13 @@ from models.registry import model_factory
 @dataclasses.dataclass(frozen=True)
 class ParameterCounts:
     """``total`` parameters; ``active`` per token (each token uses ``top_k`` of the routed
-    experts); ``embedding`` is the input embedding table (not a matmul)."""
+    experts); ``embedding`` is the input embedding table (not a matmul); ``trainable`` those
+    a run trains (with LoRA adapters, only the adapters; else all)."""
 
     total: int
     active: int
     embedding: int
+    trainable: int
 
 
 def parameter_counts(config: DecoderConfig) -> ParameterCounts:
@@ -43,7 +46,8 @@ def parameter_counts(config: DecoderConfig) -> ParameterCounts:
     if config.moe is not None and routed:
         active = total - routed + routed * config.moe.top_k // config.moe.n_experts
     embedding = config.vocab_size * config.d_model
-    return ParameterCounts(total=total, active=active, embedding=embedding)
+    trainable = adapter_count(shapes) if config.lora is not None else total
+    return ParameterCounts(total=total, active=active, embedding=embedding, trainable=trainable)
 
 
 def flops_per_token(config: DecoderConfig, seq_len: int) -> float:

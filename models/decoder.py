@@ -7,6 +7,7 @@ trainer can create the blocks directly in its pipeline layout. A family is a
 the builder reads only the config's fields.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,8 @@ from eqxzoo.nn import (
     summarize_layer_aux,
 )
 from eqxzoo.nn.linear import dense
-from models.config import DecoderConfig
+from eqxzoo.nn.lora import add_adapters
+from models.config import DecoderConfig, LoraConfig
 from models.family import Family
 
 Norm = RMSNorm | LayerNorm
@@ -140,6 +142,10 @@ class DecoderBlock(eqx.Module):
                 key=mlp_key,
             )
         self.mlp_post_norm = make_norm(config) if post else None
+        if config.lora is not None:
+            self.attention, self.mlp = _with_adapters(
+                (self.attention, self.mlp), config.lora, jax.random.fold_in(key, 2)
+            )
 
     def _mlp(
         self, x: Float[Array, "*batch seq embed"]
@@ -187,6 +193,21 @@ class DecoderBlock(eqx.Module):
         h, cache = _residual(h, self.attention_norm, attention, self.attention_post_norm)
         h, _ = _residual(h, self.mlp_norm, mlp, self.mlp_post_norm)
         return h, cache
+
+
+def _with_adapters(modules: tuple, lora: LoraConfig, key: PRNGKeyArray) -> tuple:
+    """The block's attention and MLP with `LoraConfig`'s adapters (a MoE's on its shared
+    experts; the routed experts take none)."""
+    attention_key, mlp_key = jax.random.split(key)
+    attention, mlp = modules
+    adapt = functools.partial(add_adapters, targets=lora.targets, rank=lora.rank, alpha=lora.alpha)
+    attention = adapt(attention, key=attention_key)
+    if isinstance(mlp, MoE):
+        if mlp.shared is not None:
+            mlp = eqx.tree_at(lambda m: m.shared, mlp, adapt(mlp.shared, key=mlp_key))
+    else:
+        mlp = adapt(mlp, key=mlp_key)
+    return attention, mlp
 
 
 def make_attention(

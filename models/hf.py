@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eqxzoo.nn.lora import LoraWeight
 from eqxzoo.typed_config import build_dataclass, dataclass_to_table, flatten, refuse
 from models.config import RUNTIME_KEYS, ConfigError, DecoderConfig
 from models.decoder import DecoderLM
@@ -470,3 +471,59 @@ def save_hf(
     """
     dtype = np.dtype(model.embedding.weight.dtype)
     write_hf(model, path, dtype=dtype, max_shard_bytes=max_shard_bytes)
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_adapters(model: Any) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The LoRA adapters of ``model`` (`eqxzoo.nn.lora.LoraWeight`s; arrays numpy or lazy
+    readers) in PEFT's layout: ``{base_model.model.<module>.lora_A.weight: (rank, in),
+    ...lora_B.weight: (out, rank)}`` with ``lora_B @ lora_A`` the torch module's weight
+    update (times ``alpha / rank``, as PEFT scales it), and the modules' short names (PEFT's
+    ``target_modules``). Each adapter takes its weight's own Hugging Face layout
+    (transposes and head reshapes), checked on the first layer against its merged update;
+    a projection stored fused with others (GPT-2's ``c_attn``) has no PEFT counterpart and is
+    refused (export the merged model instead)."""
+    config = model.config
+    mapping = hf_mapping(config)
+    tensors: dict[str, np.ndarray] = {}
+    modules: set[str] = set()
+    for tensor in mapping.tensors(config):
+        picked = tensor.where(model)
+        parts = tensor_parts(picked)
+        if not any(isinstance(part, LoraWeight) for part in parts):
+            continue
+        if len(parts) > 1 or not tensor.layered:
+            raise ConfigError(
+                "has adapters on a projection Hugging Face stores fused with others: PEFT "
+                "cannot load them; export the merged model (without --adapter)",
+                field="lora.targets",
+            )
+        adapter = picked
+        lora_a, lora_b = (np.asarray(x[()]) for x in (adapter.lora_a, adapter.lora_b))
+        for index, layer in enumerate(tensor.layers(config)):
+            ((name, update_a),) = tensor.to_hf(lora_a[index]).items()
+            ((_, update_b),) = tensor.to_hf(lora_b[index]).items()
+            if index == 0:
+                delta = LoraWeight(
+                    np.zeros(adapter.base.shape[1:], np.float32),
+                    lora_a[index],
+                    lora_b[index],
+                    1.0,
+                    adapter.n_in,
+                    adapter.axes,
+                ).merged()
+                ((_, expected),) = tensor.to_hf(np.asarray(delta)).items()
+                if not np.allclose(update_b @ update_a, expected, rtol=1e-4, atol=1e-6):
+                    raise ConfigError(
+                        f"has adapters on {name}, whose Hugging Face layout reorders its "
+                        "weight: PEFT cannot load them; export the merged model (without "
+                        "--adapter)",
+                        field="lora.targets",
+                    )
+            module = mapping.layer_prefix(layer) + name.removesuffix(".weight")
+            tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(update_a)
+            tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(update_b)
+            modules.add(module.rsplit(".", 1)[-1])
+    return tensors, sorted(modules)

@@ -1,13 +1,16 @@
 """Write a run's checkpoint as a Hugging Face checkpoint directory.
 
     python -m pipelines.export RUN_DIR --out DIR [--step N] [--dtype bfloat16|float32]
-        [--max-shard-size GB] [--force]
+        [--max-shard-size GB] [--force] [--adapter]
 
 Reads ``RUN_DIR/config.toml`` and the newest (or step ``N``'s) checkpoint and writes, in
 ``DIR``, what ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads:
 ``config.json`` and safetensors shards in the parameters' dtype (``--dtype`` to choose),
 plus the run's ``tokenizer.json`` and a ``tokenizer_config.json`` when its data has one, so
-``AutoTokenizer.from_pretrained(DIR)`` works too.
+``AutoTokenizer.from_pretrained(DIR)`` works too. A run with LoRA adapters (``[lora]``)
+exports its merged model (each adapted weight ``base + alpha / rank * A @ B``), or with
+``--adapter`` only the adapters in PEFT's format (``adapter_config.json`` and
+``adapter_model.safetensors``, for ``peft.PeftModel.from_pretrained(base, DIR)``).
 
 The checkpoint is read one layer of one array at a time (`eqxzoo.train.saved_arrays`) and
 written one shard at a time (`models.hf.write_hf`): a checkpoint larger than host memory
@@ -44,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--max-shard-size", type=float, default=2.0, help="GB per safetensors shard (2)"
     )
     parser.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    parser.add_argument(
+        "--adapter", action="store_true", help="only the LoRA adapters, in PEFT's format"
+    )
     return parser.parse_args(argv)
 
 
@@ -106,6 +112,8 @@ def export(args: argparse.Namespace) -> int:
 
     dtype = args.dtype or config.precision.params
     config_to_hf(config.model, dtype)  # a family with no Hugging Face counterpart fails here
+    if args.adapter and config.lora is None:
+        raise UserError(f"--adapter: {run_dir} trains no LoRA adapters (its config has no [lora])")
     step = checkpoint_step(run_dir / CHECKPOINT_DIR, args.step)
     check_out(out, args.force)
     check_out_apart(
@@ -143,7 +151,15 @@ def write_export(
         staging.mkdir(parents=True)
     sync("export: staging directory ready")
     try:
-        checked = write_model(config, run_dir / CHECKPOINT_DIR / str(step), staging, args, dtype)
+        step_directory = run_dir / CHECKPOINT_DIR / str(step)
+        if args.adapter:
+            checked = write_adapter(config, step_directory, staging, write=index == 0)
+            sync("export: every file staged")
+            if index == 0:
+                publish(staging, out)
+            sync("export: published")
+            return f"the LoRA adapters in PEFT's format, {checked} arrays verified"
+        checked = write_model(config, step_directory, staging, args, dtype)
         if index == 0:
             hf_config = exported_hf_config(config, run_dir, dtype, tokenizer)
             write_configs(hf_config, run_dir, staging)
@@ -184,22 +200,18 @@ def write_model(config, step_directory: Path, directory: Path, args, dtype: str)
     ``directory``; how many arrays were verified against their checksums."""
     import equinox as eqx
     import jax
+    import numpy as np
 
-    from eqxzoo.train.saved_arrays import recorded_checksums, saved_arrays, verify_reads
+    from eqxzoo.nn.lora import merge_adapters
+    from eqxzoo.train.saved_arrays import recorded_checksums, verify_reads
     from models import model_factory
     from models.hf import write_hf
 
-    arrays = saved_arrays(step_directory)
-    skeleton = eqx.filter_eval_shape(model_factory(config.model), key=jax.random.key(0))
-
-    def saved(path, leaf):
-        name = "model" + jax.tree_util.keystr(path)
-        array = arrays.get(name)
-        if array is None or array.shape != tuple(leaf.shape):
-            raise UserError(f"{step_directory}: holds no array {name} of shape {leaf.shape}")
-        return array
-
-    model = jax.tree_util.tree_map_with_path(saved, skeleton)
+    arrays, model = saved_model(config, step_directory)
+    if config.lora is not None:  # the merged weights, in the plain model's structure
+        merged = merge_adapters(model, read=lambda saved: np.asarray(saved[()]))
+        plain = eqx.filter_eval_shape(model_factory(config.model), key=jax.random.key(0))
+        model = jax.tree.unflatten(jax.tree.structure(plain), jax.tree.leaves(merged))
     write_hf(
         model,
         directory,
@@ -210,6 +222,66 @@ def write_model(config, step_directory: Path, directory: Path, args, dtype: str)
         write_config=False,
     )
     return verify_reads(arrays.values(), recorded_checksums(step_directory))
+
+
+def saved_model(config, step_directory: Path) -> tuple[dict, object]:
+    """The step's saved arrays by name, and the run's model (adapters included) made of them
+    (lazy readers: nothing is read until an array is indexed)."""
+    import equinox as eqx
+    import jax
+
+    from eqxzoo.train.saved_arrays import saved_arrays
+    from models import model_factory
+
+    arrays = saved_arrays(step_directory)
+    skeleton = eqx.filter_eval_shape(model_factory(config.adapted_model), key=jax.random.key(0))
+
+    def saved(path, leaf):
+        name = "model" + jax.tree_util.keystr(path)
+        array = arrays.get(name)
+        if array is None or array.shape != tuple(leaf.shape):
+            raise UserError(f"{step_directory}: holds no array {name} of shape {leaf.shape}")
+        return array
+
+    return arrays, jax.tree_util.tree_map_with_path(saved, skeleton)
+
+
+def write_adapter(config, step_directory: Path, directory: Path, *, write: bool) -> int:
+    """Write (where ``write``: process 0) the step's LoRA adapters in PEFT's format into
+    ``directory``: its ``adapter_config.json`` (rank, alpha, the torch modules adapted, the
+    base checkpoint) and ``adapter_model.safetensors`` (float32); how many arrays were
+    verified (every process reads them all and verifies)."""
+    from safetensors.numpy import save_file
+
+    from eqxzoo.train.saved_arrays import recorded_checksums, verify_reads
+    from models.hf import peft_adapters
+
+    arrays, model = saved_model(config, step_directory)
+    tensors, modules = peft_adapters(model)
+    adapters = [array for name, array in arrays.items() if name.endswith((".lora_a", ".lora_b"))]
+    checked = verify_reads(adapters, recorded_checksums(step_directory))
+    if not write:
+        return checked
+    save_file(
+        {name: value.astype("float32") for name, value in tensors.items()},
+        str(directory / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": config.init_from_hf or None,
+        "r": config.lora.rank,
+        "lora_alpha": config.lora.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
+    return checked
 
 
 def exported_hf_config(config, run_dir: Path, dtype: str, tokenizer: Path) -> dict:

@@ -226,10 +226,14 @@ def packs_documents(case: dict, mesh: MeshConfig) -> bool:
     return mesh.cp > 1 or (case in GRID and GRID.index(case) % 2 == 1)
 
 
-def loss_and_grads(tiny_config, random_batch, case: dict, context_parallel: str = "ring"):
+def loss_and_grads(
+    tiny_config, random_batch, case: dict, context_parallel: str = "ring", lora=None
+):
     """``(sequential (loss, aux), grads), (pipelined (loss, aux), grads)`` of the case's tiny
-    model, the pipelined one with NaN bubbles (and, on a mesh with cp, its layers splitting
-    each sequence over cp by ``context_parallel``, as a run builds them).
+    model (with ``lora``'s adapters, `models.LoraConfig`, if given: ``lora_b`` drawn
+    non-zero, as trained adapters are), the pipelined one with
+    NaN bubbles (and, on a mesh with cp, its layers splitting each sequence over cp by
+    ``context_parallel``, as a run builds them).
 
     The aux values leave out ``padding_fraction``: it describes how the dropless path ran
     (the sequential reference routes each sequence alone, a pipeline stage its whole
@@ -245,8 +249,17 @@ def loss_and_grads(tiny_config, random_batch, case: dict, context_parallel: str 
     pipelined_config = dataclasses.replace(config, bubble_fill=jnp.nan)
     mesh = make_mesh(mesh_config, jax.devices()[: mesh_config.size])
     model_config = tiny_config(case["family"], n_layers=N_LAYERS)
-    model_config = dataclasses.replace(model_config, **model_fields)
+    model_config = dataclasses.replace(model_config, **model_fields, lora=lora)
     model = models.DecoderLM(model_config, key=jax.random.key(0))
+    if lora is not None:
+        model = jax.tree_util.tree_map_with_path(
+            lambda path, leaf: (
+                leaf + 0.02 * jax.random.normal(jax.random.key(3), leaf.shape)
+                if jax.tree_util.keystr(path).endswith(".lora_b")
+                else leaf
+            ),
+            model,
+        )
     split_model = model
     if mesh_config.cp > 1:  # the same parameters; the layers attend across the shards
         split_config = dataclasses.replace(

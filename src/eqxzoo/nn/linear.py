@@ -9,13 +9,15 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
+from eqxzoo.nn.lora import LoraWeight
 from eqxzoo.nn.varying import cotangent_for
 
 
 def dense(
-    x: Float[Array, "..."], w: Float[Array, "..."], n_contract: int = 1
+    x: Float[Array, "..."], w: Float[Array, "..."] | LoraWeight, n_contract: int = 1
 ) -> Float[Array, "..."]:
-    """Contract the last ``n_contract`` axes of ``x`` with the first ``n_contract`` of ``w``.
+    """Contract the last ``n_contract`` axes of ``x`` with the first ``n_contract`` of ``w``
+    (of a `LoraWeight`: with its base, plus the adapter's low-rank path, never merged).
 
     Every leading axis of ``x`` (batch, sequence) is flattened into one token axis, so both
     the product and its gradients are plain 2-D matmuls. The weight gradient is computed as
@@ -23,6 +25,10 @@ def dense(
     materialising a transposed copy of the output gradient, which ran the backward of a GELU
     MLP at 8x its forward instead of 2x.
     """
+    if isinstance(w, LoraWeight):
+        assert w.n_in == n_contract, (w.n_in, n_contract)
+        low_rank = dense(dense(x, w.lora_a, n_contract), w.lora_b)
+        return dense(x, w.base, n_contract) + (w.scale * low_rank).astype(x.dtype)
     in_shape, out_shape = w.shape[:n_contract], w.shape[n_contract:]
     lead_shape = x.shape[: x.ndim - n_contract]
     assert x.shape[x.ndim - n_contract :] == in_shape, (x.shape, w.shape)

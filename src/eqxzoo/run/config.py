@@ -18,6 +18,7 @@
                   prefetch, num_threads, document_mask
     [checkpoint]  every, keep, async_save
     [sharding]    mesh axes per logical axis (`eqxzoo.parallel.ShardingConfig`)
+    [lora]        rank, alpha, targets: train low-rank adapters only (`models.LoraConfig`)
 
 The typed-TOML machinery (reading, ``--set``, type checks, writing) is
 `eqxzoo.typed_config`; this module declares the sections and the rules that span several.
@@ -37,6 +38,7 @@ from typing import Any
 from eqxzoo.data.tokenizer import DEFAULT_VOCAB_SIZE, MIN_VOCAB_SIZE
 from eqxzoo.nn.grouped import resolve_implementation
 from eqxzoo.nn.kernels import cudnn_runs
+from eqxzoo.nn.lora import FROZEN_BESIDE_ADAPTERS
 from eqxzoo.optim import OptimizerConfig
 from eqxzoo.parallel.mesh import (
     MESH_AXES,
@@ -64,7 +66,7 @@ from eqxzoo.typed_config import (
     runtime_field,
     toml_text,
 )
-from models.config import DecoderConfig
+from models.config import DecoderConfig, LoraConfig
 from models.hf import config_with_hf
 from models.registry import config_from_table
 
@@ -233,6 +235,7 @@ class RunConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)
+    lora: LoraConfig | None = None
     init_from_hf: str = runtime_field("")
 
     def __post_init__(self):
@@ -241,6 +244,13 @@ class RunConfig:
         self._check_batch_and_vocab()
         self._check_context_split()
         self._check_attention_kernel()
+        if self.lora is not None:
+            _ = self.adapted_model
+
+    @property
+    def adapted_model(self) -> DecoderConfig:
+        """``model`` with the run's LoRA adapters (``[lora]``), or as it is without them."""
+        return self.model if self.lora is None else dataclasses.replace(self.model, lora=self.lora)
 
     @property
     def schedule(self) -> Schedule:
@@ -397,8 +407,10 @@ def check_kernel_platform(config: RunConfig, platform: str) -> None:
 SECTIONS: dict[str, type] = {
     field.name: field.type
     for field in dataclasses.fields(RunConfig)
-    if field.name != "init_from_hf"  # a key of [model]
-}
+    if field.name not in ("init_from_hf", "lora")  # a key of [model]; a section of its own
+} | {"lora": LoraConfig}
+# Sections a config may leave out to leave their feature off (not written then).
+OPTIONAL_SECTIONS = ("lora",)
 
 
 # The config's paths (``section.key``), each made absolute as a config is read
@@ -420,6 +432,8 @@ def config_from_dict(document: Mapping[str, Any]) -> RunConfig:
     for name, cls in SECTIONS.items():
         table = document.get(name, {})
         if name == "run":
+            continue
+        if name in OPTIONAL_SECTIONS and name not in document:
             continue
         if name == "model":
             sections[name], sections["init_from_hf"] = _model_section(table)
@@ -484,7 +498,11 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RunCo
 
 def config_to_dict(config: RunConfig) -> dict[str, Any]:
     """Every section with every key (JSON- and TOML-able); `config_from_dict` rebuilds ``config``."""
-    document = {name: dataclass_to_table(getattr(config, name)) for name in SECTIONS}
+    document = {
+        name: dataclass_to_table(getattr(config, name))
+        for name in SECTIONS
+        if getattr(config, name) is not None
+    }
     document["model"] = {
         "family": config.model.family,
         "init_from_hf": config.init_from_hf,
@@ -502,16 +520,46 @@ def config_to_toml(config: RunConfig) -> str:
 
 
 def step_config(config: RunConfig) -> StepConfig:
-    """What `eqxzoo.train` needs: schedule, optimizer, precision, loss weights, remat, rules."""
+    """What `eqxzoo.train` needs: schedule, optimizer, precision, loss weights, remat, rules.
+    With ``[lora]`` the optimizer freezes every parameter but the adapters."""
+    optimizer = config.optimizer
+    if config.lora is not None:
+        freeze = (*optimizer.freeze, FROZEN_BESIDE_ADAPTERS)
+        optimizer = dataclasses.replace(optimizer, freeze=freeze)
     return StepConfig(
         schedule=config.schedule,
-        optimizer=config.optimizer,
+        optimizer=optimizer,
         precision=config.precision,
         loss=config.loss,
         remat_stages=config.pipeline.remat_stages,
         sharding=config.sharding,
         mesh_axes=config.mesh.axis_names,
     )
+
+
+def lora_line(config: RunConfig) -> str | None:
+    """What ``[lora]`` trains, for the run's and the dry run's first lines (None without it)."""
+    if config.lora is None:
+        return None
+    from models import parameter_counts
+
+    counts, lora = parameter_counts(config.adapted_model), config.lora
+    base = (
+        f"the base weights of {config.init_from_hf} frozen"
+        if config.init_from_hf
+        else "the base weights frozen at the seed's random initialisation (model.init_from_hf "
+        "is empty: no pretrained model is adapted)"
+    )
+    return (
+        f"LoRA: training {counts.trainable:,} of {counts.total:,} parameters "
+        f"({counts.trainable / counts.total:.2%}): rank {lora.rank}, alpha {lora.alpha:g} on "
+        f"{', '.join(lora.targets)}; {base}"
+    )
+
+
+def run_model_config(config: RunConfig) -> DecoderConfig:
+    """The model a run builds: `RunConfig.adapted_model` on its mesh (`model_config_for_mesh`)."""
+    return model_config_for_mesh(config.adapted_model, config.mesh)
 
 
 def model_config_for_mesh(model: DecoderConfig, mesh: MeshConfig) -> DecoderConfig:

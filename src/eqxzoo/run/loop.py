@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
 import jax
 import numpy as np
 
@@ -32,12 +33,14 @@ from eqxzoo.data import (
     validation_batches,
 )
 from eqxzoo.errors import EXIT_STOPPED, UserError
+from eqxzoo.nn.lora import with_new_adapters
 from eqxzoo.parallel import make_mesh
 from eqxzoo.run.config import (
     RunConfig,
     check_kernel_platform,
     config_to_dict,
-    model_config_for_mesh,
+    lora_line,
+    run_model_config,
     step_config,
 )
 from eqxzoo.run.provenance import (
@@ -191,7 +194,7 @@ class _Trainer:
             config.checkpoint.async_save, self.mesh.devices.flat[0].platform
         )
         self.step_config = step_config(config)
-        self.make_model = model_factory(model_config_for_mesh(config.model, config.mesh))
+        self.make_model = model_factory(run_model_config(config))
         self.total_steps = config.run.steps
         if options.stop_after is not None:
             self.total_steps = min(self.total_steps, options.stop_after)
@@ -392,8 +395,12 @@ class _Trainer:
             return init_train_state(self.make_model, key, config=self.step_config, mesh=self.mesh)
         checkpoint = self.hf_checkpoint or open_hf(self.config.init_from_hf)
         checkpoint.files.refuse_non_finite = True
+        source = checkpoint.model
+        if self.config.lora is not None:  # the checkpoint's weights with new adapters
+            adapted = eqx.filter_eval_shape(self.make_model, key=jax.random.key(0))
+            source = with_new_adapters(source, adapted, self.config.run.seed)
         state = init_train_state_from(
-            self.make_model, checkpoint.model, config=self.step_config, mesh=self.mesh
+            self.make_model, source, config=self.step_config, mesh=self.mesh
         )
         read = counts_of_every_process(np.array([checkpoint.files.bytes_read]))[:, 0]
         per_process = ", ".join(f"{n / 1e6:,.2f}" for n in read)
@@ -436,6 +443,8 @@ class _Trainer:
             f"devices (mesh {dict(self.mesh.shape)}{slices}), {self.config.tokens_per_step:,} tokens "
             f"per step; MFU against the {peak_source} ({self.peak_flops_per_s / 1e12:.3g} TFLOP/s)"
         )
+        if lora_line(self.config) is not None:
+            self.say(lora_line(self.config))
         self.reports = _StepReports(last_time=time.perf_counter())
 
     def train_until_done(self, stop: StopSignal) -> None:

@@ -26,7 +26,8 @@ from eqxzoo.parallel.mesh import DP_ACROSS_SLICES
 from eqxzoo.run.config import (
     RunConfig,
     check_kernel_platform,
-    model_config_for_mesh,
+    lora_line,
+    run_model_config,
     step_config,
 )
 from eqxzoo.run.loop import batch_shape, run_memory_checks
@@ -133,9 +134,9 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
     mesh = make_mesh(config.mesh)
     check_kernel_platform(config, mesh.devices.flat[0].platform)
     config_for_step = step_config(config)
-    make_model = model_factory(model_config_for_mesh(config.model, config.mesh))
+    make_model = model_factory(run_model_config(config))
     target = abstract_train_state(make_model, config=config_for_step, mesh=mesh)
-    counts = parameter_counts(config.model)
+    counts = parameter_counts(config.adapted_model)
     shape = batch_shape(config)
     start = time.perf_counter()
     documents = batches_carry_documents(config)
@@ -161,6 +162,8 @@ def dry_run(config: RunConfig, say: Callable[[str], None] = print) -> dict[str, 
         f"parameters: {counts.total:,} total, {counts.active:,} active per token "
         f"({counts.embedding:,} in the input embedding)"
     )
+    if lora_line(config) is not None:
+        say(lora_line(config))
     if checkpoint is not None:
         files = checkpoint.files
         say(

@@ -57,6 +57,19 @@ def cast_floats(tree: PyTree, dtype: jnp.dtype | str) -> PyTree:
     return jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, tree)
 
 
+def cast_params(model: LanguageModel, dtype: jnp.dtype | str) -> LanguageModel:
+    """The parameters as a run keeps them: in ``dtype`` (``precision.params``), but LoRA
+    adapters (`eqxzoo.nn.lora`) in float32 whatever it is, as their optimizer state."""
+
+    def cast(path, leaf):
+        if not eqx.is_inexact_array(leaf):
+            return leaf
+        adapter = jax.tree_util.keystr(path).endswith((".lora_a", ".lora_b"))
+        return leaf.astype(jnp.float32 if adapter else dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, model)
+
+
 def _init_pipeline_model(
     make_model: ModelFactory, schedule: Schedule, key: PRNGKeyArray
 ) -> LanguageModel:
@@ -82,7 +95,7 @@ def _init_pipeline_model(
 
 def _build_state(make_model: ModelFactory, config: StepConfig, key: PRNGKeyArray) -> TrainState:
     model = _init_pipeline_model(make_model, config.schedule, key)
-    model = cast_floats(model, config.precision.params)
+    model = cast_params(model, config.precision.params)
     trainable, _ = split_trainable(model, config.optimizer)
     opt_state = build_optimizer(config.optimizer).init(trainable)
     return TrainState(step=jnp.zeros((), jnp.int32), model=model, opt_state=opt_state)
