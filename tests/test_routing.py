@@ -260,10 +260,10 @@ def test_stages_compute_through_bubbles_where_xla_cpu_cannot_skip_them(
     )
     real_compile, refusals, tried = step_module.compile_train_step, [], []
 
-    def compile_and_record(config, *args):
+    def compile_and_record(config, *args, **kwargs):
         tried.append(config.skip_bubbles)
         try:
-            return real_compile(config, *args)
+            return real_compile(config, *args, **kwargs)
         except PlanWouldDeadlock as refused:
             refusals.append(str(refused))
             raise
@@ -287,7 +287,7 @@ def test_stages_compute_through_bubbles_where_xla_cpu_cannot_skip_them(
     monkeypatch.setattr(
         step_module,
         "compile_train_step",
-        lambda config, *args: tried.append(config.skip_bubbles) or compiled,
+        lambda config, *args, **kwargs: tried.append(config.skip_bubbles) or compiled,
     )
     compile_train_step_for(step_config, mesh, target, SHAPE, verdicts=tmp_path)
     assert tried == [False]

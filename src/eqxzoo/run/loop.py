@@ -88,8 +88,8 @@ from eqxzoo.train.state import (
 from eqxzoo.train.step import (
     batch_sharding,
     bubble_verdicts,
+    compile_eval_step,
     compile_train_step_for,
-    make_eval_step,
 )
 from eqxzoo.train.stop_signal import StopSignal, raise_a_stop_received
 from models import flops_per_token, model_factory
@@ -314,7 +314,14 @@ class _Trainer:
                 "note: the stages compute through their bubbles (XLA:CPU cannot skip them in "
                 "this program: collective-permutes in the stage)"
             )
-        self.eval_step = make_eval_step(self.step_config, self.mesh)
+        if self.val_batches:
+            self.eval_step = compile_eval_step(
+                self.step_config,
+                self.mesh,
+                self.target.model,
+                batch_shape(self.config, grad_accum=1).shape,
+                documents=self.documents,
+            )
         step_memory = StepMemory.of(self.train_step)
         if step_memory is None:
             return

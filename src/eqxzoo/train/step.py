@@ -507,3 +507,35 @@ def make_eval_step(
         return metrics["cross_entropy"]
 
     return jax.jit(evaluate, out_shardings=activation_sharding(mesh, rules=config.rules))
+
+
+def compile_eval_step(
+    config: StepConfig,
+    mesh: Mesh,
+    model: LanguageModel,
+    batch_shape: tuple[int, int, int, int],
+    *,
+    documents: bool = False,
+) -> jax.stages.Compiled:
+    """`make_eval_step` compiled for ``model`` (arrays or `jax.ShapeDtypeStruct` leaves, the
+    pipeline layout) and ``(1, M, B, T)`` batches (with `DOCUMENT_FIELDS` where
+    ``documents``), checked as the train step is (`check_no_permutes_in_branches`): where
+    XLA:CPU could not skip the pipeline's bubbles in this program (its sharding differs from
+    the train step's: adapters, say), its stages compute through them instead."""
+    sharding = batch_sharding(mesh, config.rules)
+    names = ("tokens", "targets", *(DOCUMENT_FIELDS if documents else ()))
+    batch = {
+        name: jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=sharding) for name in names
+    }
+
+    def compiled(skip_bubbles: bool) -> jax.stages.Compiled:
+        evaluate = make_eval_step(dataclasses.replace(config, skip_bubbles=skip_bubbles), mesh)
+        return evaluate.lower(model, batch).compile()
+
+    step = compiled(config.skip_bubbles)
+    if config.skip_bubbles:
+        try:
+            check_no_permutes_in_branches(step, mesh)
+        except PlanWouldDeadlock:
+            step = compiled(False)
+    return step
