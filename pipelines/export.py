@@ -153,7 +153,7 @@ def write_export(
     try:
         step_directory = run_dir / CHECKPOINT_DIR / str(step)
         if args.adapter:
-            checked = write_adapter(config, step_directory, staging, write=index == 0)
+            checked = write_adapter(config, run_dir, step, staging, write=index == 0)
             sync("export: every file staged")
             if index == 0:
                 publish(staging, out)
@@ -246,16 +246,20 @@ def saved_model(config, step_directory: Path) -> tuple[dict, object]:
     return arrays, jax.tree_util.tree_map_with_path(saved, skeleton)
 
 
-def write_adapter(config, step_directory: Path, directory: Path, *, write: bool) -> int:
-    """Write (where ``write``: process 0) the step's LoRA adapters in PEFT's format into
-    ``directory``: its ``adapter_config.json`` (rank, alpha, the torch modules adapted, the
-    base checkpoint) and ``adapter_model.safetensors`` (float32); how many arrays were
-    verified (every process reads them all and verifies)."""
+def write_adapter(config, run_dir: Path, step: int, directory: Path, *, write: bool) -> int:
+    """Write (where ``write``: process 0) the LoRA adapters of the run's step in PEFT's format
+    into ``directory``: its ``adapter_config.json`` (rank, alpha, the torch modules adapted,
+    the checkpoint the run started from) and ``adapter_model.safetensors`` (float32); how
+    many arrays were verified (every process reads them all and verifies)."""
+    import tomllib
+
     from safetensors.numpy import save_file
 
+    from eqxzoo.run.rundir import CHECKPOINT_DIR, CONFIG_FILE
     from eqxzoo.train.saved_arrays import recorded_checksums, verify_reads
     from models.hf import peft_adapters
 
+    step_directory = run_dir / CHECKPOINT_DIR / str(step)
     arrays, model = saved_model(config, step_directory)
     tensors, modules = peft_adapters(model)
     adapters = [array for name, array in arrays.items() if name.endswith((".lora_a", ".lora_b"))]
@@ -270,7 +274,11 @@ def write_adapter(config, step_directory: Path, directory: Path, *, write: bool)
     adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": config.init_from_hf or None,
+        # The run's own config keeps where it started (`read_run_config` drops it).
+        "base_model_name_or_path": tomllib.loads((run_dir / CONFIG_FILE).read_text())["model"].get(
+            "init_from_hf"
+        )
+        or None,
         "r": config.lora.rank,
         "lora_alpha": config.lora.alpha,
         "lora_dropout": 0.0,

@@ -1,11 +1,14 @@
 """Sample text from a run's latest checkpoint.
 
     python -m pipelines.generate RUN_DIR --prompt TEXT [--max-new-tokens 64]
-        [--temperature 0.8] [--top-k 50] [--top-p 0.95] [--seed 0] [--stop-at-eod]
+        [--temperature 0.8] [--top-k 50] [--top-p 0.95] [--seed 0] [--stop-at-eod] [--chat]
 
 Reads ``RUN_DIR/config.toml`` (written by `pipelines.run`), the run's tokenizer
 (`eqxzoo.run.provenance`) and the newest usable checkpoint, then decodes with a KV cache (`models.generate`) on one device.
-Prints the prompt followed by the continuation. Problems are one ``error:`` line, exit 2.
+Prints the prompt followed by the continuation. With ``--chat`` the prompt is a user's
+message, rendered with the chat template of the checkpoint the run started from (kept in
+``RUN_DIR/hf_source/``) with the assistant's turn opened, and the reply (up to the template's
+end-of-turn token, its ``eos_token``) is printed. Problems are one ``error:`` line, exit 2.
 
 Every option is checked before anything is read (`check_options`), and the length asked for
 before the checkpoint is restored (`check_cache_fits`): the KV cache `models.generate`
@@ -36,6 +39,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--stop-at-eod", action="store_true", help="stop at the end-of-document token"
+    )
+    parser.add_argument(
+        "--chat", action="store_true", help="the prompt is a user message (chat template)"
     )
     return parser.parse_args(argv)
 
@@ -150,7 +156,12 @@ def generate_from_run(args: argparse.Namespace) -> int:
     from models import generate, model_factory
 
     tokenizer = load_tokenizer(run_tokenizer_file(run_dir, config))
-    prompt = tokenizer.encode(text).ids
+    if args.chat:
+        text, tokenizer, stop = chat_prompt(run_dir, text)
+        prompt = tokenizer.encode(text, add_special_tokens=False).ids
+    else:
+        prompt = tokenizer.encode(text).ids
+        stop = tokenizer.token_to_id(EOD_TOKEN) if args.stop_at_eod else None
     if not prompt:
         raise UserError("--prompt encodes to no tokens")
     device = jax.devices()[0]
@@ -171,7 +182,7 @@ def generate_from_run(args: argparse.Namespace) -> int:
     )
     mesh = make_mesh(one_device.mesh, [device])
     target = abstract_checkpoint_state(
-        model_factory(config.model), config=step_config(one_device), mesh=mesh
+        model_factory(config.adapted_model), config=step_config(one_device), mesh=mesh
     )
     with Checkpointer(run_dir / CHECKPOINT_DIR, every=1, keep=1) as checkpointer:
         restored = checkpointer.restore_latest(target, None)
@@ -179,7 +190,6 @@ def generate_from_run(args: argparse.Namespace) -> int:
         raise UserError(f"{run_dir / CHECKPOINT_DIR} holds no checkpoint yet")
     model = restored.state.model  # the checkpoint layout is the plain model
 
-    eod = tokenizer.token_to_id(EOD_TOKEN)
     try:
         new_tokens = generate(
             model,
@@ -188,16 +198,43 @@ def generate_from_run(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
-            stop_token=eod if args.stop_at_eod else None,
+            stop_token=stop,
             key=jax.random.key(args.seed),
         )
     except ValueError as error:
         raise UserError(str(error)) from None
     new_tokens = [int(t) for t in jax.device_get(new_tokens)]
-    if args.stop_at_eod and eod in new_tokens:
-        new_tokens = new_tokens[: new_tokens.index(eod)]
-    print(f"(step {restored.step}) " + text + tokenizer.decode(new_tokens))
+    if stop is not None and stop in new_tokens:
+        new_tokens = new_tokens[: new_tokens.index(stop)]
+    reply = tokenizer.decode(new_tokens)
+    print(f"(step {restored.step}) " + (reply if args.chat else text + reply))
     return 0
+
+
+def chat_prompt(run_dir, message: str):
+    """``message`` as a user's turn rendered with the chat template of the checkpoint the run
+    started from, the assistant's turn opened; that checkpoint's tokenizer; and the token
+    that ends a turn (its ``eos_token``; None if it names none)."""
+    from eqxzoo.data.instructions import Fit, InstructionEncoder, RecordError
+    from eqxzoo.data.tokenizer import open_tokenizer
+    from eqxzoo.run.provenance import hf_source_dir
+
+    source_dir = hf_source_dir(run_dir)
+    source = None if source_dir is None else open_tokenizer(source_dir)
+    if source is None or source.chat_template is None:
+        raise UserError(
+            f"--chat: {run_dir} keeps no chat template (a run from a Hugging Face checkpoint "
+            "keeps its tokenizer_config.json in RUN_DIR/hf_source/, and this run's has no "
+            "chat_template): give the prompt as plain text, without --chat"
+        )
+    try:
+        rendered = InstructionEncoder(source, "all", Fit()).render(
+            [{"role": "user", "content": message}], generation_prompt=True
+        )
+    except RecordError as error:
+        raise UserError(f"--chat: {error}") from None
+    eos = source.special_token("eos_token")
+    return rendered, source.tokenizer, None if eos is None else source.tokenizer.token_to_id(eos)
 
 
 if __name__ == "__main__":

@@ -36,9 +36,11 @@ BLOCKS = {
     "python -m pipelines.run configs/moe_1b.toml --set": "heavy",
     "python -m pipelines.run configs/deepseek_small.toml --set": "heavy",
     "W=/tmp/eqxzoo-finetune": "finetune",
+    "W=/tmp/eqxzoo-sft": "sft",
     "python -m pipelines.prepare --stdlib": "prepare",
 }
 FINETUNE_DIR = Path("/tmp/eqxzoo-finetune")
+SFT_DIR = Path("/tmp/eqxzoo-sft")
 
 
 def bash_blocks(text: str) -> list[str]:
@@ -140,6 +142,19 @@ def test_the_finetune_block(scratch: Path):
     exported = json.loads((FINETUNE_DIR / "export" / "config.json").read_text())
     assert exported["architectures"] == ["LlamaForCausalLM"]
     shutil.rmtree(FINETUNE_DIR, ignore_errors=True)
+
+
+def test_the_sft_block(scratch: Path):
+    """README's chat fine-tuning with LoRA, as one script and in full (its point is the
+    trained answer): it writes under /tmp/eqxzoo-sft."""
+    shutil.rmtree(SFT_DIR, ignore_errors=True)
+    (output,) = run_lines([block("sft")], scratch)
+    lines = output.splitlines()
+    assert "LoRA: training 32,768 of 246,336 parameters (13.30%)" in output
+    assert "(step 100) Each stage passes its activations to the next one." in lines
+    answer = "'A byte-level BPE with an end of document token.'"
+    assert lines[-2:] == [f"LlamaForCausalLM {answer}", f"PeftModelForCausalLM {answer}"]
+    shutil.rmtree(SFT_DIR, ignore_errors=True)
 
 
 @pytest.mark.skipif(not HEAVY, reason="the 1B configs: EQXZOO_README_HEAVY=1 runs them")

@@ -258,6 +258,18 @@ def test_generate_samples_from_the_latest_checkpoint(reference_dir: Path):
     assert results[0].stdout == results[1].stdout, "greedy decoding is deterministic"
 
 
+def test_generate_chat_needs_the_checkpoints_chat_template(reference_dir: Path):
+    """``--chat`` renders the prompt with the template of the checkpoint a run started from;
+    a run from scratch has none to use."""
+    command = [sys.executable, "-m", "pipelines.generate", str(reference_dir), "--chat"]
+    result = run_command([*command, "--prompt", "hello"], expect=2)
+    assert result.stderr == (
+        f"error: --chat: {reference_dir} keeps no chat template (a run from a Hugging Face "
+        "checkpoint keeps its tokenizer_config.json in RUN_DIR/hf_source/, and this run's has "
+        "no chat_template): give the prompt as plain text, without --chat\n"
+    )
+
+
 def test_generate_needs_a_run_directory(tmp_path: Path):
     result = run_command(
         [sys.executable, "-m", "pipelines.generate", str(tmp_path), "--prompt", "x"], expect=2

@@ -87,11 +87,11 @@ def add_adapters(
     alpha: float,
     *,
     key: PRNGKeyArray,
-    init_std: float = 0.02,
 ) -> eqx.Module:
     """``module`` (one unstacked layer's attention or MLP) with each of its `ADAPTABLE`
     projections named in ``targets`` wrapped in a `LoraWeight` of ``rank``: ``lora_a``
-    normal with ``init_std``, ``lora_b`` zero. A target it does not have wraps nothing."""
+    uniform within ``1 / sqrt(inputs)`` (`lora_a_bound`), ``lora_b`` zero. A target it does not have
+    wraps nothing."""
     fields = ADAPTABLE.get(type(module).__name__, {})
     chosen = [name for name in fields if name in targets and getattr(module, name) is not None]
     keys = jax.random.split(key, max(len(chosen), 1))
@@ -100,7 +100,9 @@ def add_adapters(
 
         def adapter(weight, axes, field_key=field_key, n_in=n_in):
             shape = (*weight.shape[:n_in], rank)
-            lora_a = (init_std * jax.random.normal(field_key, shape)).astype(weight.dtype)
+            bound = lora_a_bound(shape)
+            lora_a = jax.random.uniform(field_key, shape, minval=-bound, maxval=bound)
+            lora_a = lora_a.astype(weight.dtype)
             lora_b = jnp.zeros((rank, *weight.shape[n_in:]), weight.dtype)
             return LoraWeight(weight, lora_a, lora_b, alpha / rank, n_in, tuple(axes))
 
@@ -141,10 +143,16 @@ def adapter_count(model: PyTree) -> int:
     return sum(math.prod(n.lora_a.shape) + math.prod(n.lora_b.shape) for n in adapters)
 
 
-def with_new_adapters(model: PyTree, adapted: PyTree, seed: int, init_std: float = 0.02) -> PyTree:
+def lora_a_bound(shape: tuple[int, ...]) -> float:
+    """The bound of ``lora_a``'s uniform initialisation, ``1 / sqrt(inputs)`` (PEFT's default,
+    torch's Kaiming-uniform with ``a = sqrt(5)``): ``lora_a`` of ``shape`` ``(*in, rank)``."""
+    return 1.0 / math.sqrt(math.prod(shape[:-1]))
+
+
+def with_new_adapters(model: PyTree, adapted: PyTree, seed: int) -> PyTree:
     """``model`` (no adapters; its arrays anything indexable, such as a checkpoint's lazy
     readers) with the adapters ``adapted`` has (the same model with them, abstract), drawn
-    anew on the host: ``lora_a`` normal with ``init_std`` from ``seed``, ``lora_b`` zero.
+    anew on the host from ``seed``, as `add_adapters` draws them.
     Arrays are matched by where they sit; the result is ``adapted``'s structure (its static
     options) with ``model``'s arrays."""
     arrays = {
@@ -158,7 +166,8 @@ def with_new_adapters(model: PyTree, adapted: PyTree, seed: int, init_std: float
         if not is_lora_weight(node):
             return array
         rng = np.random.default_rng([seed, next(drawn)])
-        lora_a = (init_std * rng.standard_normal(node.lora_a.shape)).astype(np.float32)
+        bound = lora_a_bound(node.lora_a.shape[-(node.n_in + 1) :])
+        lora_a = rng.uniform(-bound, bound, node.lora_a.shape).astype(np.float32)
         lora_b = np.zeros(node.lora_b.shape, np.float32)
         return LoraWeight(array, lora_a, lora_b, node.scale, node.n_in, node.axes)
 
