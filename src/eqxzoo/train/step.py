@@ -290,6 +290,19 @@ def batch_sharding(mesh: Mesh, rules: Mapping[str, MeshAxes] = DEFAULT_RULES) ->
     return activation_sharding(mesh, "grad_accum", "microbatches", "batch", "seq", rules=rules)
 
 
+def abstract_batch(
+    mesh: Mesh,
+    rules: Mapping[str, MeshAxes],
+    batch_shape: tuple[int, int, int, int],
+    documents: bool,
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """A ``(G, M, B, T)`` batch as shape structs with its sharding: tokens and targets, and
+    with ``documents`` their `DOCUMENT_FIELDS`."""
+    sharding = batch_sharding(mesh, rules)
+    names = ("tokens", "targets", *(DOCUMENT_FIELDS if documents else ()))
+    return {name: jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=sharding) for name in names}
+
+
 def compile_train_step(
     config: StepConfig,
     mesh: Mesh,
@@ -302,11 +315,7 @@ def compile_train_step(
     ``(G, M, B, T)`` batches (of packed documents, with their `DOCUMENT_FIELDS`, where
     ``documents``), without running it: the run checks its memory analysis before
     initialising anything, then calls it (the state and batch must match exactly)."""
-    sharding = batch_sharding(mesh, config.rules)
-    names = ("tokens", "targets", *(DOCUMENT_FIELDS if documents else ()))
-    batch = {
-        name: jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=sharding) for name in names
-    }
+    batch = abstract_batch(mesh, config.rules, batch_shape, documents)
     compiled = make_train_step(config, mesh).lower(state, batch).compile()
     check_no_permutes_in_branches(compiled, mesh)
     return compiled
@@ -522,11 +531,7 @@ def compile_eval_step(
     ``documents``), checked as the train step is (`check_no_permutes_in_branches`): where
     XLA:CPU could not skip the pipeline's bubbles in this program (its sharding differs from
     the train step's: adapters, say), its stages compute through them instead."""
-    sharding = batch_sharding(mesh, config.rules)
-    names = ("tokens", "targets", *(DOCUMENT_FIELDS if documents else ()))
-    batch = {
-        name: jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=sharding) for name in names
-    }
+    batch = abstract_batch(mesh, config.rules, batch_shape, documents)
 
     def compiled(skip_bubbles: bool) -> jax.stages.Compiled:
         evaluate = make_eval_step(dataclasses.replace(config, skip_bubbles=skip_bubbles), mesh)
