@@ -22,6 +22,7 @@ from eqxzoo.nn.context import ContextSplit
 from eqxzoo.nn.documents import Documents
 from eqxzoo.nn.kernels import DEFAULT_BLOCK_SIZE, AttentionKernel, attend
 from eqxzoo.nn.linear import dense, normal_init
+from eqxzoo.nn.lora import LoraWeight
 from eqxzoo.nn.norm import RMSNorm
 from eqxzoo.nn.rope import RopeScaling, apply_rope, rope_amplitude, rope_frequencies
 from eqxzoo.typed_config import refuse
@@ -61,10 +62,10 @@ class CausalSelfAttention(AbstractAxesOwner):
       attends across shards, ``kernel`` aside).
     """
 
-    wq: Float[Array, "embed heads head_dim"]
-    wk: Float[Array, "embed kv_heads head_dim"]
-    wv: Float[Array, "embed kv_heads head_dim"]
-    wo: Float[Array, "heads head_dim embed"]
+    wq: Float[Array, "embed heads head_dim"] | LoraWeight
+    wk: Float[Array, "embed kv_heads head_dim"] | LoraWeight
+    wv: Float[Array, "embed kv_heads head_dim"] | LoraWeight
+    wo: Float[Array, "heads head_dim embed"] | LoraWeight
     bq: Float[Array, "heads head_dim"] | None
     bk: Float[Array, "kv_heads head_dim"] | None
     bv: Float[Array, "kv_heads head_dim"] | None

@@ -68,7 +68,7 @@ class Linear(AbstractAxesOwner):
     order data flows: ``(in_axis, out_axis)``.
     """
 
-    weight: Float[Array, "in_features out_features"]
+    weight: Float[Array, "in_features out_features"] | LoraWeight
     bias: Float[Array, " out_features"] | None
     in_axis: LogicalName = eqx.field(static=True)
     out_axis: LogicalName = eqx.field(static=True)

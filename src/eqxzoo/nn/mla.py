@@ -24,6 +24,7 @@ from eqxzoo.nn.context import ContextSplit
 from eqxzoo.nn.documents import Documents
 from eqxzoo.nn.kernels import DEFAULT_BLOCK_SIZE, AttentionKernel, attend
 from eqxzoo.nn.linear import dense, normal_init
+from eqxzoo.nn.lora import LoraWeight
 from eqxzoo.nn.norm import RMSNorm
 from eqxzoo.nn.rope import (
     RopeScaling,
@@ -95,16 +96,16 @@ class LatentAttention(AbstractAxesOwner):
     ``norm_eps`` is that of the two latent norms (DeepSeek's: 1e-6, whatever ``rms_norm_eps``).
     """
 
-    wq: Float[Array, "embed heads qk_head_dim"] | None
-    wq_a: Float[Array, "embed q_lora"] | None
+    wq: Float[Array, "embed heads qk_head_dim"] | LoraWeight | None
+    wq_a: Float[Array, "embed q_lora"] | LoraWeight | None
     bq_a: Float[Array, " q_lora"] | None
     q_norm: RMSNorm | None
-    wq_b: Float[Array, "q_lora heads qk_head_dim"] | None
-    wkv_a: Float[Array, "embed kv_lora_and_rope"]
+    wq_b: Float[Array, "q_lora heads qk_head_dim"] | LoraWeight | None
+    wkv_a: Float[Array, "embed kv_lora_and_rope"] | LoraWeight
     bkv_a: Float[Array, " kv_lora_and_rope"] | None
     kv_norm: RMSNorm
-    wkv_b: Float[Array, "kv_lora heads nope_and_v"]
-    wo: Float[Array, "heads v_head_dim embed"]
+    wkv_b: Float[Array, "kv_lora heads nope_and_v"] | LoraWeight
+    wo: Float[Array, "heads v_head_dim embed"] | LoraWeight
     bo: Float[Array, " embed"] | None
     n_heads: int = eqx.field(static=True)
     q_lora_rank: int | None = eqx.field(static=True)
