@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from compiling import environment
 
+from eqxzoo.train.report import read_metrics
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,11 +148,18 @@ def test_the_finetune_block(scratch: Path):
 
 def test_the_sft_block(scratch: Path):
     """README's chat fine-tuning with LoRA, as one script and in full (its point is the
-    trained answer): it writes under /tmp/eqxzoo-sft."""
+    trained answer): chat data with its assistant turns as the only targets (each step
+    reports the masked fraction) and documents kept apart (on by default for chat data: the
+    compiled step takes the batches' segments and positions). It writes under
+    /tmp/eqxzoo-sft."""
     shutil.rmtree(SFT_DIR, ignore_errors=True)
     (output,) = run_lines([block("sft")], scratch)
     lines = output.splitlines()
+    assert "  formats: chat" in lines
     assert "LoRA: training 32,768 of 246,336 parameters (13.30%)" in output
+    records = read_metrics(SFT_DIR / "run" / "metrics.jsonl")
+    fractions = [record["masked_fraction"] for record in records if "masked_fraction" in record]
+    assert len(fractions) >= 10 and all(0.3 < f < 0.9 for f in fractions), fractions
     assert "(step 100) Each stage passes its activations to the next one." in lines
     answer = "'A byte-level BPE with an end of document token.'"
     assert lines[-2:] == [f"LlamaForCausalLM {answer}", f"PeftModelForCausalLM {answer}"]

@@ -25,7 +25,6 @@ from runs import (
     start_and_signal,
     stopped_copy,
 )
-from test_prepare import checkpoint_tokenizer, write_jsonl
 
 from eqxzoo.parallel import make_mesh
 from eqxzoo.run.config import load_config, model_config_for_mesh, step_config
@@ -168,43 +167,6 @@ def test_zero_bubble_v_gives_the_reference_losses_and_resumes(
         planned.stdout,
     ), planned.stdout
     assert "at most 4 microbatch chunks in flight per stage" in planned.stdout
-
-
-def test_a_chat_corpus_trains_on_the_answers_with_documents_apart(tmp_path: Path, cache_dir: Path):
-    """Conversations prepared with a checkpoint's chat template: only the assistant turns are
-    targets (each step reports the masked fraction), and the batches carry their documents'
-    segments and positions into the compiled step (`data.document_mask` unset: on for chat
-    data), which the dry run reports."""
-    rng = random.Random(0)
-    words = "the model reads tokens from shards and learns to predict".split()
-    conversations = [
-        {
-            "messages": [
-                {"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(3, 9)))},
-                {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(2, 6)))},
-            ]
-        }
-        for _ in range(80)
-    ]
-    data = tmp_path / "data"
-    prepare = [
-        sys.executable,
-        "-m",
-        "pipelines.prepare",
-        str(write_jsonl(tmp_path / "chat.jsonl", conversations)),
-        "--out",
-        str(data),
-        "--tokenizer",
-        str(checkpoint_tokenizer(tmp_path / "checkpoint")),
-    ]
-    run_command(prepare)
-    overrides = (f"data.path={data}", "model.vocab_size=300", "run.eval_every=0")
-    run_dir = tmp_path / "run"
-    run(run_dir, cache_dir, overrides=overrides, extra=("--steps", "3"))
-    fractions = [r["masked_fraction"] for r in records(run_dir) if "loss" in r]
-    assert len(fractions) == 3 and all(0.4 < f < 0.9 for f in fractions), fractions
-    planned = run(tmp_path / "dry", cache_dir, overrides=overrides, extra=("--dry-run",))
-    assert "packed documents kept apart" in planned.stdout
 
 
 def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path: Path, cache_dir: Path):
