@@ -255,6 +255,7 @@ def write_adapter(config, run_dir: Path, step: int, directory: Path, *, write: b
 
     from safetensors.numpy import save_file
 
+    from eqxzoo.nn.lora import is_adapter_path
     from eqxzoo.run.rundir import CHECKPOINT_DIR, CONFIG_FILE
     from eqxzoo.train.saved_arrays import recorded_checksums, verify_reads
     from models.hf import peft_adapters
@@ -262,7 +263,7 @@ def write_adapter(config, run_dir: Path, step: int, directory: Path, *, write: b
     step_directory = run_dir / CHECKPOINT_DIR / str(step)
     arrays, model = saved_model(config, step_directory)
     tensors, modules = peft_adapters(model)
-    adapters = [array for name, array in arrays.items() if name.endswith((".lora_a", ".lora_b"))]
+    adapters = [array for name, array in arrays.items() if is_adapter_path(name)]
     checked = verify_reads(adapters, recorded_checksums(step_directory))
     if not write:
         return checked

@@ -155,11 +155,11 @@ def generate_from_run(args: argparse.Namespace) -> int:
     from eqxzoo.train.memory import memory_available
     from models import generate, model_factory
 
-    tokenizer = load_tokenizer(run_tokenizer_file(run_dir, config))
     if args.chat:
         text, tokenizer, stop = chat_prompt(run_dir, text)
         prompt = tokenizer.encode(text, add_special_tokens=False).ids
     else:
+        tokenizer = load_tokenizer(run_tokenizer_file(run_dir, config))
         prompt = tokenizer.encode(text).ids
         stop = tokenizer.token_to_id(EOD_TOKEN) if args.stop_at_eod else None
     if not prompt:

@@ -39,7 +39,6 @@ from eqxzoo.nn.blockwise import (
     _from_blocks,
     _sink_rows,
     blockwise_attend,
-    flat_segments,
     on_one_batch_axis,
 )
 from eqxzoo.nn.varying import cotangent_for, varying_like
@@ -160,7 +159,7 @@ def context_attend(
             positions.astype(jnp.int32),
             jnp.asarray(window, jnp.int32),
             sinks,
-            None if segments is None else flat_segments(segments, segments, q.shape[0])[0],
+            None if segments is None else segments.reshape(q.shape[0], -1).astype(jnp.int32),
         )
 
     return on_one_batch_axis(run, q, k, v, block_size=block_size, scale=scale, softcap=softcap)

@@ -25,8 +25,15 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
 
+ADAPTER_FIELDS = ("lora_a", "lora_b")
 # A `trainable_mask` freeze pattern that leaves only the adapters trained.
-FROZEN_BESIDE_ADAPTERS = r"^(?!.*\.lora_[ab]$)"
+FROZEN_BESIDE_ADAPTERS = rf"^(?!.*\.({'|'.join(ADAPTER_FIELDS)})$)"
+
+
+def is_adapter_path(path: str) -> bool:
+    """Whether an array's path (``jax.tree_util.keystr``'s form, or a checkpoint's saved
+    name) is a LoRA adapter's."""
+    return path.endswith(tuple("." + name for name in ADAPTER_FIELDS))
 
 
 class LoraWeight(AbstractAxesOwner):

@@ -24,6 +24,7 @@ from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from eqxzoo.errors import UserError
 from eqxzoo.nn import Axes, LanguageModel, logical_axes
+from eqxzoo.nn.lora import is_adapter_path
 from eqxzoo.optim import OptimizerConfig, build_optimizer, trainable_mask
 from eqxzoo.parallel import (
     MeshError,
@@ -64,7 +65,7 @@ def cast_params(model: LanguageModel, dtype: jnp.dtype | str) -> LanguageModel:
     def cast(path, leaf):
         if not eqx.is_inexact_array(leaf):
             return leaf
-        adapter = jax.tree_util.keystr(path).endswith((".lora_a", ".lora_b"))
+        adapter = is_adapter_path(jax.tree_util.keystr(path))
         return leaf.astype(jnp.float32 if adapter else dtype)
 
     return jax.tree_util.tree_map_with_path(cast, model)
