@@ -401,7 +401,7 @@ def test_moe_capacity_path_drops_overflow_in_priority_order():
         experts=jnp.array([[0], [0], [1]]),
     )
     output, dropped = experts.capacity(x, routing, capacity_factor=2 / 3)
-    full = experts.dense(x, routing)
+    full = experts.dense(x, routing.weights, routing.experts)
     np.testing.assert_allclose(output[0], full[0], rtol=1e-6)
     np.testing.assert_array_equal(output[1], np.zeros(4))
     np.testing.assert_allclose(output[2], full[2], rtol=1e-6)

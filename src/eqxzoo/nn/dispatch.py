@@ -113,17 +113,23 @@ class SlotLayout(eqx.Module):
         return self.slots.row_assignment.shape[0] // self.n_experts
 
 
-def slot_layout(experts: Int[Array, "tokens k"], n_experts: int) -> SlotLayout:
+def slot_layout(
+    experts: Int[Array, "tokens k"], n_experts: int, expected_assignments: int | None = None
+) -> SlotLayout:
     """The layout of the router's choices ``experts``; within an expert, assignments keep
-    their order."""
+    their order. A choice of ``n_experts`` (no expert here: a row of an expert-parallel
+    exchange that chose experts of other devices) takes no row. Slots are sized for
+    ``expected_assignments`` (default: every choice)."""
     n_tokens, top_k = experts.shape
     n_assignments = n_tokens * top_k
-    capacity = slot_capacity(n_assignments, n_experts)
+    capacity = slot_capacity(expected_assignments or n_assignments, n_experts)
     flat = experts.reshape(-1)
+    here = experts < n_experts
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes
-    rank = jnp.argsort(order) - starts[flat]
+    clamped = jnp.minimum(flat, n_experts - 1)
+    rank = jnp.argsort(order) - starts[clamped]
     slot = jnp.arange(capacity)
     overflow_sizes = jnp.maximum(sizes - capacity, 0)
     overflow_ends = jnp.cumsum(overflow_sizes)
@@ -143,17 +149,17 @@ def slot_layout(experts: Int[Array, "tokens k"], n_experts: int) -> SlotLayout:
         top_k=top_k,
         row_assignment=in_order(starts[:, None] + slot).reshape(-1),
         row_used=(slot < sizes[:, None]).reshape(-1),
-        assignment_row=per_assignment(flat * capacity + jnp.minimum(rank, capacity - 1)),
-        assignment_in=per_assignment(rank < capacity),
+        assignment_row=per_assignment(clamped * capacity + jnp.clip(rank, 0, capacity - 1)),
+        assignment_in=here & per_assignment(rank < capacity),
     )
     overflow = RowMap(
         top_k=top_k,
         row_assignment=in_order(overflow_rank),
         row_used=row < overflow_ends[-1],
         assignment_row=per_assignment(
-            jnp.clip(overflow_starts[flat] + rank - capacity, 0, n_assignments - 1)
+            jnp.clip(overflow_starts[clamped] + rank - capacity, 0, n_assignments - 1)
         ),
-        assignment_in=per_assignment(rank >= capacity),
+        assignment_in=here & per_assignment(rank >= capacity),
     )
     return SlotLayout(
         slots=slots, overflow=overflow, overflow_sizes=overflow_sizes, n_experts=n_experts

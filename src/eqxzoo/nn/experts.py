@@ -120,13 +120,22 @@ class Experts(AbstractAxesOwner):
         return out if self.down_bias is None else out + row_bias(self.down_bias)
 
     def dropless(
-        self, x: Float[Array, "tokens embed"], routing: Routing
+        self,
+        x: Float[Array, "tokens embed"],
+        weights: Float[Array, "tokens k"],
+        experts: Int[Array, "tokens k"],
+        *,
+        expected_assignments: int | None = None,
     ) -> tuple[Float[Array, "tokens embed"], Float[Array, ""]]:
-        """Every assignment computed, by ``dropless_kernel``; returns the output and the
-        fraction of the computed rows that are padding."""
+        """Every assignment computed, by ``dropless_kernel``; returns each token's weighted
+        sum of its chosen experts' outputs and the fraction of the computed rows that are
+        padding. A choice of ``n_experts`` names no expert of these (expert parallelism: a
+        token's experts on other devices) and is skipped; ``expected_assignments`` (default:
+        every choice) is how many choices name one, on average, which the slotted kernel
+        sizes its slots for."""
         if self.dropless_kernel == "sorted":
-            return self._sorted_dropless(x, routing)
-        output, rows = self.slotted_dropless(x, routing.weights, routing.experts)
+            return self._sorted_dropless(x, weights, experts)
+        output, rows = self.slotted_dropless(x, weights, experts, expected_assignments)
         return output, padding_fraction_of_rows(rows)
 
     def slotted_dropless(
@@ -134,12 +143,13 @@ class Experts(AbstractAxesOwner):
         x: Float[Array, "tokens embed"],
         weights: Float[Array, "tokens k"],
         experts: Int[Array, "tokens k"],
+        expected_assignments: int | None = None,
     ) -> tuple[Float[Array, "tokens embed"], Float[Array, "2"]]:
         """Each expert's slots as batched matmuls, the overflow as a block loop
         (`eqxzoo.nn.dispatch`). Returns the output and the rows computed and assigned
         (`eqxzoo.nn.dispatch.computed_and_assigned_rows`)."""
-        n_assignments = experts.size
-        layout = slot_layout(experts, self.n_experts)
+        n_assignments = expected_assignments or experts.size
+        layout = slot_layout(experts, self.n_experts, expected_assignments)
         slot_inputs = rows_from_tokens(x, layout.slots)
         slot_inputs = slot_inputs.reshape(self.n_experts, layout.capacity, -1)
         slot_outputs = self._apply(slot_inputs, batched_matmul, lambda b: b[:, None, :])
@@ -157,14 +167,16 @@ class Experts(AbstractAxesOwner):
                 )
 
             # Unused rows get some expert's bias; no assignment reads them back.
-            row_experts = jnp.take(flat_experts, overflow.row_assignment)
+            row_experts = jnp.minimum(
+                jnp.take(flat_experts, overflow.row_assignment), self.n_experts - 1
+            )
             outputs = self._apply(
                 rows_from_tokens(x, overflow), matmul, lambda b: jnp.take(b, row_experts, axis=0)
             )
             return rows_to_assignments(outputs, overflow)
 
         few_rows = overflow_rows(n_assignments)
-        if few_rows < n_assignments:
+        if few_rows < experts.size:
             per_choice += jax.lax.cond(
                 jnp.sum(layout.overflow_sizes) <= few_rows,
                 lambda: overflow_outputs(layout.overflow.first_rows(few_rows)),
@@ -176,15 +188,19 @@ class Experts(AbstractAxesOwner):
         return output, computed_and_assigned_rows(layout)
 
     def _sorted_dropless(
-        self, x: Float[Array, "tokens embed"], routing: Routing
+        self,
+        x: Float[Array, "tokens embed"],
+        weights: Float[Array, "tokens k"],
+        experts: Int[Array, "tokens k"],
     ) -> tuple[Float[Array, "tokens embed"], Float[Array, ""]]:
-        """Sort assignments by expert, grouped matmuls (`jax.lax.ragged_dot`), unsort."""
-        n_tokens, top_k = routing.experts.shape
-        flat_experts = routing.experts.reshape(-1)
+        """Sort assignments by expert, grouped matmuls (`jax.lax.ragged_dot`), unsort. Choices
+        of no expert here sort last, past every group: the grouped matmuls leave them zero."""
+        n_tokens, top_k = experts.shape
+        flat_experts = experts.reshape(-1)
         order = jnp.argsort(flat_experts, stable=True)
         inverse_order = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
         sorted_inputs = permute_rows(jnp.repeat(x, top_k, axis=0), order, inverse_order)
-        sorted_experts = jnp.take(flat_experts, order)
+        sorted_experts = jnp.minimum(jnp.take(flat_experts, order), self.n_experts - 1)
         group_sizes = jnp.bincount(flat_experts, length=self.n_experts).astype(jnp.int32)
 
         def matmul(rows, weights):
@@ -194,7 +210,8 @@ class Experts(AbstractAxesOwner):
             sorted_inputs, matmul, lambda b: jnp.take(b, sorted_experts, axis=0)
         )
         outputs = permute_rows(sorted_outputs, inverse_order, order).reshape(n_tokens, top_k, -1)
-        output = jnp.einsum("tkd,tk->td", outputs, routing.weights.astype(x.dtype))
+        outputs = jnp.where((experts < self.n_experts)[..., None], outputs, 0)
+        output = jnp.einsum("tkd,tk->td", outputs, weights.astype(x.dtype))
         padding = padding_fraction(group_sizes, order.shape[0], implementation="ragged_dot")
         return output, padding
 
@@ -208,10 +225,9 @@ class Experts(AbstractAxesOwner):
         in token order (GShard/Switch priority).
         """
         n_tokens, top_k = routing.experts.shape
-        expert_capacity = max(1, math.ceil(capacity_factor * n_tokens * top_k / self.n_experts))
+        expert_capacity = capacity_of(n_tokens, top_k, self.n_experts, capacity_factor)
         choice_major_experts = routing.experts.T.reshape(-1)
-        one_hot = jax.nn.one_hot(choice_major_experts, self.n_experts, dtype=jnp.int32)
-        slot = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)
+        slot = capacity_slots(routing.experts, self.n_experts)
         kept = slot < expert_capacity
         token_index = jnp.tile(jnp.arange(n_tokens), top_k)
         dispatched = jnp.zeros((self.n_experts, expert_capacity, x.shape[-1]), x.dtype)
@@ -227,13 +243,18 @@ class Experts(AbstractAxesOwner):
         return output, 1.0 - jnp.mean(kept.astype(jnp.float32))
 
     def dense(
-        self, x: Float[Array, "tokens embed"], routing: Routing
+        self,
+        x: Float[Array, "tokens embed"],
+        weights: Float[Array, "tokens k"],
+        experts: Int[Array, "tokens k"],
     ) -> Float[Array, "tokens embed"]:
-        """Every expert on every token, combined with the routing weights (zero if unchosen)."""
+        """Every expert on every token, combined with the routing weights (zero if unchosen;
+        a choice of ``n_experts``, no expert here, is skipped)."""
         n_tokens = x.shape[0]
+        here = experts < self.n_experts
         combine = jnp.zeros((n_tokens, self.n_experts), x.dtype)
-        combine = combine.at[jnp.arange(n_tokens)[:, None], routing.experts].add(
-            routing.weights.astype(x.dtype)
+        combine = combine.at[jnp.arange(n_tokens)[:, None], jnp.where(here, experts, 0)].add(
+            jnp.where(here, weights, 0).astype(x.dtype)
         )
 
         def matmul(rows, weights):
@@ -243,6 +264,21 @@ class Experts(AbstractAxesOwner):
 
         expert_outputs = self._apply(x, matmul, lambda b: b[:, None, :])
         return jnp.einsum("etd,te->td", expert_outputs, combine)
+
+
+def capacity_of(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
+    """Slots per expert of the capacity path: ``ceil(capacity_factor * tokens * k /
+    experts)``, at least 1."""
+    return max(1, math.ceil(capacity_factor * n_tokens * top_k / n_experts))
+
+
+def capacity_slots(experts: Int[Array, "tokens k"], n_experts: int) -> Int[Array, " assignments"]:
+    """Each assignment's slot at its expert in the capacity path's priority (every token's
+    first choice, then second choices, ..., each in token order), choice-major: assignment
+    ``j * tokens + t`` is token ``t``'s ``j``-th choice."""
+    choice_major_experts = experts.T.reshape(-1)
+    one_hot = jax.nn.one_hot(choice_major_experts, n_experts, dtype=jnp.int32)
+    return jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)
 
 
 def gated_activation(

@@ -50,7 +50,7 @@ def _matmul_backward(residuals, d_out):
     x, w = residuals
     d_x = d_out @ w.T
     d_w = jax.lax.dot_general(x, d_out, (((0,), (0,)), ((), ())))
-    return d_x.astype(x.dtype), d_w.astype(w.dtype)
+    return cotangent_for(d_x.astype(x.dtype), x), cotangent_for(d_w.astype(w.dtype), w)
 
 
 _matmul.defvjp(_matmul_forward, _matmul_backward)

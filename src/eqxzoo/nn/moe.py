@@ -23,10 +23,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from eqxzoo.nn.context import ContextSplit
-from eqxzoo.nn.experts import Experts
+from eqxzoo.nn.expert_parallel import ExpertSplit, exchange
+from eqxzoo.nn.experts import Experts, capacity_of, capacity_slots
 from eqxzoo.nn.linear import Linear
 from eqxzoo.nn.mlp import MLP
-from eqxzoo.nn.router import Router, router_losses
+from eqxzoo.nn.router import Router, Routing, router_losses
 from eqxzoo.typed_config import refuse
 
 RoutingMode = Literal["dropless", "capacity", "dense"]
@@ -68,6 +69,14 @@ class MoE(eqx.Module):
     formed from them: the whole sequence's, as without the split (``padding_fraction``, a
     property of each device's own grouped matmul, is the shards' mean). Capacity routing
     ranks a whole sequence's assignments in order and is refused there.
+
+    With an ``expert_split`` (`eqxzoo.nn.ExpertSplit`) the layer holds its device's block of
+    the routed experts and its own tokens: each device routes its tokens, exchanges them
+    with the devices of their experts (`eqxzoo.nn.expert_parallel.exchange`; dense routing
+    gathers every device's tokens instead), and the statistics are averaged over the
+    devices: the whole axis's batch's, as on one device. ``aux`` then also holds
+    ``device_load``: the most rows any device of the axis received over the mean (1.0 when
+    balanced).
     """
 
     router: Router
@@ -77,6 +86,7 @@ class MoE(eqx.Module):
     routing_mode: RoutingMode = eqx.field(static=True)
     capacity_factor: float = eqx.field(static=True)
     context: ContextSplit | None = eqx.field(static=True)
+    expert_split: ExpertSplit | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -93,6 +103,7 @@ class MoE(eqx.Module):
         routing_mode: RoutingMode = "dropless",
         capacity_factor: float = 1.25,
         context: ContextSplit | None = None,
+        expert_split: ExpertSplit | None = None,
         init_std: float = 0.02,
         key: PRNGKeyArray,
     ):
@@ -133,6 +144,7 @@ class MoE(eqx.Module):
         self.routing_mode = routing_mode
         self.capacity_factor = capacity_factor
         self.context = context
+        self.expert_split = expert_split
 
     def __call__(
         self, x: Float[Array, "*batch tokens embed"]
@@ -152,15 +164,21 @@ class MoE(eqx.Module):
             dropped_fraction = jnp.zeros((), jnp.float32)
             padding = jnp.zeros((), jnp.float32)
             with jax.named_scope("experts"):
-                if self.routing_mode == "dropless":
-                    output, padding = self.experts.dropless(tokens, routing)
+                if self.expert_split is not None:
+                    output, padding, dropped_fraction, device_load = self._exchanged(
+                        tokens, routing, n_tokens
+                    )
+                elif self.routing_mode == "dropless":
+                    output, padding = self.experts.dropless(
+                        tokens, routing.weights, routing.experts
+                    )
                 elif self.routing_mode == "capacity":
                     output, dropped = jax.vmap(self.experts.capacity, in_axes=(0, 0, None))(
                         tokens.reshape(-1, n_tokens, d_model), per_sequence, self.capacity_factor
                     )
                     output, dropped_fraction = output.reshape(-1, d_model), jnp.mean(dropped)
                 else:
-                    output = self.experts.dense(tokens, routing)
+                    output = self.experts.dense(tokens, routing.weights, routing.experts)
             if self.shared is not None:
                 with jax.named_scope("shared_experts"):
                     shared_output = self.shared(tokens)
@@ -174,7 +192,63 @@ class MoE(eqx.Module):
             fractions = {"dropped_fraction": dropped_fraction, "padding_fraction": padding}
             if self.context is not None:
                 fractions = self.context.mean(fractions)
-            return output.reshape(x.shape), {**losses, **fractions}
+            aux = {**losses, **fractions}
+            if self.expert_split is not None:
+                aux = {**self.expert_split.mean(aux), "device_load": device_load}
+            return output.reshape(x.shape), aux
+
+    def _exchanged(
+        self, tokens: Float[Array, "tokens embed"], routing: Routing, n_tokens: int
+    ) -> tuple[Float[Array, "tokens embed"], Float[Array, ""], Float[Array, ""], Float[Array, ""]]:
+        """The routed experts' output where they are split over devices: their output, the
+        padding and dropped fractions, and the device load (the class docstring)."""
+        split = self.expert_split
+        n_experts = self.router.weight.shape[-1]
+        if self.routing_mode == "dense":
+            zero = jnp.zeros((), jnp.float32)
+            return self._gathered_dense(tokens, routing, n_experts), zero, zero, zero + 1.0
+        kept, capacity = None, None
+        dropped = jnp.zeros((), jnp.float32)
+        if self.routing_mode == "capacity":
+            top_k = routing.experts.shape[-1]
+            per_sequence = routing.experts.reshape(-1, n_tokens, top_k)
+            expert_capacity = capacity_of(n_tokens, top_k, n_experts, self.capacity_factor)
+            slots = jax.vmap(lambda e: capacity_slots(e, n_experts))(per_sequence)
+            kept = jnp.swapaxes(slots.reshape(-1, top_k, n_tokens), 1, 2) < expert_capacity
+            kept = kept.reshape(routing.experts.shape)
+            dropped = 1.0 - jnp.mean(kept.astype(jnp.float32))
+            local_experts = n_experts // split.devices()
+            capacity = min(tokens.shape[0], per_sequence.shape[0] * local_experts * expert_capacity)
+
+        def row_experts(rows, weights, experts, expected):
+            return self.experts.dropless(rows, weights, experts, expected_assignments=expected)
+
+        output, padding, received = exchange(
+            split,
+            tokens,
+            routing.weights,
+            routing.experts,
+            n_experts,
+            row_experts,
+            kept=kept,
+            capacity=capacity,
+        )
+        return output, padding, dropped, jnp.max(received) / jnp.mean(received)
+
+    def _gathered_dense(
+        self, tokens: Float[Array, "tokens embed"], routing: Routing, n_experts: int
+    ) -> Float[Array, "tokens embed"]:
+        """Dense routing over split experts: every device's tokens through this device's
+        experts, the partial outputs summed and scattered back."""
+        axis = self.expert_split.axis_name
+        local_experts = n_experts // self.expert_split.devices()
+        first = jax.lax.axis_index(axis) * local_experts
+        everyone = jax.lax.all_gather((tokens, routing.experts, routing.weights), axis, tiled=True)
+        all_tokens, experts, weights = everyone
+        mine = (experts >= first) & (experts < first + local_experts)
+        local = jnp.where(mine, experts - first, local_experts)
+        partial = self.experts.dense(all_tokens, weights, local)
+        return jax.lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
 
 
 def has_data_dependent_loops(tree: PyTree) -> bool:
