@@ -22,6 +22,7 @@ from eqxzoo.nn import (
 )
 from eqxzoo.nn.attention import check_kv_heads
 from eqxzoo.nn.context import ContextSplit, ContextStrategy
+from eqxzoo.nn.expert_parallel import ExpertSplit
 from eqxzoo.nn.experts import DroplessKernel
 from eqxzoo.nn.kernels import DEFAULT_BLOCK_SIZE, AttentionKernel, cudnn_supports
 from eqxzoo.nn.lora import adaptable_names
@@ -240,7 +241,10 @@ class DecoderConfig:
     ``cp`` mesh axis (``"ring"`` or ``"all_gather"``, `eqxzoo.nn.context_attend`);
     ``context_axis`` names that axis, set by the trainer where ``mesh.cp > 1``
     (`eqxzoo.run.config.model_config_for_mesh`): a model built with it runs only inside a
-    region manual over that axis, on shards of the sequences.
+    region manual over that axis, on shards of the sequences. Likewise ``expert_axis``, set
+    where ``mesh.ep > 1`` for a MoE model: its routed experts are split over that axis, each
+    device holding its own tokens and exchanging them with the devices of their experts
+    (`eqxzoo.nn.ExpertSplit`).
     """
 
     family: ClassVar[str] = "decoder"
@@ -289,6 +293,7 @@ class DecoderConfig:
     attention_block_size: int = runtime_field(DEFAULT_BLOCK_SIZE)
     context_parallel: ContextStrategy = runtime_field("ring")
     context_axis: str | None = runtime_field(None)
+    expert_axis: str | None = runtime_field(None)
 
     def __post_init__(self):
         check_fields(self)
@@ -434,6 +439,11 @@ class DecoderConfig:
         if self.context_axis is None:
             return None
         return ContextSplit(self.context_axis, self.context_parallel)
+
+    @property
+    def expert_split(self) -> ExpertSplit | None:
+        """The MoE layers' `ExpertSplit` where the experts are split over ``expert_axis``."""
+        return None if self.expert_axis is None else ExpertSplit(self.expert_axis)
 
     @property
     def n_blocks(self) -> int:

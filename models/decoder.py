@@ -138,6 +138,7 @@ class DecoderBlock(eqx.Module):
                 routing_mode=moe.routing,
                 capacity_factor=moe.capacity_factor,
                 context=config.context_split,
+                expert_split=config.expert_split,
                 init_std=config.init_std,
                 key=mlp_key,
             )

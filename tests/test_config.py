@@ -306,6 +306,12 @@ def error_for(overrides, path=TINY) -> str:
             r"^data\.batch_size: 7 sequences per microbatch cannot be split evenly over mesh\.dp=2; use a multiple of 2$",
         ),
         (
+            ["mesh.ep=2", "data.batch_size=2"],
+            r"^data\.batch_size: 2 sequences per microbatch cannot be split evenly over mesh\.dp x "
+            r"mesh\.ep = 2 x 2 \(each expert-parallel device holds its own sequences\); use a "
+            r"multiple of 4$",
+        ),
+        (
             ["data.vocab_size=4096"],
             r"^data\.vocab_size: the stdlib corpus would have 4096 token ids but model\.vocab_size=2048; ",
         ),

@@ -86,6 +86,12 @@ CONTEXT_MESHES = {
     "pp2,cp4": MeshConfig(pp=2, cp=4),
     "pp2,cp2,ep2": MeshConfig(pp=2, cp=2, ep=2),
 }
+# Meshes of 4 and 8 expert devices (`test_expert_parallel_training_equals_one_device`).
+EXPERT_MESHES = {
+    "ep8": MeshConfig(ep=8),
+    "dp2,ep4": MeshConfig(dp=2, ep=4),
+    "pp2,ep4": MeshConfig(pp=2, ep=4),
+}
 MICROBATCHES = {"M=2P+1": lambda P: 2 * P + 1, "M=P": lambda P: P, "M=4P": lambda P: 4 * P}
 # What a case changes in the stage: its StepConfig and model config fields.
 VARIANTS = {
@@ -128,7 +134,7 @@ def family_meets_schedule(case: dict) -> list[tuple]:
 
 
 def mesh_of(case: dict) -> MeshConfig:
-    return (MESHES | HYBRID_MESHES | CONTEXT_MESHES)[case["mesh"]]
+    return (MESHES | HYBRID_MESHES | CONTEXT_MESHES | EXPERT_MESHES)[case["mesh"]]
 
 
 def schedule_of(case: dict) -> Schedule:
@@ -199,7 +205,13 @@ CASES = [
 
 
 def without_padding(aux: dict) -> dict:
-    return {name: value for name, value in aux.items() if name != "padding_fraction"}
+    """``aux`` without what describes how the experts ran rather than what the model
+    computes: the dropless path's padding, the experts' devices' load."""
+    return {
+        name: value
+        for name, value in aux.items()
+        if name not in ("padding_fraction", "device_load")
+    }
 
 
 def with_masked_targets(data: dict) -> dict:
@@ -227,7 +239,12 @@ def packs_documents(case: dict, mesh: MeshConfig) -> bool:
 
 
 def loss_and_grads(
-    tiny_config, random_batch, case: dict, context_parallel: str = "ring", lora=None
+    tiny_config,
+    random_batch,
+    case: dict,
+    context_parallel: str = "ring",
+    lora=None,
+    n_experts: int | None = None,
 ):
     """``(sequential (loss, aux), grads), (pipelined (loss, aux), grads)`` of the case's tiny
     model (with ``lora``'s adapters, `models.LoraConfig`, if given: ``lora_b`` drawn
@@ -250,6 +267,9 @@ def loss_and_grads(
     mesh = make_mesh(mesh_config, jax.devices()[: mesh_config.size])
     model_config = tiny_config(case["family"], n_layers=N_LAYERS)
     model_config = dataclasses.replace(model_config, **model_fields, lora=lora)
+    if n_experts is not None:
+        moe = dataclasses.replace(model_config.moe, n_experts=n_experts)
+        model_config = dataclasses.replace(model_config, moe=moe)
     model = models.DecoderLM(model_config, key=jax.random.key(0))
     if lora is not None:
         model = jax.tree_util.tree_map_with_path(
@@ -260,13 +280,19 @@ def loss_and_grads(
             ),
             model,
         )
+    # The same parameters, as a run builds the layers: attending across the shards of each
+    # sequence over cp, exchanging tokens with the experts' devices over ep.
+    split_fields = {}
+    if mesh_config.cp > 1:
+        split_fields |= {"context_axis": "cp", "context_parallel": context_parallel}
+    if mesh_config.ep > 1 and model_config.moe is not None:
+        split_fields["expert_axis"] = "ep"
     split_model = model
-    if mesh_config.cp > 1:  # the same parameters; the layers attend across the shards
-        split_config = dataclasses.replace(
-            model_config, context_axis="cp", context_parallel=context_parallel
-        )
+    if split_fields:
+        split_config = dataclasses.replace(model_config, **split_fields)
         split_model = models.DecoderLM(split_config, key=jax.random.key(0))
-    data = with_masked_targets(random_batch((schedule.microbatches, BATCH, SEQ)))
+    batch = max(BATCH, mesh_config.dp * mesh_config.ep)  # each sequence on one device
+    data = with_masked_targets(random_batch((schedule.microbatches, batch, SEQ)))
     if packs_documents(case, mesh_config):
         data = with_documents(data)
     documents = batch_documents(data)
@@ -413,6 +439,37 @@ def test_context_parallel_training_equals_one_device(
     (Gemma 2), latent attention (DeepSeek-V3), sinks and windows (GPT-OSS)."""
     ((loss, aux), grads), ((pp_loss, pp_aux), pp_grads) = loss_and_grads(
         tiny_config, random_batch, case, context_parallel=strategy
+    )
+    np.testing.assert_allclose(pp_loss, loss, rtol=1e-5)
+    assert_trees_close(pp_aux, aux)
+    assert_trees_close(pp_grads, grads)
+
+
+EXPERT_CASES = [
+    dict(zip(FACTORS, case, strict=True))
+    for case in (
+        ("mixtral", "gpipe", "ep8", "M=P", "plain"),
+        ("deepseek_v3", "1f1b", "pp2,ep4", "M=P", "plain"),
+        ("qwen_moe", "zb_h1", "pp2,ep4", "M=2P+1", "no-remat"),
+        ("olmoe", "circular", "pp2,ep4", "M=P", "compute-bubbles"),
+        ("gpt_oss", "gpipe", "dp2,ep4", "M=2P+1", "chunked-z-pooled"),
+    )
+]
+
+
+@pytest.mark.parametrize("case", EXPERT_CASES, ids=case_id)
+def test_expert_parallel_training_equals_one_device(
+    case, tiny_config, random_batch, assert_trees_close
+):
+    """Experts split over 4 and 8 devices, each holding its own sequences and exchanging
+    their tokens with the experts' devices by all-to-all (the grid's MESHES cover ep 2 with
+    every schedule, dp and tp): the loss, every aux value (the expert loads included) and
+    every gradient of one device (fp32, 1e-5), with the autodiff, fused and split executors,
+    a dense prefix (DeepSeek-V3), stages computing through their bubbles and the chunked
+    loss with the load-balance loss pooled over the microbatch. 8 experts: one per device on
+    ep8, two on ep4."""
+    ((loss, aux), grads), ((pp_loss, pp_aux), pp_grads) = loss_and_grads(
+        tiny_config, random_batch, case, n_experts=8
     )
     np.testing.assert_allclose(pp_loss, loss, rtol=1e-5)
     assert_trees_close(pp_aux, aux)

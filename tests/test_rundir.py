@@ -203,6 +203,7 @@ def test_every_config_field_declares_its_role():
         "attention_block_size",
         "context_parallel",
         "context_axis",
+        "expert_axis",
     )
 
 

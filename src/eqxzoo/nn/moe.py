@@ -251,6 +251,17 @@ class MoE(eqx.Module):
         return jax.lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
 
 
+def expert_split_axes(tree: PyTree) -> frozenset[str]:
+    """The mesh axes the `MoE` layers of ``tree`` split their experts over
+    (`eqxzoo.nn.ExpertSplit`)."""
+    layers = jax.tree.leaves(tree, is_leaf=lambda node: isinstance(node, MoE))
+    return frozenset(
+        layer.expert_split.axis_name
+        for layer in layers
+        if isinstance(layer, MoE) and layer.expert_split is not None
+    )
+
+
 def has_data_dependent_loops(tree: PyTree) -> bool:
     """Whether a `MoE` in ``tree`` runs its dropless experts slotted, whose overflow is a loop
     of as many iterations as the routing overflows (`Experts`' ``dropless_kernel``)."""

@@ -22,7 +22,8 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import Array, Float, PyTree
 
-from eqxzoo.nn import Axes, Documents, apply_layers
+from eqxzoo.nn import Axes, Documents, apply_layers, logical_axes
+from eqxzoo.nn.moe import expert_split_axes
 from eqxzoo.nn.stack import RematPolicy
 from eqxzoo.nn.varying import varying_axes
 from eqxzoo.parallel.mesh import check_stage_loops
@@ -128,7 +129,7 @@ def run_pipeline(
     # pp (XLA's partitioner rejects the autodiff all-reduce over a size-1 manual pp axis
     # next to dp).
     pipelined = schedule.stages > 1
-    manual_axes = pipeline_axes(mesh)
+    manual_axes = pipeline_axes(mesh, layers)
     manual = bool(manual_axes)
     # Activations cross stages in float32: XLA:CPU fails to compile the pipeline's
     # bfloat16 collectives ("Invalid binary instruction opcode copy"); layers still compute
@@ -143,15 +144,15 @@ def run_pipeline(
     last_stage = n_stages - 1
     shift = [(stage, (stage + 1) % n_stages) for stage in range(n_stages)]
 
-    split_over_batch = not pipelined and any(
-        mesh.shape[axis] > 1 for axis in rule_axes("batch", rules)
-    )
+    # The batch axes the compiler splits (ep is the region's where the experts are split).
+    auto_batch = {"batch": tuple(a for a in rule_axes("batch", rules) if a not in manual_axes)}
+    split_over_batch = not pipelined and any(mesh.shape[a] > 1 for a in auto_batch["batch"])
 
     def split_batch(h):
         if not split_over_batch:
             return h
-        if manual:  # inside the region manual over cp: a bare spec of the other axes
-            return jax.lax.with_sharding_constraint(h, activation_spec("batch", rules=rules))
+        if manual:  # inside the region manual over cp or ep: a bare spec of the other axes
+            return jax.lax.with_sharding_constraint(h, activation_spec("batch", rules=auto_batch))
         return jax.lax.with_sharding_constraint(h, activation_sharding(mesh, "batch", rules=rules))
 
     def stage_compute(stage_params, h, documents):
@@ -244,16 +245,16 @@ def run_pipeline(
             (_, _, outputs, aux_sums), _ = tick(init, 0)
         else:
             (_, _, outputs, aux_sums), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
-        # The aux values are already the whole sequences' (the layers average them over cp).
-        aux_sums = (
-            jax.lax.pmean(aux_sums, CONTEXT_AXIS) if CONTEXT_AXIS in manual_axes else aux_sums
-        )
+        # The aux values are already the whole batch's (the layers average them over cp
+        # and ep).
+        data_axes = shard_axes(manual_axes)
+        aux_sums = jax.lax.pmean(aux_sums, data_axes) if data_axes else aux_sums
         return outputs[None], jax.tree.map(lambda v: v[None], aux_sums)
 
     def spec(*names):
         return manual_spec(*names, manual_axes=manual_axes, rules=rules)
 
-    stage_spec = jax.tree.map(lambda _: spec("repeats", "stages"), params)
+    stage_spec = stage_specs(params, static, manual_axes, rules)
     if split_over_batch:
         microbatches = jax.lax.with_sharding_constraint(
             microbatches, activation_sharding(mesh, "microbatches", "batch", rules=rules)
@@ -274,15 +275,53 @@ def run_pipeline(
     return outputs[last_stage].astype(compute_dtype), layer_aux
 
 
-CONTEXT_AXIS = "cp"
+CONTEXT_AXIS, EXPERT_AXIS = "cp", "ep"
 
 
-def pipeline_axes(mesh: Mesh | AbstractMesh) -> tuple[str, ...]:
+def pipeline_axes(mesh: Mesh | AbstractMesh, layers: PyTree) -> tuple[str, ...]:
     """The mesh axes the pipeline's `jax.shard_map` is manual over: ``pp`` where there are
-    stages to shift between, and ``cp`` where the sequences are split (context parallelism:
-    the layers' attention exchanges keys and values over it itself, `eqxzoo.nn.ContextSplit`);
-    none (no shard_map) on one stage of whole sequences."""
-    return tuple(axis for axis in ("pp", CONTEXT_AXIS) if mesh.shape.get(axis, 1) > 1)
+    stages to shift between, ``cp`` where the sequences are split (context parallelism: the
+    layers' attention exchanges keys and values over it itself, `eqxzoo.nn.ContextSplit`),
+    and ``ep`` where ``layers`` split their experts over it (each device holds its own
+    tokens, and the MoE layers exchange them with the experts' devices themselves,
+    `eqxzoo.nn.ExpertSplit`); none (no shard_map) on one stage of whole sequences."""
+    split = {
+        "pp": True,
+        CONTEXT_AXIS: True,
+        EXPERT_AXIS: EXPERT_AXIS in expert_split_axes(layers),
+    }
+    return tuple(axis for axis, used in split.items() if used and mesh.shape.get(axis, 1) > 1)
+
+
+def shard_axes(manual_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The manual axes over which each device holds a shard of the batch's tokens (``cp``:
+    of each sequence; ``ep``: of the sequences): the loss and the gradients of what every
+    shard uses are sums over them."""
+    return tuple(axis for axis in (CONTEXT_AXIS, EXPERT_AXIS) if axis in manual_axes)
+
+
+# Inside the pipeline's region only these logical axes are split over its manual axes: the
+# stages, and the routed experts (each device computes its own). Every other axis a rule
+# splits over a manual axis (FSDP over ep) is whole there, gathered at the region's boundary.
+SPLIT_IN_REGION = ("repeats", "stages", "experts")
+
+
+def stage_specs(
+    params: PyTree, static: PyTree, manual_axes: tuple[str, ...], rules: Mapping[str, MeshAxes]
+) -> PyTree:
+    """The `jax.shard_map` specs of staged layer arrays ``params`` (``(R, P, k, ...)``,
+    `stage_layers`; ``static`` the rest of the layers) in the pipeline's region."""
+    one_layer = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape[3:], p.dtype), params)
+    axes = logical_axes(eqx.combine(one_layer, static))
+    in_region = {
+        name: tuple(a for a in rule_axes(name, rules) if a in manual_axes)
+        for name in SPLIT_IN_REGION
+    }
+    return jax.tree.map(
+        lambda a: activation_spec("repeats", "stages", None, *a.names, rules=in_region),
+        axes,
+        is_leaf=lambda x: isinstance(x, Axes),
+    )
 
 
 def in_layer_order(values: Array, schedule: Schedule) -> Array:

@@ -57,7 +57,13 @@ from eqxzoo.parallel.backward_split import (
     stage_weight_grad,
 )
 from eqxzoo.parallel.mesh import check_stage_loops
-from eqxzoo.parallel.pipeline import CONTEXT_AXIS, in_layer_order, pipeline_axes, varying_over
+from eqxzoo.parallel.pipeline import (
+    in_layer_order,
+    pipeline_axes,
+    shard_axes,
+    stage_specs,
+    varying_over,
+)
 from eqxzoo.parallel.rules import (
     DEFAULT_RULES,
     MeshAxes,
@@ -132,8 +138,9 @@ def pipeline_value_and_grad(
     n_stages, n_repeats = schedule.stages, schedule.repeats
     n_slots = table.slots
     pipelined = n_stages > 1
-    manual_axes = pipeline_axes(mesh)
+    manual_axes = pipeline_axes(mesh, layers)
     manual = bool(manual_axes)
+    data_axes = shard_axes(manual_axes)
 
     virtual_stages = jnp.asarray(schedule.virtual_stages)
     # The sources (`eqxzoo.parallel.schedule.SOURCES`) something arrives from, per buffer.
@@ -198,7 +205,9 @@ def pipeline_value_and_grad(
     ):
         stage = jax.lax.axis_index("pp") if pipelined else 0
         layer_params, layer_data = jax.tree.map(lambda p: p[:, 0], (layer_params, layer_data))
-        # Used by every shard of the sequence (cp): their gradients are summed once, at the end.
+        # Used by every shard of the batch (cp, ep): their gradients are summed once, at the
+        # end, over the axes each weight is whole on (not the experts' own, over ep).
+        split_over = jax.tree.map(varying_axes, layer_params)
         layer_params = varying_over(layer_params, manual_axes)
         outer_params = varying_over(outer_params, manual_axes)
         varying = lambda tree: varying_over(tree, manual_axes)  # noqa: E731
@@ -591,13 +600,16 @@ def pipeline_value_and_grad(
             sums.loss,
             sums.aux,
         )
-        if CONTEXT_AXIS in manual_axes:
-            # Each shard of the sequences holds its tokens' part of the loss and gradients;
-            # the aux values are already the whole sequences' (the layers average them).
-            layer_grads, outer_grads, loss = jax.lax.psum(
-                (layer_grads, outer_grads, loss), CONTEXT_AXIS
-            )
-            aux = jax.lax.pmean(aux, CONTEXT_AXIS)
+        if data_axes:
+            # Each shard of the batch holds its tokens' part of the loss and gradients; the
+            # aux values are already the whole batch's (the layers average them).
+            def summed(grad, split):
+                axes = tuple(a for a in data_axes if a not in split)
+                return jax.lax.psum(grad, axes) if axes else grad
+
+            layer_grads = jax.tree.map(summed, layer_grads, split_over)
+            outer_grads, loss = jax.lax.psum((outer_grads, loss), data_axes)
+            aux = jax.lax.pmean(aux, data_axes)
         layer_grads = jax.tree.map(lambda g: g[:, None], layer_grads)
         stacked = jax.tree.map(lambda v: v[None], (outer_grads, loss, aux))
         return layer_grads, *stacked
@@ -605,7 +617,10 @@ def pipeline_value_and_grad(
     def spec(*names):
         return manual_spec(*names, manual_axes=manual_axes, rules=rules)
 
-    stage_spec = jax.tree.map(lambda _: spec("repeats", "stages"), (layer_params, layer_data))
+    stage_spec = eqx.partition(
+        stage_specs(layer_arrays, layer_static, manual_axes, rules),
+        jax.tree.map(eqx.is_inexact_array, layer_arrays),
+    )
     per_stage_spec = spec("stages")
     replicated = spec()
     per_tick_spec = spec(None, "stages", "batch", "seq")

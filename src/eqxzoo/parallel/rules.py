@@ -37,7 +37,7 @@ FIXED_RULES: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "grad_accum": (),
         "microbatches": (),
         "prefix_microbatches": ("pp",),
-        "batch": ("dp",),
+        "batch": ("dp", "ep"),
         "seq": ("cp",),
     }
 )
@@ -54,8 +54,9 @@ class ShardingConfig:
     and the vocabulary takes pp (the embeddings live outside the pipeline stages).
     The parameter axes (``embed`` to ``experts``) are a user's to change; the pipeline and
     batch axes are fixed by how the trainer works (`FIXED_RULES`: the pipeline runs manual
-    over pp, the loader splits each microbatch's sequences over dp and their tokens over cp
-    (context parallelism), and a model's prefix
+    over pp, the loader splits each microbatch's sequences over dp and ep (expert parallelism
+    borrows data parallelism's devices: outside the experts each ep device holds its own
+    sequences) and their tokens over cp (context parallelism), and a model's prefix
     layers, run before the pipeline, split the microbatches over pp, which has no stages
     there) and named here so that every sharding comes from this one table.
     """

@@ -47,7 +47,7 @@ from eqxzoo.parallel.mesh import (
     check_model_fits,
     partitions_stages,
 )
-from eqxzoo.parallel.pipeline import CONTEXT_AXIS
+from eqxzoo.parallel.pipeline import CONTEXT_AXIS, EXPERT_AXIS
 from eqxzoo.parallel.rules import ShardingConfig
 from eqxzoo.parallel.schedule import Schedule, ScheduleError, ScheduleName
 from eqxzoo.train.loss_terms import LossConfig
@@ -326,11 +326,18 @@ class RunConfig:
 
     def _check_batch_and_vocab(self) -> None:
         data, mesh = self.data, self.mesh
-        if data.batch_size % mesh.dp != 0:
+        data_devices = mesh.dp * mesh.ep
+        if data.batch_size % data_devices != 0:
+            over = (
+                f"mesh.dp={mesh.dp}"
+                if mesh.ep == 1
+                else f"mesh.dp x mesh.ep = {mesh.dp} x {mesh.ep} (each expert-parallel device "
+                "holds its own sequences)"
+            )
             refuse(
                 "data.batch_size",
                 f"{data.batch_size} sequences per microbatch cannot be split evenly over "
-                f"mesh.dp={mesh.dp}; use a multiple of {mesh.dp}",
+                f"{over}; use a multiple of {data_devices}",
             )
         positions = self.model.max_positions
         if self.model.positions == "learned" and data.seq_len > positions:
@@ -355,6 +362,12 @@ class RunConfig:
                 "model.context_axis",
                 "is set by the trainer from mesh.cp (the layers then split each sequence over "
                 "it); leave it unset and set mesh.cp",
+            )
+        if self.model.expert_axis is not None:
+            refuse(
+                "model.expert_axis",
+                "is set by the trainer from mesh.ep (the MoE layers then split their experts "
+                "over it); leave it unset and set mesh.ep",
             )
         if cp == 1:
             return
@@ -564,13 +577,17 @@ def run_model_config(config: RunConfig) -> DecoderConfig:
 
 def model_config_for_mesh(model: DecoderConfig, mesh: MeshConfig) -> DecoderConfig:
     """``model`` as a run builds it on ``mesh``: its layers split each sequence over ``cp``
-    where ``mesh.cp > 1`` (``context_axis``); MoE experts whose ``dropless_kernel`` is
+    where ``mesh.cp > 1`` (``context_axis``), a MoE model's experts over ``ep`` where
+    ``mesh.ep > 1`` (``expert_axis``; a dense model's batch splits over ``ep`` as over
+    ``dp``); MoE experts whose ``dropless_kernel`` is
     ``"auto"`` run ``"slotted"`` where `jax.lax.ragged_dot` is not native and the mesh
     neither splits pipeline stages over more axes (`eqxzoo.parallel.mesh.partitions_stages`:
     the slotted kernel's data-dependent loop cannot run there) nor splits the sequences (each
     cp shard would loop as often as its own tokens overflow), else ``"sorted"``."""
     if mesh.cp > 1:
         model = dataclasses.replace(model, context_axis=CONTEXT_AXIS)
+    if mesh.ep > 1 and model.moe is not None:
+        model = dataclasses.replace(model, expert_axis=EXPERT_AXIS)
     if model.moe is None or model.moe.dropless_kernel != "auto":
         return model
     mesh_shape = dict(zip(MESH_AXES, mesh.shape, strict=True))
