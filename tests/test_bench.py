@@ -84,11 +84,16 @@ def check_moe(figures: dict) -> None:
 
 
 def check_dispatch(figures: dict) -> None:
-    dispatch = figures["moe_dispatch_collectives"]
-    assert dispatch["total_bytes"] == sum(
-        by_kind["bytes"] for name, by_kind in dispatch.items() if name != "total_bytes"
-    )
-    assert dispatch["total_bytes"] > 0
+    expert_devices = moe.QUICK_DISPATCH["expert_devices"]
+    by_design = figures["moe_dispatch_bytes"]
+    assert set(by_design) == {"psum", "all_to_all"}
+    for design, by_ep in by_design.items():
+        assert set(by_ep) == keys(expert_devices[1:]), design
+        kinds = figures["moe_dispatch_collectives"][design]
+        assert by_ep[str(expert_devices[-1])] == sum(t["bytes"] for t in kinds.values()) > 0
+    assert "all-to-all" in figures["moe_dispatch_collectives"]["all_to_all"]
+    for key in ("moe_step_flops_per_device", "moe_step_flops_per_device_psum"):
+        assert set(figures[key]) == keys(expert_devices), key
 
 
 def check_loss(figures: dict) -> None:

@@ -77,6 +77,7 @@ HYBRID_MESHES = {
     "dp4,pp2/dcn.dp2": MeshConfig(dp=4, pp=2, dcn=DcnConfig(dp=2)),
     "dp2,pp2,tp2/dcn.dp2": MeshConfig(dp=2, pp=2, tp=2, dcn=DcnConfig(dp=2)),
     "dp4,tp2/dcn.dp2": MeshConfig(dp=4, tp=2, dcn=DcnConfig(dp=2)),
+    "dp2,pp2,ep2/dcn.dp2": MeshConfig(dp=2, pp=2, ep=2, dcn=DcnConfig(dp=2)),
 }
 # Meshes that split each sequence over cp (`test_context_parallel_training_equals_one_device`).
 CONTEXT_MESHES = {
@@ -270,9 +271,12 @@ def loss_and_grads(
     if n_experts is not None:
         moe = dataclasses.replace(model_config.moe, n_experts=n_experts)
         model_config = dataclasses.replace(model_config, moe=moe)
-    model = models.DecoderLM(model_config, key=jax.random.key(0))
-    if lora is not None:
-        model = jax.tree_util.tree_map_with_path(
+
+    def build(config):
+        model = models.DecoderLM(config, key=jax.random.key(0))
+        if lora is None:
+            return model
+        return jax.tree_util.tree_map_with_path(
             lambda path, leaf: (
                 leaf + 0.02 * jax.random.normal(jax.random.key(3), leaf.shape)
                 if jax.tree_util.keystr(path).endswith(".lora_b")
@@ -280,6 +284,8 @@ def loss_and_grads(
             ),
             model,
         )
+
+    model = build(model_config)
     # The same parameters, as a run builds the layers: attending across the shards of each
     # sequence over cp, exchanging tokens with the experts' devices over ep.
     split_fields = {}
@@ -287,10 +293,9 @@ def loss_and_grads(
         split_fields |= {"context_axis": "cp", "context_parallel": context_parallel}
     if mesh_config.ep > 1 and model_config.moe is not None:
         split_fields["expert_axis"] = "ep"
-    split_model = model
-    if split_fields:
-        split_config = dataclasses.replace(model_config, **split_fields)
-        split_model = models.DecoderLM(split_config, key=jax.random.key(0))
+    split_model = (
+        build(dataclasses.replace(model_config, **split_fields)) if split_fields else model
+    )
     batch = max(BATCH, mesh_config.dp * mesh_config.ep)  # each sequence on one device
     data = with_masked_targets(random_batch((schedule.microbatches, batch, SEQ)))
     if packs_documents(case, mesh_config):
@@ -389,6 +394,7 @@ HYBRID_CASES = [
         ("qwen_moe", "zb_h1", "dp2,pp2,tp2/dcn.dp2", "M=P", "plain"),
         ("deepseek_v3", "1f1b", "dp4,pp2/dcn.dp2", "M=P", "plain"),
         ("mixtral", "gpipe", "dp4,tp2/dcn.dp2", "M=2P+1", "chunked-z-pooled"),
+        ("olmoe", "1f1b", "dp2,pp2,ep2/dcn.dp2", "M=P", "plain"),
     )
 ]
 

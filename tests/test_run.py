@@ -110,7 +110,8 @@ DEEPSEEK = (
 
 def test_a_model_with_a_prefix_resumes_on_another_pp(tmp_path: Path, cache_dir: Path):
     """Saved at step 2 on dp2 x pp2 x ep2 (circular, R=2), resumed on dp4 x pp1 x ep2: the
-    losses of the run that never stopped; the dry run's table lists the prefix's arrays."""
+    losses of the run that never stopped; every step reports how evenly the ep devices
+    received tokens; the dry run's table lists the prefix's arrays."""
     no_eval = (*DEEPSEEK, "run.eval_every=0")
     whole = run(tmp_path / "whole", cache_dir, overrides=no_eval, extra=("--steps", "3"))
     assert "note: the stages compute through their bubbles" in whole.stdout
@@ -121,6 +122,8 @@ def test_a_model_with_a_prefix_resumes_on_another_pp(tmp_path: Path, cache_dir: 
     assert "resumed from the checkpoint at step 2" in result.stdout
     expected = losses(tmp_path / "whole")
     assert len(expected) == 3
+    steps = [r for r in records(tmp_path / "whole") if "loss" in r]
+    assert all(1.0 <= r["device_load_max"] <= 2.0 for r in steps), steps
     np.testing.assert_allclose(losses(split), expected, rtol=1e-5)
     config = load_config(TINY, [*SMALL, *DEEPSEEK])
     make_model = model_factory(model_config_for_mesh(config.model, config.mesh))
@@ -132,15 +135,17 @@ def test_a_model_with_a_prefix_resumes_on_another_pp(tmp_path: Path, cache_dir: 
     assert "blocks.layers.mlp.router.selection_bias" in shapes
 
 
-def test_one_stage_with_split_sequences_gives_the_same_losses(
+def test_one_stage_with_split_sequences_and_experts_gives_the_same_losses(
     reference: list[dict], tmp_path: Path, cache_dir: Path
 ):
-    """pp=2 is the reference run (circular, R=2); pp=1 with each sequence split over cp
-    (dp2 x tp2 x cp2, ring attention in the layers' own region) runs GPipe on the same
-    batches: the same losses. (pp=4, also with cp=2: `test_resume_on_another_mesh`.)"""
+    """pp=2 is the reference run (circular, R=2, dp=2); pp=1 with ep=2 in dp's place (each
+    ep device routes its own sequences and exchanges their tokens with the experts' devices)
+    and each sequence split over cp (ep2 x tp2 x cp2, ring attention in the layers' own
+    region) runs GPipe on the same batches: the same losses. (pp=4, also with cp=2:
+    `test_resume_on_another_mesh`.)"""
     expected = [r["loss"] for r in reference if "loss" in r][:4]
-    run_dir = tmp_path / "pp1-cp2"
-    overrides = (*GPIPE, "mesh.pp=1", "mesh.cp=2", "run.eval_every=0")
+    run_dir = tmp_path / "pp1-ep2-cp2"
+    overrides = (*GPIPE, "mesh.dp=1", "mesh.ep=2", "mesh.pp=1", "mesh.cp=2", "run.eval_every=0")
     run(run_dir, cache_dir, overrides=overrides, extra=("--steps", "4"))
     np.testing.assert_allclose(losses(run_dir), expected, rtol=1e-5)
 

@@ -68,7 +68,7 @@ def test_set_mesh_dcn_and_the_rules_name_the_part_of_dp_within_a_slice():
     config = load_config(TINY, ["mesh.dp=4", "mesh.tp=1", "mesh.dcn.dp=2"])
     assert config.mesh.dcn == DcnConfig(dp=2)
     rules = step_config(config).rules
-    assert rules["batch"] == ("dp_dcn", "dp_ici")
+    assert rules["batch"] == ("dp_dcn", "dp_ici", "ep")
     assert rules["embed"] == ("dp_dcn", "dp_ici", "ep")
     within = ShardingConfig(embed=("dp_ici", "ep"))
     assert within.rules_on(config.mesh.axis_names)["embed"] == ("dp_ici", "ep")

@@ -28,8 +28,13 @@
    fine-grained experts of width ``d_model / 2`` (OLMoE's ratio) (``moe_vs_dense_active``);
    the same for capacity routing (``moe_capacity_vs_dense_active``) and the dropless path's
    padding (``moe_padding_fraction``).
-9. Expert dispatch: the collectives of a compiled pipelined 64-expert MoE step on
-   dp2 x pp2 x ep2, by kind, and the bytes they move per step (``moe_dispatch_collectives``).
+9. Expert dispatch: a compiled 64-expert top-6 MoE train step on 8 devices (``dp = 8 /
+   ep``), the tokens exchanged with the experts' devices by all-to-all and, as before, held
+   by every ep device with the output summed over ep: collective bytes per device per step
+   (``moe_dispatch_bytes``: {"psum" | "all_to_all": {ep: bytes}} for ep 2, 4, 8), their
+   kinds at ep 8 (``moe_dispatch_collectives``) and FLOPs per device
+   (``moe_step_flops_per_device``, ``moe_step_flops_per_device_psum``: {ep: FLOPs}, ep 1
+   too).
 10. The loss at big vocabularies: compiled temporary bytes per device of the train step at
    T = 4096, d_model 512, 4 layers, vocabularies of 32k and 152k, with the plain loss (whole
    logits) and the fused chunked one (``loss_temp_bytes``: {"plain" | "chunked": {vocab:
@@ -205,15 +210,22 @@ def _report_moe(figures: dict) -> list[str]:
 
 
 def _report_dispatch(figures: dict) -> list[str]:
-    by_kind = figures["moe_dispatch_collectives"]
+    by_design = figures["moe_dispatch_bytes"]
+    flops = figures["moe_step_flops_per_device"]
+    psum_flops = figures["moe_step_flops_per_device_psum"]
     return [
-        "moe expert dispatch (64 experts, dp2 x pp2 x ep2): "
+        "moe expert dispatch (dp = devices / ep): collective MiB per device per step, "
+        "psum / all-to-all, by ep: "
         + ", ".join(
-            f"{kind} {t['count']} ops {t['bytes'] / 2**20:.1f} MiB"
-            for kind, t in by_kind.items()
-            if kind != "total_bytes"
-        )
-        + f"; total {by_kind['total_bytes'] / 2**20:.1f} MiB per step"
+            f"{ep}: {psum / 2**20:.1f} / {by_design['all_to_all'][ep] / 2**20:.1f} "
+            f"({by_design['all_to_all'][ep] / psum:.2f}x)"
+            for ep, psum in by_design["psum"].items()
+        ),
+        "moe step FLOPs per device over ep 1's, all-to-all / psum, by ep: "
+        + ", ".join(
+            f"{ep}: {flops[ep] / flops['1']:.2f} / {psum_flops[ep] / psum_flops['1']:.2f}"
+            for ep in by_design["psum"]
+        ),
     ]
 
 
@@ -343,7 +355,12 @@ PARTS: dict[str, Part] = {
             "dispatch",
             lambda o: dispatch_figures(o.quick),
             _report_dispatch,
-            ("moe_dispatch_collectives",),
+            (
+                "moe_dispatch_bytes",
+                "moe_dispatch_collectives",
+                "moe_step_flops_per_device",
+                "moe_step_flops_per_device_psum",
+            ),
         ),
         Part("loss", lambda o: loss_memory(o.quick), _report_loss, ("loss_temp_bytes",)),
         Part(

@@ -1,6 +1,7 @@
 """What every part of the benchmark shares: the reference model, its batches, a compiled
 step to time (`StepRunner`), PyTorch's step of the same model, and timing in turn."""
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import models
 from eqxzoo.optim import OptimizerConfig
 from eqxzoo.parallel import MeshConfig, Schedule, make_mesh
+from eqxzoo.parallel.rules import ShardingConfig
 from eqxzoo.run.config import model_config_for_mesh
 from eqxzoo.train.loss_terms import LossConfig
 from eqxzoo.train.report import median_seconds
@@ -58,6 +60,8 @@ class StepRunner:
         remat_stages=True,
         loss_chunk_size: int = LossConfig.chunk_size,
         compile_only: bool = False,
+        sharding: ShardingConfig | None = None,
+        split_experts: bool = True,
     ):
         devices = jax.devices()[: mesh_config.size]
         self.mesh = make_mesh(mesh_config, devices)
@@ -66,19 +70,22 @@ class StepRunner:
             optimizer=OptimizerConfig(warmup_steps=10, decay_steps=1000),
             remat_stages=remat_stages,
             loss=LossConfig(chunk_size=loss_chunk_size),
+            **({} if sharding is None else {"sharding": sharding}),
         )
-        make_model = models.model_factory(model_config_for_mesh(model_config, mesh_config))
+        model_config = model_config_for_mesh(model_config, mesh_config)
+        if not split_experts:
+            model_config = dataclasses.replace(model_config, expert_axis=None)
+        make_model = models.model_factory(model_config)
+        batches = batch_sharding(self.mesh, self.config.rules)
         if compile_only:
             self.state = abstract_train_state(make_model, config=self.config, mesh=self.mesh)
-            ids = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding(self.mesh))
+            ids = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batches)
             self.batch = {"tokens": ids, "targets": ids}
         else:
             self.state = init_train_state(
                 make_model, jax.random.key(0), config=self.config, mesh=self.mesh
             )
-            self.batch = jax.device_put(
-                make_batch(batch_shape, model_config.vocab_size), batch_sharding(self.mesh)
-            )
+            self.batch = jax.device_put(make_batch(batch_shape, model_config.vocab_size), batches)
         self.step_fn = make_train_step(self.config, self.mesh)
         start = time.perf_counter()
         self.compiled = self.step_fn.lower(self.state, self.batch).compile()

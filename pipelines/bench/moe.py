@@ -1,11 +1,13 @@
 """MoE at the cost of its active FLOPs, and what its expert dispatch communicates."""
 
+import copy
 import dataclasses
 
 import models
 from eqxzoo.nn import RoutingMode
 from eqxzoo.parallel import MeshConfig, Schedule
 from eqxzoo.parallel.collectives import collective_traffic
+from eqxzoo.parallel.rules import ShardingConfig
 from pipelines.bench.common import (
     QUICK,
     REFERENCE,
@@ -71,31 +73,75 @@ def moe_figures(repeats: int, quick: bool) -> dict:
     return result
 
 
-DISPATCH_MESH = MeshConfig(dp=2, pp=2, ep=2)
+DISPATCH_DEVICES, DISPATCH_EXPERT_DEVICES = 8, (1, 2, 4, 8)
+DISPATCH_EXPERTS, DISPATCH_TOP_K = 64, 6
+QUICK_DISPATCH = dict(devices=2, expert_devices=(1, 2), experts=8, top_k=2)
 
 
-DISPATCH_EXPERTS, QUICK_DISPATCH_EXPERTS = 64, 8
+def psum_design(sharding: ShardingConfig) -> ShardingConfig:
+    """The rules of the design expert parallelism replaced: the batch split over ``dp``
+    only, so that every ``ep`` device holds the same tokens, computes its own experts on all
+    of them and the layer's output is summed over ``ep``. A run's rules fix the batch over
+    ``dp`` and ``ep`` (`eqxzoo.parallel.rules.FIXED_RULES`); the bench builds these past that
+    check, to measure what the change bought."""
+    rules = copy.copy(sharding)
+    object.__setattr__(rules, "batch", ("dp",))
+    return rules
 
 
 def dispatch_figures(quick: bool) -> dict:
-    """The collectives of a compiled pipelined train step of a top-2 dropless MoE with 64
-    experts (width 128, the reference sizes otherwise) on dp2 x pp2 x ep2, GPipe over 4
-    microbatches: counts and buffer bytes per step by kind (`eqxzoo.parallel.collectives`).
-    Compiled only, not run."""
+    """A compiled train step of a dropless MoE with 64 experts top-6 (width 128, the
+    reference sizes otherwise; 8 top-2 with --quick) on 8 devices, ``dp = 8 / ep``, one
+    stage, the same global batch, compiled only: the bytes of its collectives per device per
+    step (`eqxzoo.parallel.collectives`: the costlier branch of a conditional, so the
+    all-to-all design's worst-case exchange) in both designs (``moe_dispatch_bytes``:
+    {"psum" | "all_to_all": {ep: bytes}}), their kinds at the largest ep
+    (``moe_dispatch_collectives``), and the FLOPs per device of the compiled step
+    (``moe_step_flops_per_device``, all-to-all; ``moe_step_flops_per_device_psum``: {ep:
+    FLOPs}, ep 1 being dp alone)."""
     sizes = QUICK if quick else REFERENCE
     batch, seq = batch_and_seq(quick)
-    n_experts = QUICK_DISPATCH_EXPERTS if quick else DISPATCH_EXPERTS
-    moe = models.MoEConfig(n_experts=n_experts, top_k=2, expert_mlp_dim=128)
-    runner = StepRunner(
-        models.MixtralConfig(**sizes, moe=moe),
-        DISPATCH_MESH,
-        Schedule("gpipe", DISPATCH_MESH.pp, 4, 1),
-        (1, 4, batch, seq),
+    devices = QUICK_DISPATCH["devices"] if quick else DISPATCH_DEVICES
+    expert_devices = QUICK_DISPATCH["expert_devices"] if quick else DISPATCH_EXPERT_DEVICES
+    moe = models.MoEConfig(
+        n_experts=QUICK_DISPATCH["experts"] if quick else DISPATCH_EXPERTS,
+        top_k=QUICK_DISPATCH["top_k"] if quick else DISPATCH_TOP_K,
+        expert_mlp_dim=128,
     )
-    traffic = collective_traffic(runner.compiled.as_text())
-    return {
-        "moe_dispatch_collectives": {
-            **{kind: dataclasses.asdict(t) for kind, t in sorted(traffic.items())},
-            "total_bytes": sum(t.bytes for t in traffic.values()),
-        }
+    model = models.MixtralConfig(**sizes, moe=moe)
+    shape = (1, 1, max(batch, devices), seq)
+    designs = {
+        "all_to_all": {},
+        "psum": {"sharding": psum_design(ShardingConfig()), "split_experts": False},
     }
+    result: dict[str, dict] = {
+        "moe_dispatch_bytes": {name: {} for name in designs},
+        "moe_dispatch_collectives": {},
+        "moe_step_flops_per_device": {},
+        "moe_step_flops_per_device_psum": {},
+    }
+    flops_keys = {
+        "all_to_all": "moe_step_flops_per_device",
+        "psum": "moe_step_flops_per_device_psum",
+    }
+    for ep in expert_devices:
+        mesh = MeshConfig(dp=devices // ep, ep=ep)
+        for name, options in designs.items():
+            if ep == 1 and name == "psum":
+                continue  # one design without expert parallelism: the all-to-all's ep 1
+            runner = StepRunner(
+                model, mesh, Schedule("gpipe", 1, 1, 1), shape, compile_only=True, **options
+            )
+            traffic = collective_traffic(runner.compiled.as_text())
+            flops = float(runner.compiled.cost_analysis()["flops"])
+            if ep == 1:
+                for key in flops_keys.values():
+                    result[key]["1"] = flops
+                continue
+            result["moe_dispatch_bytes"][name][str(ep)] = sum(t.bytes for t in traffic.values())
+            result[flops_keys[name]][str(ep)] = flops
+            if ep == expert_devices[-1]:
+                result["moe_dispatch_collectives"][name] = {
+                    kind: dataclasses.asdict(t) for kind, t in sorted(traffic.items())
+                }
+    return result

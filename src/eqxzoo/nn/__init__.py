@@ -13,6 +13,7 @@ from eqxzoo.nn.contract import (
 )
 from eqxzoo.nn.cross_entropy import fused_cross_entropy
 from eqxzoo.nn.documents import Documents, documents_of
+from eqxzoo.nn.expert_parallel import ExpertSplit
 from eqxzoo.nn.experts import ExpertActivation, Experts, gated_activation
 from eqxzoo.nn.grouped import grouped_matmul
 from eqxzoo.nn.kernels import AttentionKernel, attend, dense_attend
@@ -65,6 +66,7 @@ __all__ = [
     "apply_rope",
     "attend",
     "ContextSplit",
+    "ExpertSplit",
     "balanced_order",
     "blockwise_attend",
     "cache_slots",

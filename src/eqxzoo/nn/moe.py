@@ -75,8 +75,8 @@ class MoE(eqx.Module):
     with the devices of their experts (`eqxzoo.nn.expert_parallel.exchange`; dense routing
     gathers every device's tokens instead), and the statistics are averaged over the
     devices: the whole axis's batch's, as on one device. ``aux`` then also holds
-    ``device_load``: the most rows any device of the axis received over the mean (1.0 when
-    balanced).
+    ``device_load``, shape ``(devices,)``: the rows (tokens) each device of the axis received,
+    over their mean (all 1.0 when balanced).
     """
 
     router: Router
@@ -199,14 +199,16 @@ class MoE(eqx.Module):
 
     def _exchanged(
         self, tokens: Float[Array, "tokens embed"], routing: Routing, n_tokens: int
-    ) -> tuple[Float[Array, "tokens embed"], Float[Array, ""], Float[Array, ""], Float[Array, ""]]:
+    ) -> tuple[
+        Float[Array, "tokens embed"], Float[Array, ""], Float[Array, ""], Float[Array, " devices"]
+    ]:
         """The routed experts' output where they are split over devices: their output, the
         padding and dropped fractions, and the device load (the class docstring)."""
         split = self.expert_split
         n_experts = self.router.weight.shape[-1]
         if self.routing_mode == "dense":
-            zero = jnp.zeros((), jnp.float32)
-            return self._gathered_dense(tokens, routing, n_experts), zero, zero, zero + 1.0
+            zero, balanced = jnp.zeros((), jnp.float32), jnp.ones((split.devices(),))
+            return self._gathered_dense(tokens, routing, n_experts), zero, zero, balanced
         kept, capacity = None, None
         dropped = jnp.zeros((), jnp.float32)
         if self.routing_mode == "capacity":
@@ -233,7 +235,7 @@ class MoE(eqx.Module):
             kept=kept,
             capacity=capacity,
         )
-        return output, padding, dropped, jnp.max(received) / jnp.mean(received)
+        return output, padding, dropped, received / jnp.mean(received)
 
     def _gathered_dense(
         self, tokens: Float[Array, "tokens embed"], routing: Routing, n_experts: int

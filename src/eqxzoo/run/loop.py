@@ -640,6 +640,9 @@ def step_record(
         load = np.asarray(values["expert_fraction"]) * values["expert_fraction"].shape[-1]
         record["expert_load_max"] = float(load.max())
         record["expert_load"] = np.round(load.mean(axis=0), 4).tolist()
+    if "device_load" in values:
+        # (layers, ep devices) tokens received over their mean: expert parallelism's balance.
+        record["device_load_max"] = float(np.max(values["device_load"]))
     return record
 
 

@@ -286,7 +286,7 @@ def balance_buffers(
 
 def batch_sharding(mesh: Mesh, rules: Mapping[str, MeshAxes] = DEFAULT_RULES) -> NamedSharding:
     """How ``(G, M, B, T)`` batches are split: by the rules of their logical axes (``B``
-    over ``dp``)."""
+    over ``dp`` and ``ep``, ``T`` over ``cp``)."""
     return activation_sharding(mesh, "grad_accum", "microbatches", "batch", "seq", rules=rules)
 
 
