@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from eqxzoo.nn.dispatch import RowMap, rows_from_tokens, rows_to_assignments
@@ -132,9 +133,9 @@ def exchange(
         mine = (arrived_choices >= 0) & (arrived_choices // local_experts == here)
         local = jnp.where(mine, arrived_choices - here * local_experts, local_experts)
         outputs, padding = row_experts(
-            arrived, jnp.where(mine, arrived_weights, 0), local, expected
+            _features_whole(arrived), jnp.where(mine, arrived_weights, 0), local, expected
         )
-        returned = _exchanged(outputs, split)
+        returned = _exchanged(_features_whole(outputs), split)
         return jnp.sum(rows_to_assignments(returned, rows), axis=1), padding
 
     if capacity is None:
@@ -174,6 +175,18 @@ def _send_map(
         assignment_row=assignment_row,
         assignment_in=assignment_in,
     )
+
+
+def _features_whole(rows: Float[Array, "rows embed"]) -> Float[Array, "rows embed"]:
+    """``rows`` with their features on every device of the axes the compiler splits (the
+    rows as it chooses). Left to it, the experts' weights (FSDP over dp) split the rows'
+    features too, and with dp and tp both split XLA's partitioner crashed (a CHECK on
+    device groups while partitioning the gathers back to the tokens). Nothing to say where
+    every axis is manual."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if AxisType.Auto not in mesh.axis_types:
+        return rows
+    return jax.lax.with_sharding_constraint(rows, PartitionSpec(PartitionSpec.UNCONSTRAINED, None))
 
 
 def _exchanged(rows: Array, split: ExpertSplit) -> Array:
