@@ -353,6 +353,11 @@ def error_for(overrides, path=TINY) -> str:
             r"set mesh\.cp$",
         ),
         (
+            ["model.expert_axis=ep"],
+            r"^model\.expert_axis: is set by the trainer from mesh\.ep \(the MoE layers then split "
+            r"their experts over it\); leave it unset and set mesh\.ep$",
+        ),
+        (
             ["model.context_parallel=ulysses"],
             r"^model\.context_parallel: expected 'ring' or 'all_gather', got 'ulysses'$",
         ),

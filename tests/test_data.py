@@ -124,16 +124,18 @@ def test_order_is_the_same_for_any_number_of_processes(
 
 @pytest.mark.parametrize(
     "mesh",
-    [MeshConfig(dp=2, pp=2, tp=2), MeshConfig(dp=4, pp=2), MeshConfig(dp=4, ep=2)],
+    [MeshConfig(dp=2, pp=2, tp=2), MeshConfig(dp=4, pp=2), MeshConfig(dp=2, pp=2, ep=2)],
 )
 def test_order_is_the_same_on_every_mesh(train_documents: loader.SplitDocuments, mesh):
+    """The same batches on every mesh, each device holding its rows: split over dp and ep
+    (expert parallelism borrows data parallelism's devices)."""
     reference = train_batches(train_documents)
     sharded = train_batches(train_documents, batch_sharding(make_mesh(mesh)))
     expected = take(reference, 2)
     batch = next(sharded)
-    assert batch["tokens"].sharding.spec == PartitionSpec(None, None, "dp", "cp")
+    assert batch["tokens"].sharding.spec == PartitionSpec(None, None, ("dp", "ep"), "cp")
     shards = batch["tokens"].addressable_shards
-    assert {shard.data.shape[2] for shard in shards} == {SHAPE.batch_size // mesh.dp}
+    assert {shard.data.shape[2] for shard in shards} == {SHAPE.batch_size // (mesh.dp * mesh.ep)}
     np.testing.assert_array_equal(np.asarray(batch["tokens"]), expected[0, ..., :-1])
     np.testing.assert_array_equal(take(sharded, 1)[0], expected[1])
     reference.close()

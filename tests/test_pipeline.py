@@ -457,7 +457,6 @@ EXPERT_CASES = [
         ("mixtral", "gpipe", "ep8", "M=P", "plain"),
         ("deepseek_v3", "1f1b", "pp2,ep4", "M=P", "plain"),
         ("qwen_moe", "zb_h1", "pp2,ep4", "M=2P+1", "no-remat"),
-        ("olmoe", "circular", "pp2,ep4", "M=P", "compute-bubbles"),
         ("gpt_oss", "gpipe", "dp2,ep4", "M=2P+1", "chunked-z-pooled"),
     )
 ]
@@ -471,8 +470,8 @@ def test_expert_parallel_training_equals_one_device(
     their tokens with the experts' devices by all-to-all (the grid's MESHES cover ep 2 with
     every schedule, dp and tp): the loss, every aux value (the expert loads included) and
     every gradient of one device (fp32, 1e-5), with the autodiff, fused and split executors,
-    a dense prefix (DeepSeek-V3), stages computing through their bubbles and the chunked
-    loss with the load-balance loss pooled over the microbatch. 8 experts: one per device on
+    a dense prefix (DeepSeek-V3) and the chunked loss with the load-balance loss pooled over
+    the microbatch. 8 experts: one per device on
     ep8, two on ep4."""
     ((loss, aux), grads), ((pp_loss, pp_aux), pp_grads) = loss_and_grads(
         tiny_config, random_batch, case, n_experts=8

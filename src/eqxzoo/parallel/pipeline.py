@@ -2,8 +2,8 @@
 
 The stacked layers are kept in the ``[R, P, k]`` layout (``stage_layers``), sharded over
 ``pp`` on the ``P`` axis. Inside one `jax.shard_map` that is manual over ``pp`` (and ``cp``
-where each sequence is split over it: `pipeline_axes`; the other mesh axes stay with the
-compiler), a `jax.lax.scan` runs the schedule's ticks; at each
+where each sequence is split over it, ``ep`` where the experts are: `pipeline_axes`; the
+other mesh axes stay with the compiler), a `jax.lax.scan` runs the schedule's ticks; at each
 tick every stage looks up its entry in the table, runs its ``k`` layers of the scheduled
 repeat on its input (bubble entries are skipped with `jax.lax.cond` and contribute nothing),
 and `jax.lax.ppermute` shifts the outputs one stage on. Stage 0 takes fresh microbatches on

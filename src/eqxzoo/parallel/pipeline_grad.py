@@ -1,6 +1,7 @@
 """The forward-and-backward pipeline executor: runs a 1F1B-family `ActionTable` under the one
-`jax.shard_map` (manual over ``pp``, and ``cp`` where the sequences are split:
-`eqxzoo.parallel.pipeline.pipeline_axes`), computing the loss and every gradient itself.
+`jax.shard_map` (manual over ``pp``, ``cp`` where the sequences are split and ``ep`` where
+the experts are: `eqxzoo.parallel.pipeline.pipeline_axes`), computing the loss and every
+gradient itself.
 
 Autodiff of a forward pipeline keeps every microbatch's stage inputs until the backward
 starts; here the backward of a microbatch runs as soon as its loss exists, so a stage keeps

@@ -578,8 +578,8 @@ def run_model_config(config: RunConfig) -> DecoderConfig:
 def model_config_for_mesh(model: DecoderConfig, mesh: MeshConfig) -> DecoderConfig:
     """``model`` as a run builds it on ``mesh``: its layers split each sequence over ``cp``
     where ``mesh.cp > 1`` (``context_axis``), a MoE model's experts over ``ep`` where
-    ``mesh.ep > 1`` (``expert_axis``; a dense model's batch splits over ``ep`` as over
-    ``dp``); MoE experts whose ``dropless_kernel`` is
+    ``mesh.ep > 1`` (``expert_axis``; a dense model is refused ``ep > 1``); MoE experts
+    whose ``dropless_kernel`` is
     ``"auto"`` run ``"slotted"`` where `jax.lax.ragged_dot` is not native and the mesh
     neither splits pipeline stages over more axes (`eqxzoo.parallel.mesh.partitions_stages`:
     the slotted kernel's data-dependent loop cannot run there) nor splits the sequences (each
