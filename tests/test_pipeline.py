@@ -239,6 +239,15 @@ def packs_documents(case: dict, mesh: MeshConfig) -> bool:
     return mesh.cp > 1 or (case in GRID and GRID.index(case) % 2 == 1)
 
 
+def assert_equals_one_device(results, assert_trees_close) -> None:
+    """The pipelined loss, aux values and gradients of `loss_and_grads` equal one device's
+    (fp32, rtol 1e-5)."""
+    ((loss, aux), grads), ((pp_loss, pp_aux), pp_grads) = results
+    np.testing.assert_allclose(pp_loss, loss, rtol=1e-5)
+    assert_trees_close(pp_aux, aux)
+    assert_trees_close(pp_grads, grads)
+
+
 def loss_and_grads(
     tiny_config,
     random_batch,
@@ -408,12 +417,10 @@ def test_slices_of_a_hybrid_mesh_run_the_same_step(
     as one device (fp32, 1e-5), dense, MoE (split backward; one stage with the load-balance
     loss pooled over the microbatch), a dense prefix (fused backward). (pp across slices
     changes only which devices hold the stages: `test_launch.py` resumes a run on it.)"""
-    ((loss, aux), grads), ((pp_loss, pp_aux), pp_grads) = loss_and_grads(
-        tiny_config, random_batch, case
+    assert_equals_one_device(
+        loss_and_grads(tiny_config, random_batch, case),
+        assert_trees_close,
     )
-    np.testing.assert_allclose(pp_loss, loss, rtol=1e-5)
-    assert_trees_close(pp_aux, aux)
-    assert_trees_close(pp_grads, grads)
 
 
 CONTEXT_CASES = [
@@ -443,12 +450,10 @@ def test_context_parallel_training_equals_one_device(
     dense prefix: the loss, every aux value and every gradient of one device (fp32, 1e-5).
     Dense, MoE (router statistics averaged over the shards), windowed and soft-capped
     (Gemma 2), latent attention (DeepSeek-V3), sinks and windows (GPT-OSS)."""
-    ((loss, aux), grads), ((pp_loss, pp_aux), pp_grads) = loss_and_grads(
-        tiny_config, random_batch, case, context_parallel=strategy
+    assert_equals_one_device(
+        loss_and_grads(tiny_config, random_batch, case, context_parallel=strategy),
+        assert_trees_close,
     )
-    np.testing.assert_allclose(pp_loss, loss, rtol=1e-5)
-    assert_trees_close(pp_aux, aux)
-    assert_trees_close(pp_grads, grads)
 
 
 EXPERT_CASES = [
@@ -473,12 +478,10 @@ def test_expert_parallel_training_equals_one_device(
     a dense prefix (DeepSeek-V3) and the chunked loss with the load-balance loss pooled over
     the microbatch. 8 experts: one per device on
     ep8, two on ep4."""
-    ((loss, aux), grads), ((pp_loss, pp_aux), pp_grads) = loss_and_grads(
-        tiny_config, random_batch, case, n_experts=8
+    assert_equals_one_device(
+        loss_and_grads(tiny_config, random_batch, case, n_experts=8),
+        assert_trees_close,
     )
-    np.testing.assert_allclose(pp_loss, loss, rtol=1e-5)
-    assert_trees_close(pp_aux, aux)
-    assert_trees_close(pp_grads, grads)
 
 
 def test_a_pooled_load_balance_loss_is_refused_where_a_split_backward_meets_slices():
