@@ -96,9 +96,9 @@ def exchange(
     local_experts, expected)`` computes received rows: each row's weighted sum over its
     choices of this device's experts (a choice of ``E / n`` names none of them), with
     ``expected`` such choices in all on average, and the fraction of the rows its kernel
-    computes that are padding. ``capacity`` fixes the rows per
-    device pair (a bound the caller guarantees); by default `pair_capacity`, with the worst
-    case where it does not suffice (module docstring).
+    computes that are padding. ``capacity`` fixes the rows per device pair (a bound the
+    caller guarantees); by default `pair_capacity`, with the worst case where it does not
+    suffice (module docstring).
 
     Returns the output, the kernel's padding fraction, and the rows each device of the axis
     received (the same on every device), for the load report.
