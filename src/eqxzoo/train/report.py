@@ -25,6 +25,7 @@ LOSS_PLOT_FILE = "loss.png"
 
 # Dense bf16 peak FLOP/s per chip, by a substring of `jax.Device.device_kind`.
 PEAK_FLOPS = {
+    "B200": 2250e12,
     "H200": 989e12,
     "H100": 989e12,
     "A100": 312e12,

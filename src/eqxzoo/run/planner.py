@@ -1,0 +1,1281 @@
+"""The planner: the mesh, schedule and microbatching to run a config on ``N`` devices.
+
+`search` walks every candidate a run could take on ``N`` devices in ``S`` slices: each
+factorisation of the devices over ``dp x pp x tp x ep x cp`` (with ``dp`` or ``pp`` spanning
+the slices), each schedule with its repeats, each split of the global batch into gradient
+accumulation steps ``G`` and microbatches ``M``, stage remat on and off and each layer remat
+policy. The run's own rules judge each (`RunConfig` validation: the reason a candidate is
+refused is its `ConfigError`'s line); what they accept is priced by two models fast enough
+for hundreds of thousands of candidates:
+
+- **Memory per device** (`memory_terms`, `MEMORY_MODEL`): the train state's bytes exactly
+  (every parameter and optimizer statistic, sharded by the run's rules on the candidate's
+  mesh), the batch, and the compiled step's temporaries as a sum of terms, each a byte count
+  of something the step holds (gradients, the schedule's stash of microbatch activations,
+  one chunk's layer residuals, the head's logits chunk, FSDP-gathered weights), weighted by
+  coefficients fitted to `compiled.memory_analysis()` over `CALIBRATION` (`calibrate`).
+- **Step time** (`step_time`): compute from the step's matrix FLOPs (model, recomputation)
+  over the accelerator's peak; the bubble from the schedule's lockstep model priced with the
+  model's measured action FLOPs (`eqxzoo.parallel.action_costs`); communication from the
+  bytes each mesh axis's collectives move (`collective_bytes`, checked against the compiled
+  HLO's own accounting, `eqxzoo.parallel.collectives`) over the link it runs on (within a
+  slice or across), tensor, expert and context collectives exposed, data and pipeline
+  transfers overlapped with compute up to its length.
+
+The best candidates are then compiled on abstract shapes (`confirm`), their compiled memory
+shown beside the prediction; one that does not fit, or (on CPU) cannot skip its bubbles, is
+dropped for the next.
+"""
+
+import dataclasses
+import functools
+import math
+import re
+import time
+from collections.abc import Callable, Iterator, Mapping
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh
+
+from eqxzoo.nn import Axes
+from eqxzoo.optim import trainable_mask
+from eqxzoo.parallel.mesh import MESH_AXES, DcnConfig, MeshConfig
+from eqxzoo.parallel.rules import partition_spec, rule_axes
+from eqxzoo.parallel.schedule import SCHEDULES, Costs, Schedule, ScheduleError
+from eqxzoo.run.config import (
+    ConfigError,
+    PipelineConfig,
+    RunConfig,
+    run_model_config,
+    step_config,
+)
+from eqxzoo.train.report import PEAK_FLOPS
+from eqxzoo.train.state import _state_shape_and_axes
+from eqxzoo.typed_config import refuse
+from models import flops_per_token, model_factory, parameter_counts
+from models.config import DecoderConfig
+
+GIB = 2**30
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """A chip as the planner prices it: dense bf16 peak FLOP/s, memory, and the bandwidth
+    (GB/s, one direction, per device) of the links within a slice (ICI, NVLink) and across
+    slices (DCN, the cluster network's share of one device)."""
+
+    name: str
+    peak_flops: float
+    memory_gib: float
+    ici_gbps: float
+    dcn_gbps: float
+
+
+ACCELERATORS = {
+    accelerator.name: accelerator
+    for accelerator in (
+        Accelerator("H100", PEAK_FLOPS["H100"], 80.0, 450.0, 50.0),
+        Accelerator("H200", PEAK_FLOPS["H200"], 141.0, 450.0, 50.0),
+        Accelerator("A100", PEAK_FLOPS["A100"], 80.0, 300.0, 25.0),
+        Accelerator("B200", PEAK_FLOPS["B200"], 180.0, 900.0, 50.0),
+        Accelerator("TPU v5e", PEAK_FLOPS["TPU v5e"], 16.0, 200.0, 3.125),
+        Accelerator("TPU v5p", PEAK_FLOPS["TPU v5p"], 95.0, 600.0, 6.25),
+        Accelerator("TPU v6e", PEAK_FLOPS["TPU v6"], 32.0, 448.0, 6.25),
+    )
+}
+
+# Layer remat policies a candidate may take (`models.DecoderConfig.remat`).
+REMAT_POLICIES = ("none", "dots", "full")
+MAX_MICROBATCHES = 64
+MAX_REPEATS = 4
+
+
+# ----------------------------------------------------------------------------- candidates
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def factorisations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Every ordered tuple of ``parts`` positive integers whose product is ``n``."""
+    if parts == 1:
+        yield (n,)
+        return
+    for first in divisors(n):
+        for rest in factorisations(n // first, parts - 1):
+            yield (first, *rest)
+
+
+def meshes(base: RunConfig, devices: int, slices: int) -> Iterator[MeshConfig | str]:
+    """Every mesh of ``devices`` over `MESH_AXES` in ``slices`` slices (``dp`` or ``pp``
+    spanning them); a mesh `MeshConfig` refuses comes as its reason. ``ep`` only where the
+    model has experts (a dense model is refused it by a rule of its own: no need to list
+    every such mesh)."""
+    if devices % slices != 0:
+        refuse("--slices", f"{slices} slices do not divide {devices} devices")
+    moe = base.model.moe is not None
+    for dcn_dp, dcn_pp in factorisations(slices, 2):
+        for dp, pp, tp, ep, cp in factorisations(devices // slices, 5):
+            if ep > 1 and not moe:
+                continue
+            try:
+                yield MeshConfig(
+                    dp=dp * dcn_dp,
+                    pp=pp * dcn_pp,
+                    tp=tp,
+                    ep=ep,
+                    cp=cp,
+                    dcn=DcnConfig(dp=dcn_dp, pp=dcn_pp),
+                )
+            except ConfigError as error:
+                yield str(error)
+
+
+def schedule_choices(pp: int) -> Iterator[tuple[str, int] | str]:
+    """``(schedule, repeats)`` pairs `Schedule` takes on ``pp`` stages (repeats up to
+    `MAX_REPEATS`; ``circular`` with one repeat is GPipe's table and left out), or the
+    reason it refuses a pair whatever the microbatches; one stage runs GPipe alone (plain
+    gradient accumulation over microbatches)."""
+    if pp == 1:
+        yield ("gpipe", 1)
+        return
+    for name in SCHEDULES:
+        for repeats in range(1, MAX_REPEATS + 1):
+            if name == "circular" and repeats == 1:
+                continue
+            try:
+                Schedule(name, stages=pp, microbatches=pp * repeats, repeats=repeats)
+            except ScheduleError as error:
+                if error.field == "repeats":
+                    yield f"pipeline.repeats: {error.problem}"
+                    continue
+            yield (name, repeats)
+
+
+def batch_splits(global_batch: int) -> list[tuple[int, int]]:
+    """``(G, M)`` splits of ``global_batch`` sequences per step (``B = global / (G M)``),
+    with at most `MAX_MICROBATCHES` microbatches."""
+    return [
+        (accumulation, microbatches)
+        for accumulation in divisors(global_batch)
+        for microbatches in divisors(global_batch // accumulation)
+        if microbatches <= MAX_MICROBATCHES
+    ]
+
+
+def with_plan(
+    base: RunConfig,
+    mesh: MeshConfig,
+    schedule: str,
+    repeats: int,
+    grad_accum: int,
+    microbatches: int,
+    remat_stages: bool | None = None,
+    remat: str | None = None,
+) -> RunConfig:
+    """``base`` on ``mesh`` with the schedule and batch split (and the remat, where given;
+    else the base's); `RunConfig` checks it."""
+    global_batch = base.global_batch_size
+    model = base.model if remat is None else dataclasses.replace(base.model, remat=remat)
+    return RunConfig(
+        **{
+            **{field.name: getattr(base, field.name) for field in dataclasses.fields(base)},
+            "mesh": mesh,
+            "pipeline": PipelineConfig(
+                schedule=schedule,
+                microbatches=microbatches,
+                repeats=repeats,
+                remat_stages=base.pipeline.remat_stages if remat_stages is None else remat_stages,
+            ),
+            "data": dataclasses.replace(
+                base.data,
+                batch_size=global_batch // (grad_accum * microbatches),
+                grad_accum=grad_accum,
+            ),
+            "model": model,
+        }
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A candidate the run's rules accept: ``config`` (checked, with the base's remat) run
+    with stage remat ``remat_stages`` and layer remat ``remat`` (which no rule refuses: set
+    by `run_config`, not checked again for each candidate)."""
+
+    config: RunConfig
+    remat_stages: bool
+    remat: str
+
+    @property
+    def schedule(self) -> Schedule:
+        pipeline = self.config.pipeline
+        return Schedule(
+            pipeline.schedule, self.config.mesh.pp, pipeline.microbatches, pipeline.repeats
+        ).for_stage_remat(self.remat_stages)
+
+    def run_config(self) -> RunConfig:
+        """The run config of this plan, as `pipelines.run` takes it."""
+        config = self.config
+        return with_plan(
+            config,
+            config.mesh,
+            config.pipeline.schedule,
+            config.pipeline.repeats,
+            config.data.grad_accum,
+            config.pipeline.microbatches,
+            self.remat_stages,
+            self.remat,
+        )
+
+    @property
+    def label(self) -> str:
+        """``dp8 pp2 tp4 | zb_h1 R1 G1 M8 B4 | stage remat, layers dots``."""
+        stage = "stage remat" if self.remat_stages else "no stage remat"
+        return (
+            f"{mesh_label(self.config.mesh)} | {schedule_label(self.config)} | {stage}, "
+            f"layers {self.remat}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """A candidate the run would not take, and why (one line)."""
+
+    label: str
+    mesh: MeshConfig | None
+    reason: str
+
+
+def mesh_label(mesh: MeshConfig) -> str:
+    axes = " ".join(f"{axis}{size}" for axis, size in zip(MESH_AXES, mesh.shape) if size > 1)
+    dcn = " ".join(
+        f"dcn.{axis}{size}" for axis, size in zip(MESH_AXES, mesh.dcn.shape) if size > 1
+    )
+    return " ".join(part for part in (axes or "1 device", dcn) if part)
+
+
+def schedule_label(config: RunConfig) -> str:
+    pipeline, data = config.pipeline, config.data
+    return (
+        f"{pipeline.schedule} R{pipeline.repeats} G{data.grad_accum} M{pipeline.microbatches} "
+        f"B{data.batch_size}"
+    )
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"dp=8,pp=2"`` or ``"dp8 pp2 dcn.dp2"`` -> ``{"dp": 8, "pp": 2, "dcn.dp": 2}``."""
+    sizes = {}
+    for axis, size in re.findall(r"((?:dcn\.)?[a-z]+)\s*=?\s*(\d+)", text):
+        if axis.removeprefix("dcn.") not in MESH_AXES:
+            refuse("--explain", f"unknown mesh axis {axis!r}; the axes are {list(MESH_AXES)}")
+        sizes[axis] = int(size)
+    if not sizes:
+        refuse("--explain", f"expected a mesh such as 'dp=8,pp=2', got {text!r}")
+    return sizes
+
+
+def mesh_matches(mesh: MeshConfig, sizes: Mapping[str, int]) -> bool:
+    """Whether ``mesh`` has the sizes ``sizes`` names (the unnamed axes at 1)."""
+    for axis in MESH_AXES:
+        if getattr(mesh, axis) != sizes.get(axis, 1):
+            return False
+        if getattr(mesh.dcn, axis) != sizes.get(f"dcn.{axis}", 1):
+            return False
+    return True
+
+
+def mesh_refusal(base: RunConfig, mesh: MeshConfig) -> str | None:
+    """Why the run refuses ``mesh`` whatever the schedule and batch split (the model does not
+    split over it, the sequence does not split over cp), or None: `RunConfig` judges a plan
+    of one microbatch per stage and one sequence per data device, and a refusal that names
+    anything but the pipeline or the batch size is the mesh's."""
+    data_devices = mesh.dp * mesh.ep
+    probe = dataclasses.replace(
+        base.data, batch_size=data_devices, grad_accum=1
+    )
+    try:
+        RunConfig(
+            **{
+                **{field.name: getattr(base, field.name) for field in dataclasses.fields(base)},
+                "mesh": mesh,
+                "pipeline": PipelineConfig(schedule="gpipe", microbatches=mesh.pp),
+                "data": probe,
+            }
+        )
+    except ConfigError as error:
+        if error.field is None or not (
+            error.field.startswith("pipeline.") or error.field == "data.batch_size"
+        ):
+            return str(error)
+    return None
+
+
+def candidates(
+    base: RunConfig, devices: int, slices: int
+) -> Iterator[Plan | Refused]:
+    """Every plan of `meshes` x `schedule_choices` x `batch_splits` x stage remat x layer
+    remat that the run's rules accept, and a `Refused` for each mesh, (mesh, schedule) or
+    plan they refuse."""
+    global_batch = base.global_batch_size
+    splits = batch_splits(global_batch)
+    remats = [
+        (remat_stages, remat)
+        for remat_stages in (True, False)
+        for remat in REMAT_POLICIES
+    ]
+    for mesh in meshes(base, devices, slices):
+        if isinstance(mesh, str):
+            yield Refused("mesh", None, mesh)
+            continue
+        reason = mesh_refusal(base, mesh)
+        if reason is not None:
+            yield Refused(mesh_label(mesh), mesh, reason)
+            continue
+        for choice in schedule_choices(mesh.pp):
+            if isinstance(choice, str):
+                yield Refused(mesh_label(mesh), mesh, choice)
+                continue
+            schedule, repeats = choice
+            for grad_accum, microbatches in splits:
+                try:
+                    config = with_plan(base, mesh, schedule, repeats, grad_accum, microbatches)
+                except ConfigError as error:
+                    label = (
+                        f"{mesh_label(mesh)} | {schedule} R{repeats} G{grad_accum} "
+                        f"M{microbatches}"
+                    )
+                    yield Refused(label, mesh, str(error))
+                    continue
+                for remat_stages, remat in remats:
+                    if mesh.pp == 1 and remat_stages:
+                        continue
+                    yield Plan(config, remat_stages, remat)
+
+
+# ----------------------------------------------------------------------------- the model's facts
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLeaf:
+    """One array of the train state: its shape, bytes per element and logical axes."""
+
+    shape: tuple[int, ...]
+    itemsize: int
+    axes: Axes
+    trainable_parameter: bool
+
+    @property
+    def names(self) -> tuple[str | None, ...]:
+        return tuple(self.axes.names)
+
+    @property
+    def layered(self) -> bool:
+        return "stages" in self.names
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelFacts:
+    """What pricing needs of ``config``'s model, computed once: the train state's arrays
+    (`StateLeaf`), per-token widths of a layer's activations (elements; ``*_split``: split
+    over tp) and the FLOPs of a training token."""
+
+    leaves: tuple[StateLeaf, ...]
+    d_model: int
+    n_blocks: int
+    n_layers: int
+    vocab: int
+    compute_bytes: int
+    dots_split: int
+    dots_whole: int
+    hidden_split: int
+    kv_width: int
+    attention_layers: int
+    moe_layers: int
+    top_k: int
+    n_experts: int
+    block_flops_share: float
+    flops_per_token: float
+    prefix_flops_share: float
+
+    @classmethod
+    def of(cls, config: RunConfig) -> "ModelFacts":
+        one_device = with_plan(
+            dataclasses.replace(config, mesh=MeshConfig()),
+            MeshConfig(),
+            "gpipe",
+            1,
+            1,
+            1,
+        )
+        settings = step_config(one_device)
+        make_model = model_factory(run_model_config(one_device))
+        shapes, axes = _state_shape_and_axes(make_model, settings)
+        trainable = trainable_mask(shapes.model, settings.optimizer.freeze)
+        parameters = eqx.tree_at(
+            lambda state: state.model,
+            jax.tree.map(lambda _: False, shapes),
+            trainable,
+        )
+        leaves = []
+        flat_axes = jax.tree.leaves(axes, is_leaf=lambda a: hasattr(a, "names"))
+        flat_shapes = jax.tree.leaves(shapes)
+        flat_trainable = jax.tree.leaves(parameters)
+        for shape, leaf_axes, is_trainable in zip(
+            flat_shapes, flat_axes, flat_trainable, strict=True
+        ):
+            leaves.append(
+                StateLeaf(
+                    shape=tuple(shape.shape),
+                    itemsize=jnp.dtype(shape.dtype).itemsize,
+                    axes=leaf_axes,
+                    trainable_parameter=bool(is_trainable),
+                )
+            )
+        model = config.model
+        d, tokens_flops = model.d_model, flops_per_token(model, config.data.seq_len)
+        latent = model.latent_attention
+        heads = model.n_heads
+        if latent is None:
+            head_dim = model.attention_head_dim
+            q = heads * head_dim
+            kv = 2 * model.kv_heads * head_dim
+            context = heads * head_dim
+            kv_width = kv
+            whole = 0
+        else:
+            qk = latent.qk_nope_head_dim + latent.qk_rope_head_dim
+            q = heads * qk
+            kv = heads * (latent.qk_nope_head_dim + latent.v_head_dim)
+            context = heads * latent.v_head_dim
+            kv_width = heads * (qk + latent.v_head_dim)
+            whole = (latent.q_lora_rank or 0) + latent.kv_lora_rank + latent.qk_rope_head_dim
+        if model.moe is None:
+            mlp, hidden, moe_layers, top_k, n_experts = 2 * model.mlp_dim, model.mlp_dim, 0, 1, 1
+        else:
+            moe = model.moe
+            mlp = moe.top_k * 2 * moe.expert_mlp_dim + 2 * moe.shared_mlp_dim
+            hidden = moe.top_k * moe.expert_mlp_dim + moe.shared_mlp_dim
+            whole += moe.n_experts + moe.top_k * d
+            moe_layers, top_k, n_experts = model.n_blocks, moe.top_k, moe.n_experts
+        counts = parameter_counts(model)
+        head = model.vocab_size * d
+        block_params = counts.active - counts.embedding - (0 if model.tie_embeddings else head)
+        share = 6 * block_params / (6 * (block_params + head))
+        return cls(
+            leaves=tuple(leaves),
+            d_model=d,
+            n_blocks=model.n_blocks,
+            n_layers=model.n_layers,
+            vocab=model.vocab_size,
+            compute_bytes=jnp.dtype(config.precision.compute).itemsize,
+            dots_split=q + kv + context + mlp,
+            dots_whole=2 * d + whole,
+            hidden_split=hidden,
+            kv_width=kv_width,
+            attention_layers=model.n_layers,
+            moe_layers=moe_layers,
+            top_k=top_k,
+            n_experts=n_experts,
+            block_flops_share=share,
+            flops_per_token=tokens_flops,
+            prefix_flops_share=model.first_dense_layers / model.n_layers,
+        )
+
+    def dots_per_token(self, tp: int) -> float:
+        """Elements per token of a layer's matmul outputs on one of ``tp`` devices."""
+        return self.dots_split / tp + self.dots_whole
+
+    def residual_per_token(self, remat: str, tp: int) -> int:
+        """Bytes a layer keeps per token for its backward under layer remat ``remat``: its
+        input (``"full"``), its matmuls' outputs (``"dots"``), those and the elementwise
+        results between them (``"none"``)."""
+        dots = self.dots_per_token(tp)
+        if remat == "full":
+            width = self.d_model
+        elif remat == "dots":
+            width = dots
+        else:
+            width = dots + 3 * self.d_model + self.hidden_split / tp
+        return int(width * self.compute_bytes)
+
+
+def abstract_mesh(mesh: MeshConfig) -> AbstractMesh:
+    return AbstractMesh(mesh.axis_shape, mesh.axis_names)
+
+
+@functools.lru_cache(maxsize=4096)
+def _state_bytes(facts: ModelFacts, mesh: MeshConfig, rules_key: tuple) -> tuple[int, int, int]:
+    """``(state, trainable parameters, one layer's weights whole over dp and ep)`` bytes per
+    device of ``facts``' train state on ``mesh`` under the rules ``rules_key`` names."""
+    rules = dict(rules_key)
+    on_mesh = abstract_mesh(mesh)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_shape, strict=True))
+    state = trainable = layer = 0
+    whole_over = {axis for axis in mesh.axis_names if axis.startswith("dp")} | {"ep"}
+    for leaf in facts.leaves:
+        spec = partition_spec(leaf.axes, leaf.shape, on_mesh, rules)
+        shards = 1
+        not_data = 1
+        for part in spec:
+            for axis in (part,) if isinstance(part, str) else part or ():
+                shards *= sizes[axis]
+                if axis not in whole_over or "experts" in leaf.names:
+                    not_data *= sizes[axis]
+        elements = math.prod(leaf.shape)
+        pp = mesh.pp if leaf.layered else 1
+        per_device = elements * leaf.itemsize // (shards * pp)
+        state += per_device
+        if leaf.trainable_parameter:
+            trainable += per_device
+            if leaf.layered:
+                layer += elements * leaf.itemsize // (not_data * facts.n_blocks)
+    return state, trainable, layer
+
+
+def state_bytes(facts: ModelFacts, config: RunConfig) -> tuple[int, int, int]:
+    """`_state_bytes` of ``config``'s mesh and sharding rules."""
+    rules = config.sharding.rules_on(config.mesh.axis_names)
+    return _state_bytes(facts, config.mesh, tuple(sorted(rules.items())))
+
+
+# ----------------------------------------------------------------------------- memory
+
+# The temporaries' terms (`memory_terms`), each a byte count, and the weight the compiled
+# step gives each: fitted by `calibrate` to `compiled.memory_analysis()` over `CALIBRATION`
+# (non-negative least squares on the bytes beyond the state and batch).
+MEMORY_TERMS = (
+    "gradients",
+    "stash",
+    "chunk_residuals",
+    "fused_residuals",
+    "layer_peak",
+    "pipeline_io",
+    "logits",
+    "chunk_weights",
+    "split_backward",
+    "constant",
+)
+# Fitted 2026-11-27 over 17 of the configs (`python -m pipelines.plan --calibrate`); within
+# 10% of the compiled step on 4 of them, 36-67% off on the split-backward schedules on one
+# stage and on the DeepSeek shapes (README, "Plan a run").
+MEMORY_MODEL: dict[str, float] = {
+    "gradients": 1.137,
+    "stash": 4.152,
+    "chunk_residuals": 5.582,
+    "fused_residuals": 1.58,
+    "layer_peak": 8.163,
+    "pipeline_io": 0.0,
+    "logits": 0.0,
+    "chunk_weights": 4.799,
+    "split_backward": 4.384,
+    "constant": 0.0,
+}
+
+
+def tokens_per_microbatch(config: RunConfig) -> int:
+    """Tokens of one microbatch on one device: its sequences over ``dp x ep``, its tokens
+    over ``cp``."""
+    mesh = config.mesh
+    return config.data.batch_size // (mesh.dp * mesh.ep) * (config.data.seq_len // mesh.cp)
+
+
+def memory_terms(facts: ModelFacts, plan: Plan) -> tuple[int, dict[str, float]]:
+    """``(state and batch bytes, {term: bytes})`` per device of ``plan``'s step: the first
+    exact, the terms what `MEMORY_MODEL` weighs into the temporaries."""
+    config, mesh = plan.config, plan.config.mesh
+    state, trainable, layer_weights = state_bytes(facts, config)
+    tokens = tokens_per_microbatch(config)
+    batch = 2 * 4 * config.data.grad_accum * config.pipeline.microbatches * tokens
+    schedule = plan.schedule
+    chunk_layers = facts.n_blocks // (mesh.pp * schedule.repeats)
+    residual = facts.residual_per_token(plan.remat, mesh.tp)
+    chunk = chunk_layers * tokens * residual
+    item = tokens * facts.d_model * facts.compute_bytes if plan.remat_stages else chunk
+    # The 1F1B family's last stage runs the head on each microbatch as it comes; the
+    # forward schedules run it after the pipeline on all of them, pp acting as a data axis.
+    head_tokens = (
+        tokens if schedule.fuses_backward else config.pipeline.microbatches * tokens / mesh.pp
+    )
+    logits_columns = min(config.loss.chunk_size, facts.vocab / (mesh.tp))
+    terms = {
+        "gradients": trainable,
+        "stash": _in_flight(schedule) * item,
+        "chunk_residuals": 0 if schedule.fuses_backward else chunk,
+        "fused_residuals": chunk if schedule.fuses_backward else 0,
+        "layer_peak": tokens * (facts.hidden_split / mesh.tp + facts.d_model) * 4,
+        "pipeline_io": config.pipeline.microbatches * tokens * facts.d_model * facts.compute_bytes,
+        "logits": min(head_tokens, config.loss.chunk_size) * logits_columns * 4
+        + head_tokens * facts.d_model * 4,
+        "chunk_weights": chunk_layers * layer_weights,
+        "split_backward": (
+            _in_flight(schedule) * chunk_layers * tokens * facts.dots_per_token(mesh.tp) * 4
+            if schedule.splits_backward
+            else 0
+        ),
+        "constant": 2**20,
+    }
+    return state + batch, {name: float(value) for name, value in terms.items()}
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_flight(schedule: Schedule) -> int:
+    return schedule.in_flight()
+
+
+@functools.lru_cache(maxsize=4096)
+def _bubble(schedule: Schedule, costs: Costs) -> float:
+    return schedule.bubble_fraction(costs)
+
+
+def predicted_memory(facts: ModelFacts, plan: Plan, model: Mapping[str, float] | None = None) -> int:
+    """Bytes per device `memory_terms` and ``model`` (default `MEMORY_MODEL`) predict."""
+    model = MEMORY_MODEL if model is None else model
+    exact, terms = memory_terms(facts, plan)
+    return int(exact + sum(model[name] * value for name, value in terms.items()))
+
+
+# ----------------------------------------------------------------------------- time
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """A step's predicted time on the accelerator, seconds: ``compute`` (its FLOPs at peak),
+    ``bubble`` (the stages' idle time), ``ici`` and ``dcn`` (communication left exposed
+    within and across slices); ``mfu`` the model FLOPs over the step's time at peak."""
+
+    compute: float
+    bubble: float
+    ici: float
+    dcn: float
+    mfu: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.bubble + self.ici + self.dcn
+
+
+# Wire bytes per buffer byte of each collective on ``n`` devices (ring algorithms): what a
+# device sends of the buffer `eqxzoo.parallel.collectives` sizes.
+WIRE_FACTOR: dict[str, Callable[[int], float]] = {
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+    "collective-permute": lambda n: 1.0,
+}
+
+
+def step_flops(facts: ModelFacts, plan: Plan) -> tuple[float, float]:
+    """``(model FLOPs of the step, FLOPs one device runs)``: the model's training FLOPs
+    (`models.flops_per_token`), and a device's share of them with the forwards run again
+    (stage remat: each stage's; ``"full"`` layer remat: each layer's, once more)."""
+    config = plan.config
+    model_flops = facts.flops_per_token * config.tokens_per_step
+    forward = model_flops * facts.block_flops_share / 3
+    again = (1 if plan.remat_stages else 0) + (1 if plan.remat == "full" else 0)
+    return model_flops, (model_flops + again * forward) / config.mesh.size
+
+
+def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], float]:
+    """``{(kind, axis): buffer bytes}`` one device's collectives move in a step, as
+    `eqxzoo.parallel.collectives` sizes them (a buffer each, not wire bytes): tensor
+    parallelism's all-reduces of each layer's output (two a layer each pass), context
+    parallelism's keys and values round the ring, expert parallelism's all-to-alls (two each
+    way a MoE layer), the pipeline's sends (one a tick each way), FSDP's gathers of each
+    stage's weights (each pass) and the gradients' reduce-scatter over the data axes."""
+    config, mesh = plan.config, plan.config.mesh
+    tokens = tokens_per_microbatch(config)
+    microbatches = config.pipeline.microbatches * config.data.grad_accum
+    passes = 3 + (1 if plan.remat_stages else 0) + (1 if plan.remat == "full" else 0)
+    stage_layers = facts.n_layers / mesh.pp
+    activation = tokens * facts.d_model * facts.compute_bytes
+    traffic: dict[tuple[str, str], float] = {}
+    if mesh.tp > 1:
+        traffic[("all-reduce", "tp")] = 2 * (passes - 1) * stage_layers * microbatches * activation
+    if mesh.cp > 1:
+        shard = tokens * facts.kv_width / mesh.tp * facts.compute_bytes
+        traffic[("collective-permute", "cp")] = (
+            passes * (mesh.cp - 1) * stage_layers * microbatches * shard
+        )
+    if mesh.ep > 1 and facts.moe_layers:
+        traffic[("all-to-all", "ep")] = (
+            2 * (passes - 1) * facts.moe_layers / mesh.pp * microbatches * mesh.ep * activation
+        )
+    if mesh.pp > 1:
+        ticks = plan.schedule.ticks * config.data.grad_accum
+        traffic[("collective-permute", "pp")] = 2 * ticks * activation
+    state, trainable, layer_weights = state_bytes(facts, config)
+    data = mesh.dp * mesh.ep
+    if data > 1:
+        gathered = stage_layers * layer_weights
+        traffic[("all-gather", "dp")] = (passes - 1) * microbatches * gathered
+        traffic[("reduce-scatter", "dp")] = trainable * data
+    return {key: float(size) for key, size in traffic.items()}
+
+
+def step_time(
+    facts: ModelFacts, plan: Plan, accelerator: Accelerator, costs: Costs
+) -> StepTime:
+    """`StepTime` of ``plan`` on ``accelerator``s, the bubble priced with ``costs``."""
+    config, mesh = plan.config, plan.config.mesh
+    model_flops, device_flops = step_flops(facts, plan)
+    compute = device_flops / accelerator.peak_flops
+    pipelined = compute * facts.block_flops_share
+    bubble_fraction = _bubble(plan.schedule, costs) if mesh.pp > 1 else 0.0
+    bubble = pipelined * bubble_fraction / (1 - bubble_fraction)
+    exposed = {"ici": 0.0, "dcn": 0.0}
+    overlapped = {"ici": 0.0, "dcn": 0.0}
+    for (kind, axis), size in collective_bytes(facts, plan).items():
+        group = {"dp": mesh.dp * mesh.ep}.get(axis, getattr(mesh, axis, 1))
+        across = {"dp": mesh.dcn.dp, "pp": mesh.dcn.pp}.get(axis, 1) > 1
+        link = "dcn" if across else "ici"
+        bandwidth = (accelerator.dcn_gbps if across else accelerator.ici_gbps) * GB
+        seconds = size * WIRE_FACTOR[kind](group) / bandwidth
+        if axis in ("dp", "pp"):
+            overlapped[link] += seconds
+        else:
+            exposed[link] += seconds
+    for link in exposed:
+        exposed[link] += max(0.0, overlapped[link] - compute)
+    total = compute + bubble + exposed["ici"] + exposed["dcn"]
+    mfu = model_flops / (total * mesh.size * accelerator.peak_flops)
+    return StepTime(compute, bubble, exposed["ici"], exposed["dcn"], mfu)
+
+
+# ----------------------------------------------------------------------------- compiling
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """What the compiled step of a plan says of itself: its memory per device
+    (`StepMemory`), its optimized HLO and its FLOPs by XLA's cost analysis."""
+
+    memory: "StepMemory"
+    hlo: str
+    flops: float
+    skips_bubbles: bool
+
+
+def compile_plan(config: RunConfig) -> Compiled:
+    """``config``'s train step compiled on abstract shapes (nothing is initialised), as the
+    run compiles it but without refusing a step XLA:CPU cannot run (`skips_bubbles` says
+    whether the stages could skip their bubbles there: no collective-permute in a branch)."""
+    from eqxzoo.parallel import make_mesh
+    from eqxzoo.parallel.collectives import permutes_in_branches
+    from eqxzoo.run.loop import batch_shape
+    from eqxzoo.run.provenance import batches_carry_documents
+    from eqxzoo.train.memory import StepMemory
+    from eqxzoo.train.state import abstract_train_state
+    from eqxzoo.train.step import abstract_batch, make_train_step
+
+    mesh = make_mesh(config.mesh)
+    settings = step_config(config)
+    state = abstract_train_state(
+        model_factory(run_model_config(config)), config=settings, mesh=mesh
+    )
+    batch = abstract_batch(
+        mesh, settings.rules, batch_shape(config).shape, batches_carry_documents(config)
+    )
+    compiled = make_train_step(settings, mesh).lower(state, batch).compile()
+    hlo = compiled.as_text()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return Compiled(
+        memory=StepMemory.of(compiled),
+        hlo=hlo,
+        flops=float(cost.get("flops", 0.0)),
+        skips_bubbles=config.mesh.pp == 1 or not permutes_in_branches(hlo),
+    )
+
+
+def plan_of(config: RunConfig) -> Plan:
+    """``config`` as a `Plan` (its own remat)."""
+    return Plan(config, config.pipeline.remat_stages, config.model.remat)
+
+
+# The configs `calibrate` fits `MEMORY_MODEL` to: (config file, --set overrides), on 8
+# devices, small enough to compile in seconds, over the families, meshes, schedules and
+# remat policies the terms tell apart.
+SMALL = ("data.seq_len=256", "run.steps=10", "optimizer.warmup_steps=2")
+LLAMA = ("configs/llama3_1b.toml", (*SMALL, "model.n_layers=8", "model.d_model=256",
+         "model.n_heads=8", "model.n_kv_heads=4", "model.mlp_dim=1024", "model.vocab_size=8192",
+         "data.vocab_size=2048", "data.batch_size=8", "data.grad_accum=1"))
+DEEPSEEK = ("configs/deepseek_small.toml", (*SMALL, "model.d_model=256", "model.n_layers=9",
+            "model.vocab_size=8192", "data.vocab_size=2048", "data.batch_size=8"))
+TINY = ("configs/tiny.toml", ("run.steps=10", "optimizer.warmup_steps=2"))
+
+
+def _variant(base: tuple[str, tuple[str, ...]], *overrides: str) -> tuple[str, tuple[str, ...]]:
+    return base[0], (*base[1], *overrides)
+
+
+CALIBRATION: tuple[tuple[str, tuple[str, ...]], ...] = (
+    _variant(LLAMA, "mesh.dp=4", "mesh.pp=2", "pipeline.schedule=zb_h1", "pipeline.microbatches=4"),
+    _variant(LLAMA, "mesh.dp=4", "mesh.pp=2", "pipeline.schedule=1f1b", "pipeline.microbatches=8",
+             "pipeline.remat_stages=false"),
+    _variant(LLAMA, "mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "pipeline.schedule=gpipe",
+             "pipeline.microbatches=4"),
+    _variant(LLAMA, "mesh.dp=2", "mesh.pp=4", "pipeline.schedule=circular", "pipeline.repeats=2",
+             "pipeline.microbatches=4", "model.remat=full"),
+    _variant(LLAMA, "mesh.dp=1", "mesh.pp=4", "mesh.tp=2", "pipeline.schedule=interleaved_1f1b",
+             "pipeline.repeats=2", "pipeline.microbatches=8", "data.batch_size=4"),
+    _variant(LLAMA, "mesh.dp=8", "mesh.pp=1", "pipeline.microbatches=2", "model.remat=none"),
+    _variant(LLAMA, "mesh.dp=2", "mesh.pp=1", "mesh.tp=4", "pipeline.microbatches=1",
+             "model.remat=dots"),
+    _variant(LLAMA, "mesh.dp=2", "mesh.pp=2", "mesh.cp=2", "pipeline.schedule=1f1b",
+             "pipeline.microbatches=4"),
+    _variant(LLAMA, "mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "pipeline.schedule=zb_v",
+             "pipeline.repeats=2", "pipeline.microbatches=4", "data.batch_size=2"),
+    _variant(LLAMA, "mesh.dp=4", "mesh.pp=2", "pipeline.schedule=gpipe", "pipeline.microbatches=2",
+             "data.grad_accum=2", "pipeline.remat_stages=false", "model.remat=full"),
+    _variant(LLAMA, "mesh.dp=2", "mesh.pp=4", "pipeline.schedule=zb_h1", "pipeline.microbatches=8",
+             "pipeline.remat_stages=false", "model.remat=dots", "data.seq_len=512"),
+    _variant(LLAMA, "mesh.dp=4", "mesh.pp=2", "pipeline.schedule=1f1b", "pipeline.microbatches=4",
+             "model.d_model=512", "model.mlp_dim=2048"),
+    _variant(DEEPSEEK, "mesh.dp=2", "mesh.pp=2", "mesh.ep=2", "pipeline.schedule=circular",
+             "pipeline.repeats=2", "pipeline.microbatches=4"),
+    _variant(DEEPSEEK, "mesh.dp=1", "mesh.pp=2", "mesh.ep=4", "pipeline.schedule=1f1b",
+             "pipeline.repeats=1", "pipeline.microbatches=4"),
+    _variant(DEEPSEEK, "mesh.dp=4", "mesh.pp=2", "mesh.ep=1", "pipeline.schedule=zb_h1",
+             "pipeline.repeats=1", "pipeline.microbatches=2", "pipeline.remat_stages=false"),
+    _variant(DEEPSEEK, "mesh.dp=2", "mesh.pp=1", "mesh.ep=4", "pipeline.schedule=gpipe",
+             "pipeline.repeats=1", "pipeline.microbatches=2", "model.remat=full"),
+    _variant(TINY, "mesh.dp=2", "mesh.pp=2", "mesh.tp=2"),
+    _variant(TINY, "mesh.dp=1", "mesh.pp=4", "mesh.tp=1", "mesh.ep=2", "pipeline.schedule=1f1b",
+             "pipeline.repeats=1", "pipeline.microbatches=4"),
+    _variant(TINY, "mesh.dp=2", "mesh.pp=2", "mesh.tp=1", "mesh.ep=2", "pipeline.schedule=zb_h1",
+             "pipeline.repeats=1", "pipeline.microbatches=4", "pipeline.remat_stages=true"),
+    _variant(TINY, "mesh.dp=4", "mesh.pp=1", "mesh.tp=2", "pipeline.schedule=gpipe",
+             "pipeline.repeats=1", "pipeline.microbatches=4"),
+    _variant(TINY, "mesh.dp=2", "mesh.pp=2", "mesh.cp=2", "pipeline.schedule=interleaved_1f1b",
+             "pipeline.microbatches=4", "pipeline.remat_stages=true", "model.remat=dots"),
+    _variant(TINY, "mesh.dp=8", "mesh.pp=1", "pipeline.schedule=gpipe", "pipeline.repeats=1",
+             "pipeline.microbatches=1", "data.seq_len=512"),
+    _variant(LLAMA, "mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "mesh.dcn.dp=2",
+             "pipeline.schedule=1f1b", "pipeline.microbatches=4"),
+    _variant(LLAMA, "mesh.dp=4", "mesh.pp=2", "mesh.dcn.pp=2", "pipeline.schedule=zb_h1",
+             "pipeline.microbatches=8", "data.batch_size=4"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationRow:
+    """One calibration config: its label, the exact and modelled terms of its memory, its
+    compiled memory, and its collectives' bytes predicted and compiled, by (kind, axis)."""
+
+    label: str
+    exact: int
+    terms: dict[str, float]
+    compiled: int
+    compiled_temporaries: int
+    bytes_predicted: dict[str, float]
+    bytes_compiled: dict[str, float]
+    flops_predicted: float
+    flops_compiled: float
+
+
+def compiled_bytes_by_axis(compiled: Compiled, mesh: MeshConfig) -> dict[str, float]:
+    """The compiled HLO's collective bytes (`eqxzoo.parallel.collectives.links`) by
+    ``"kind over axes"``, ``dp_dcn`` and ``dp_ici`` read as ``dp``."""
+    from eqxzoo.parallel.collectives import links
+
+    by_axis: dict[str, float] = {}
+    for link, traffic in links(compiled.hlo, mesh.axis_names, mesh.slice_indices()).items():
+        axes = sorted({"dp" if axis.startswith("dp") else axis for axis in link.axes})
+        key = f"{link.kind} over {'+'.join(axes) or 'none'}"
+        by_axis[key] = by_axis.get(key, 0.0) + traffic.bytes
+    return by_axis
+
+
+def calibration_row(config: RunConfig, label: str) -> CalibrationRow:
+    facts = ModelFacts.of(config)
+    plan = plan_of(config)
+    compiled = compile_plan(config)
+    exact, terms = memory_terms(facts, plan)
+    predicted_bytes = {
+        f"{kind} over {axis}": size for (kind, axis), size in collective_bytes(facts, plan).items()
+    }
+    return CalibrationRow(
+        label=label,
+        exact=exact,
+        terms=terms,
+        compiled=compiled.memory.total,
+        compiled_temporaries=compiled.memory.temporaries,
+        bytes_predicted=predicted_bytes,
+        bytes_compiled=compiled_bytes_by_axis(compiled, config.mesh),
+        flops_predicted=step_flops(facts, plan)[1],
+        flops_compiled=compiled.flops,
+    )
+
+
+def fit_memory_model(rows: list[CalibrationRow]) -> dict[str, float]:
+    """`MEMORY_MODEL`'s weights: non-negative least squares of each row's compiled bytes
+    beyond its state and batch on its terms, each row weighed by its size (relative error)."""
+    from scipy.optimize import nnls
+
+    matrix = np.array([[row.terms[name] for name in MEMORY_TERMS] for row in rows], float)
+    target = np.array([row.compiled - row.exact for row in rows], float)
+    scale = np.array([row.compiled for row in rows], float)
+    weights, _ = nnls(matrix / scale[:, None], target / scale)
+    return {name: float(w) for name, w in zip(MEMORY_TERMS, weights, strict=True)}
+
+
+# ----------------------------------------------------------------------------- the search
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """A plan that fits, with its predicted memory per device and step time."""
+
+    plan: Plan
+    memory: int
+    time: StepTime
+
+
+@dataclasses.dataclass
+class Search:
+    """What `search` found: the best plans that fit (fastest first, at most ``keep``), how
+    many plans it priced, and the refusals: each reason's count, and every refused plan
+    whose mesh ``explain`` names."""
+
+    ranked: list[Scored]
+    priced: int
+    refused: dict[str, int]
+    explained: list[Refused]
+    explained_fits: list[Scored]
+
+
+def refusal_kind(reason: str) -> str:
+    """A refusal's reason without its numbers, to count alike reasons together."""
+    return re.sub(r"\d[\d,.]*", "N", reason.split(";")[0])[:110]
+
+
+def search(
+    base: RunConfig,
+    devices: int,
+    slices: int,
+    accelerator: Accelerator,
+    memory_gib: float,
+    costs: Costs,
+    *,
+    keep: int = 50,
+    explain: Mapping[str, int] | None = None,
+    on_mesh: Callable[[int, int], None] = lambda done, total: None,
+) -> Search:
+    """Price every plan `candidates` yields; keep the ``keep`` fastest that fit in
+    ``memory_gib`` per device. ``on_mesh(done, total)`` follows the progress over meshes."""
+    import heapq
+
+    facts = ModelFacts.of(base)
+    limit = memory_gib * GIB
+    total_meshes = sum(1 for _ in meshes(base, devices, slices))
+    heap: list[tuple[float, int, Scored]] = []
+    refused: dict[str, int] = {}
+    explained: list[Refused] = []
+    explained_fits: list[Scored] = []
+    priced = seen_meshes = 0
+    last_mesh = None
+    for candidate in candidates(base, devices, slices):
+        mesh = candidate.config.mesh if isinstance(candidate, Plan) else candidate.mesh
+        if mesh is not last_mesh:
+            seen_meshes += 1
+            last_mesh = mesh
+            on_mesh(min(seen_meshes, total_meshes), total_meshes)
+        wanted = explain is not None and mesh is not None and mesh_matches(mesh, explain)
+        if isinstance(candidate, Refused):
+            kind = refusal_kind(candidate.reason)
+            refused[kind] = refused.get(kind, 0) + 1
+            if wanted:
+                explained.append(candidate)
+            continue
+        priced += 1
+        memory = predicted_memory(facts, candidate)
+        if memory > limit:
+            reason = (
+                f"memory: needs {memory / GIB:.1f} GiB per device (predicted), over the "
+                f"{memory_gib:g} GiB"
+            )
+            refused[refusal_kind(reason)] = refused.get(refusal_kind(reason), 0) + 1
+            if wanted:
+                explained.append(Refused(candidate.label, mesh, reason))
+            continue
+        scored = Scored(candidate, memory, step_time(facts, candidate, accelerator, costs))
+        if wanted:
+            explained_fits.append(scored)
+        entry = (-scored.time.total, -priced, scored)
+        if len(heap) < keep:
+            heapq.heappush(heap, entry)
+        elif entry > heap[0]:
+            heapq.heapreplace(heap, entry)
+    ranked = [scored for _, _, scored in sorted(heap, reverse=True)]
+    explained_fits.sort(key=lambda scored: scored.time.total)
+    return Search(ranked, priced, refused, explained, explained_fits)
+
+
+def measured_costs(base: RunConfig) -> tuple[Costs, str]:
+    """The relative costs of a stage's actions (F, B, W, R) for ``base``'s model, from the
+    matrix FLOPs of its traced ZB-H1 step on two stages (`eqxzoo.parallel.action_costs`),
+    and where they came from; unit costs where the model cannot run two stages."""
+    from eqxzoo.parallel import make_mesh
+    from eqxzoo.parallel.action_costs import measured_action_flops
+    from eqxzoo.run.plan import step_tracer
+    from eqxzoo.train.state import abstract_train_state
+
+    try:
+        config = with_plan(base, MeshConfig(pp=2), "zb_h1", 1, 1, 2, True, base.model.remat)
+        config = dataclasses.replace(
+            config, data=dataclasses.replace(config.data, batch_size=1)
+        )
+    except ConfigError as error:
+        return Costs(), f"unit costs (two stages refused: {error})"
+    mesh = make_mesh(config.mesh, jax.devices()[:2])
+    settings = step_config(config)
+    make_model = model_factory(run_model_config(config))
+    state = abstract_train_state(make_model, config=settings, mesh=mesh)
+    shape = (1, 2, 1, config.data.seq_len)
+    flops = measured_action_flops(
+        settings.schedule, step_tracer(settings, mesh, make_model, state, shape)
+    )
+    forward = flops.forward
+    costs = Costs(
+        forward=1.0,
+        input_grad=flops.input_grad / forward,
+        weight_grad=flops.weight_grad / forward,
+        recompute=(flops.recompute or forward) / forward,
+    )
+    return costs, f"measured action FLOPs of the traced ZB-H1 step ({flops.ratio()})"
+
+
+# ----------------------------------------------------------------------------- the command
+
+CALIBRATION_DEVICES = 8
+TOP_TRIES = 4  # compile at most this many times --top plans before giving up on the rest
+
+
+def describe_accelerator(accelerator: Accelerator) -> str:
+    return (
+        f"{accelerator.name}: {accelerator.peak_flops / 1e12:g} TFLOP/s bf16, "
+        f"{accelerator.memory_gib:g} GiB, {accelerator.ici_gbps:g} GB/s within a slice, "
+        f"{accelerator.dcn_gbps:g} GB/s across slices (per device)"
+    )
+
+
+def accelerator_named(
+    name: str,
+    *,
+    peak_tflops: float | None = None,
+    ici_gbps: float | None = None,
+    dcn_gbps: float | None = None,
+) -> Accelerator:
+    """The `ACCELERATORS` entry ``name`` (case and spaces ignored), with the overrides."""
+    wanted = name.replace(" ", "").lower()
+    found = [a for key, a in ACCELERATORS.items() if key.replace(" ", "").lower() == wanted]
+    if not found:
+        refuse("--accelerator", f"unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)}")
+    accelerator = found[0]
+    for field, value, scale in (
+        ("peak_flops", peak_tflops, 1e12),
+        ("ici_gbps", ici_gbps, 1.0),
+        ("dcn_gbps", dcn_gbps, 1.0),
+    ):
+        if value is not None:
+            if value <= 0:
+                refuse(f"--{field.replace('_', '-')}", f"must be positive, got {value:g}")
+            accelerator = dataclasses.replace(accelerator, **{field: value * scale})
+    return accelerator
+
+
+def table_rows(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in
+                      enumerate(zip(row, widths, strict=True))) for row in rows]
+
+
+PLAN_COLUMNS = [
+    "#", "mesh", "schedule", "G", "M", "B", "remat", "memory GiB", "compiled GiB",
+    "step s", "compute", "comm ICI", "comm DCN", "bubble", "MFU",
+]
+
+
+def plan_row(rank: int, scored: Scored, compiled: int | None) -> list[str]:
+    config, t = scored.plan.config, scored.time
+    remat = ("stage+" if scored.plan.remat_stages else "") + scored.plan.remat
+    return [
+        str(rank),
+        mesh_label(config.mesh),
+        f"{config.pipeline.schedule} R{config.pipeline.repeats}",
+        str(config.data.grad_accum),
+        str(config.pipeline.microbatches),
+        str(config.data.batch_size),
+        remat,
+        f"{scored.memory / GIB:.1f}",
+        "-" if compiled is None else f"{compiled / GIB:.1f}",
+        f"{t.total:.3f}",
+        f"{t.compute:.3f}",
+        f"{t.ici:.3f}",
+        f"{t.dcn:.3f}",
+        f"{t.bubble:.3f}",
+        f"{t.mfu:.1%}",
+    ]
+
+
+def plan_run(
+    config: RunConfig,
+    *,
+    devices: int,
+    slices: int,
+    accelerator: Accelerator,
+    memory_gib: float,
+    top: int,
+    explain: Mapping[str, int] | None,
+    say: Callable[[str], None],
+) -> list[Scored]:
+    """Search, print the ranked table with the top plans compiled, and return them (best
+    first; those the compiled step confirms)."""
+    say(
+        f"planning {config.run.name} on {devices} x {describe_accelerator(accelerator)}; "
+        f"{memory_gib:g} GiB per device, {slices} slice(s); global batch "
+        f"{config.global_batch_size} x {config.data.seq_len} tokens"
+    )
+    costs, costs_from = measured_costs(config)
+    say(f"stage action costs: {costs_from}")
+    bar = MeshProgress(say)
+    found = search(
+        config,
+        devices,
+        slices,
+        accelerator,
+        memory_gib,
+        costs,
+        explain=explain,
+        on_mesh=bar.update,
+    )
+    bar.close()
+    refused = sum(found.refused.values())
+    say(
+        f"searched {found.priced + refused:,} plans: {found.priced:,} priced, "
+        f"{refused:,} refused; the most common reasons:"
+    )
+    for reason, count in sorted(found.refused.items(), key=lambda item: -item[1])[:6]:
+        say(f"  {count:>9,}  {reason}")
+    if explain is not None:
+        say(f"--explain {explain}: {len(found.explained)} refused, {len(found.explained_fits)} fit")
+        for refusal in found.explained:
+            say(f"  refused  {refusal.label}: {refusal.reason}")
+        for scored in found.explained_fits[:20]:
+            say(f"  fits     {scored.plan.label}: {scored.memory / GIB:.1f} GiB, "
+                f"{scored.time.total:.3f} s a step")
+    if not found.ranked:
+        say(f"no plan fits {memory_gib:g} GiB per device")
+        return []
+    confirmed: list[tuple[Scored, int | None]] = []
+    tries = 0
+    for scored in found.ranked:
+        if len(confirmed) >= top or tries >= top * TOP_TRIES:
+            break
+        if top == 0:
+            break
+        tries += 1
+        run_config = scored.plan.run_config()
+        started = time.perf_counter()
+        compiled = compile_plan(run_config)
+        seconds = time.perf_counter() - started
+        need = compiled.memory.total if compiled.memory is not None else None
+        note = f"compiled {scored.plan.label} in {seconds:.0f} s"
+        if need is not None and need > memory_gib * GIB:
+            say(f"{note}: {need / GIB:.1f} GiB per device, over the {memory_gib:g} GiB: dropped")
+            continue
+        if on_cpu() and not compiled.skips_bubbles:
+            say(f"{note}: XLA:CPU cannot skip its bubbles (collective-permutes in a stage): dropped")
+            continue
+        say(f"{note}: {'-' if need is None else f'{need / GIB:.2f} GiB'} per device "
+            f"(predicted {scored.memory / GIB:.2f})")
+        confirmed.append((scored, need))
+    if top == 0:
+        confirmed = [(scored, None) for scored in found.ranked[:10]]
+    rows = [PLAN_COLUMNS] + [
+        plan_row(rank, scored, need) for rank, (scored, need) in enumerate(confirmed, 1)
+    ]
+    for line in table_rows(rows):
+        say(line)
+    return [scored for scored, _ in confirmed]
+
+
+def on_cpu() -> bool:
+    return jax.devices()[0].platform == "cpu"
+
+
+class MeshProgress:
+    """The search's progress over meshes: a bar on a terminal, else a line per tenth."""
+
+    def __init__(self, say: Callable[[str], None]):
+        import sys
+
+        from eqxzoo.progress import terminal_console
+
+        self.say = say
+        self.console = terminal_console(sys.stdout)
+        self.progress = None
+        self.task = None
+        self.shown = -1
+
+    def update(self, done: int, total: int) -> None:
+        if self.console is not None:
+            from rich.progress import BarColumn, Progress, TextColumn
+
+            if self.progress is None:
+                self.progress = Progress(
+                    TextColumn("searching meshes"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    console=self.console, transient=True,
+                )
+                self.progress.start()
+                self.task = self.progress.add_task("search", total=total)
+            self.progress.update(self.task, completed=done)
+            return
+        tenth = done * 10 // total
+        if tenth != self.shown:
+            self.shown = tenth
+            self.say(f"searching: {done}/{total} meshes")
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def calibration_rows(say: Callable[[str], None]) -> list[CalibrationRow]:
+    """Compile every `CALIBRATION` config (on `CALIBRATION_DEVICES` devices)."""
+    from eqxzoo.run.config import load_config
+
+    rows = []
+    for path, overrides in CALIBRATION:
+        config = load_config(path, overrides)
+        rows.append(calibration_row(config, f"{path.rsplit('/', 1)[-1]}: {plan_of(config).label}"))
+        say(f"compiled {rows[-1].label}")
+    return rows
+
+
+def print_calibration(say: Callable[[str], None]) -> None:
+    rows = calibration_rows(say)
+    fitted = fit_memory_model(rows)
+    say(f"fitted MEMORY_MODEL = {fitted!r}")
+    header = ["config", "compiled MiB", "predicted MiB", "error", "with the fit", "error"]
+    table = [header]
+    for row in rows:
+        now = row.exact + sum(MEMORY_MODEL[n] * v for n, v in row.terms.items())
+        fit = row.exact + sum(fitted[n] * v for n, v in row.terms.items())
+        table.append([
+            row.label,
+            f"{row.compiled / 2**20:.1f}",
+            f"{now / 2**20:.1f}",
+            f"{now / row.compiled - 1:+.1%}",
+            f"{fit / 2**20:.1f}",
+            f"{fit / row.compiled - 1:+.1%}",
+        ])
+    for line in table_rows(table):
+        say(line)

@@ -1,0 +1,113 @@
+"""The planner (`eqxzoo.run.planner`, `python -m pipelines.plan`): its candidates are the run's
+own, the exact parts of its figures (the state and batch bytes, the pipeline's sends) are the
+compiled step's, and the best plan it writes runs."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eqxzoo.parallel.mesh import MeshConfig
+from eqxzoo.run import planner
+from eqxzoo.run.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def calibration_config(index: int):
+    path, overrides = planner.CALIBRATION[index]
+    return load_config(ROOT / path, overrides)
+
+
+def test_candidates_are_the_ones_the_run_accepts():
+    base = load_config(ROOT / "configs/tiny.toml")
+    found = list(planner.candidates(base, 8, 1))
+    plans = [c for c in found if isinstance(c, planner.Plan)]
+    refused = [c for c in found if isinstance(c, planner.Refused)]
+    assert plans and refused
+    for plan in plans[:: max(1, len(plans) // 40)]:
+        config = plan.run_config()
+        assert config.mesh.size == 8
+        assert config.global_batch_size == base.global_batch_size
+    reasons = {r.reason.split(":")[0] for r in refused}
+    # tiny.toml has 4 heads over 2 kv heads, 4 layers, 8 experts: each rule shows up.
+    assert {"mesh.tp", "mesh.pp", "data.batch_size"} <= reasons
+    meshes = {p.config.mesh.shape for p in plans}
+    assert (1, 1, 1, 8, 1) in meshes and (8, 1, 1, 1, 1) in meshes
+
+
+def test_slices_put_dp_or_pp_across_them():
+    base = load_config(ROOT / "configs/tiny.toml")
+    spans = {
+        (m.dcn.dp, m.dcn.pp)
+        for m in planner.meshes(base, 8, 2)
+        if isinstance(m, MeshConfig)
+    }
+    assert spans == {(1, 2), (2, 1)}
+    with pytest.raises(ConfigError, match="--slices: 3 slices do not divide 8 devices"):
+        list(planner.meshes(base, 8, 3))
+
+
+def test_the_pipeline_sends_are_those_of_the_compiled_step():
+    """The 1F1B family sends one activation up and one cotangent down a tick: the planner's
+    bytes over pp are the compiled HLO's collective-permutes over pp, to the byte."""
+    config = calibration_config(1)
+    facts = planner.ModelFacts.of(config)
+    compiled = planner.compile_plan(config)
+    predicted = planner.collective_bytes(facts, planner.plan_of(config))
+    measured = planner.compiled_bytes_by_axis(compiled, config.mesh)
+    assert predicted[("collective-permute", "pp")] == measured["collective-permute over pp"]
+    exact, _ = planner.memory_terms(facts, planner.plan_of(config))
+    assert exact == compiled.memory.arguments
+
+
+def test_unknown_accelerators_and_meshes_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match="--accelerator: unknown accelerator 'H300'; known: H100"):
+        planner.accelerator_named("H300")
+    assert planner.accelerator_named("tpu v5p", peak_tflops=400.0).peak_flops == 400e12
+    with pytest.raises(ConfigError, match="--explain: unknown mesh axis 'xp'"):
+        planner.parse_mesh("dp=2,xp=4")
+    assert planner.parse_mesh("dp8 pp2 dcn.dp=2") == {"dp": 8, "pp": 2, "dcn.dp": 2}
+
+
+def test_the_best_plan_written_runs_its_dry_run_and_fits(tmp_path):
+    best = tmp_path / "best.toml"
+    common = [sys.executable, "-m"]
+    planned = subprocess.run(
+        [
+            *common,
+            "pipelines.plan",
+            "configs/tiny.toml",
+            "--devices",
+            "8",
+            "--device-memory",
+            "0.5",
+            "--accelerator",
+            "A100",
+            "--top",
+            "1",
+            "--out",
+            str(best),
+            "--explain",
+            "dp=2,pp=2,tp=2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    out = planned.stdout
+    assert "searched" in out and "refused" in out
+    assert "--explain {'dp': 2, 'pp': 2, 'tp': 2}" in out
+    assert "predicted" in out and f"wrote the best plan to {best}" in out
+    dry = subprocess.run(
+        [*common, "pipelines.run", str(best), "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert "memory: host RAM" in dry.stdout and ": fits" in dry.stdout
