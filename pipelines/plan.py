@@ -44,9 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, help="override the chip's bf16 peak")
     parser.add_argument("--ici-gbps", type=float, help="override the in-slice GB/s per device")
     parser.add_argument("--dcn-gbps", type=float, help="override the cross-slice GB/s per device")
-    parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE"
-    )
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--list-accelerators", action="store_true")
     parser.add_argument("--calibrate", action="store_true")
     args = parser.parse_args(argv)

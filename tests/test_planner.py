@@ -39,11 +39,7 @@ def test_candidates_are_the_ones_the_run_accepts():
 
 def test_slices_put_dp_or_pp_across_them():
     base = load_config(ROOT / "configs/tiny.toml")
-    spans = {
-        (m.dcn.dp, m.dcn.pp)
-        for m in planner.meshes(base, 8, 2)
-        if isinstance(m, MeshConfig)
-    }
+    spans = {(m.dcn.dp, m.dcn.pp) for m in planner.meshes(base, 8, 2) if isinstance(m, MeshConfig)}
     assert spans == {(1, 2), (2, 1)}
     with pytest.raises(ConfigError, match="--slices: 3 slices do not divide 8 devices"):
         list(planner.meshes(base, 8, 3))

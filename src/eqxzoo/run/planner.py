@@ -43,7 +43,7 @@ from jax.sharding import AbstractMesh
 from eqxzoo.nn import Axes
 from eqxzoo.optim import trainable_mask
 from eqxzoo.parallel.mesh import MESH_AXES, DcnConfig, MeshConfig
-from eqxzoo.parallel.rules import partition_spec, rule_axes
+from eqxzoo.parallel.rules import partition_spec
 from eqxzoo.parallel.schedule import SCHEDULES, Costs, Schedule, ScheduleError
 from eqxzoo.run.config import (
     ConfigError,
@@ -52,11 +52,11 @@ from eqxzoo.run.config import (
     run_model_config,
     step_config,
 )
+from eqxzoo.train.memory import StepMemory
 from eqxzoo.train.report import PEAK_FLOPS
 from eqxzoo.train.state import _state_shape_and_axes
 from eqxzoo.typed_config import refuse
 from models import flops_per_token, model_factory, parameter_counts
-from models.config import DecoderConfig
 
 GIB = 2**30
 GB = 1e9
@@ -254,9 +254,7 @@ class Refused:
 
 def mesh_label(mesh: MeshConfig) -> str:
     axes = " ".join(f"{axis}{size}" for axis, size in zip(MESH_AXES, mesh.shape) if size > 1)
-    dcn = " ".join(
-        f"dcn.{axis}{size}" for axis, size in zip(MESH_AXES, mesh.dcn.shape) if size > 1
-    )
+    dcn = " ".join(f"dcn.{axis}{size}" for axis, size in zip(MESH_AXES, mesh.dcn.shape) if size > 1)
     return " ".join(part for part in (axes or "1 device", dcn) if part)
 
 
@@ -296,9 +294,7 @@ def mesh_refusal(base: RunConfig, mesh: MeshConfig) -> str | None:
     of one microbatch per stage and one sequence per data device, and a refusal that names
     anything but the pipeline or the batch size is the mesh's."""
     data_devices = mesh.dp * mesh.ep
-    probe = dataclasses.replace(
-        base.data, batch_size=data_devices, grad_accum=1
-    )
+    probe = dataclasses.replace(base.data, batch_size=data_devices, grad_accum=1)
     try:
         RunConfig(
             **{
@@ -316,19 +312,13 @@ def mesh_refusal(base: RunConfig, mesh: MeshConfig) -> str | None:
     return None
 
 
-def candidates(
-    base: RunConfig, devices: int, slices: int
-) -> Iterator[Plan | Refused]:
+def candidates(base: RunConfig, devices: int, slices: int) -> Iterator[Plan | Refused]:
     """Every plan of `meshes` x `schedule_choices` x `batch_splits` x stage remat x layer
     remat that the run's rules accept, and a `Refused` for each mesh, (mesh, schedule) or
     plan they refuse."""
     global_batch = base.global_batch_size
     splits = batch_splits(global_batch)
-    remats = [
-        (remat_stages, remat)
-        for remat_stages in (True, False)
-        for remat in REMAT_POLICIES
-    ]
+    remats = [(remat_stages, remat) for remat_stages in (True, False) for remat in REMAT_POLICIES]
     for mesh in meshes(base, devices, slices):
         if isinstance(mesh, str):
             yield Refused("mesh", None, mesh)
@@ -347,8 +337,7 @@ def candidates(
                     config = with_plan(base, mesh, schedule, repeats, grad_accum, microbatches)
                 except ConfigError as error:
                     label = (
-                        f"{mesh_label(mesh)} | {schedule} R{repeats} G{grad_accum} "
-                        f"M{microbatches}"
+                        f"{mesh_label(mesh)} | {schedule} R{repeats} G{grad_accum} M{microbatches}"
                     )
                     yield Refused(label, mesh, str(error))
                     continue
@@ -633,7 +622,9 @@ def _bubble(schedule: Schedule, costs: Costs) -> float:
     return schedule.bubble_fraction(costs)
 
 
-def predicted_memory(facts: ModelFacts, plan: Plan, model: Mapping[str, float] | None = None) -> int:
+def predicted_memory(
+    facts: ModelFacts, plan: Plan, model: Mapping[str, float] | None = None
+) -> int:
     """Bytes per device `memory_terms` and ``model`` (default `MEMORY_MODEL`) predict."""
     model = MEMORY_MODEL if model is None else model
     exact, terms = memory_terms(facts, plan)
@@ -719,11 +710,9 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
     return {key: float(size) for key, size in traffic.items()}
 
 
-def step_time(
-    facts: ModelFacts, plan: Plan, accelerator: Accelerator, costs: Costs
-) -> StepTime:
+def step_time(facts: ModelFacts, plan: Plan, accelerator: Accelerator, costs: Costs) -> StepTime:
     """`StepTime` of ``plan`` on ``accelerator``s, the bubble priced with ``costs``."""
-    config, mesh = plan.config, plan.config.mesh
+    mesh = plan.config.mesh
     model_flops, device_flops = step_flops(facts, plan)
     compute = device_flops / accelerator.peak_flops
     pipelined = compute * facts.block_flops_share
@@ -756,7 +745,7 @@ class Compiled:
     """What the compiled step of a plan says of itself: its memory per device
     (`StepMemory`), its optimized HLO and its FLOPs by XLA's cost analysis."""
 
-    memory: "StepMemory"
+    memory: StepMemory
     hlo: str
     flops: float
     skips_bubbles: bool
@@ -770,7 +759,6 @@ def compile_plan(config: RunConfig) -> Compiled:
     from eqxzoo.parallel.collectives import permutes_in_branches
     from eqxzoo.run.loop import batch_shape
     from eqxzoo.run.provenance import batches_carry_documents
-    from eqxzoo.train.memory import StepMemory
     from eqxzoo.train.state import abstract_train_state
     from eqxzoo.train.step import abstract_batch, make_train_step
 
@@ -803,11 +791,32 @@ def plan_of(config: RunConfig) -> Plan:
 # devices, small enough to compile in seconds, over the families, meshes, schedules and
 # remat policies the terms tell apart.
 SMALL = ("data.seq_len=256", "run.steps=10", "optimizer.warmup_steps=2")
-LLAMA = ("configs/llama3_1b.toml", (*SMALL, "model.n_layers=8", "model.d_model=256",
-         "model.n_heads=8", "model.n_kv_heads=4", "model.mlp_dim=1024", "model.vocab_size=8192",
-         "data.vocab_size=2048", "data.batch_size=8", "data.grad_accum=1"))
-DEEPSEEK = ("configs/deepseek_small.toml", (*SMALL, "model.d_model=256", "model.n_layers=9",
-            "model.vocab_size=8192", "data.vocab_size=2048", "data.batch_size=8"))
+LLAMA = (
+    "configs/llama3_1b.toml",
+    (
+        *SMALL,
+        "model.n_layers=8",
+        "model.d_model=256",
+        "model.n_heads=8",
+        "model.n_kv_heads=4",
+        "model.mlp_dim=1024",
+        "model.vocab_size=8192",
+        "data.vocab_size=2048",
+        "data.batch_size=8",
+        "data.grad_accum=1",
+    ),
+)
+DEEPSEEK = (
+    "configs/deepseek_small.toml",
+    (
+        *SMALL,
+        "model.d_model=256",
+        "model.n_layers=9",
+        "model.vocab_size=8192",
+        "data.vocab_size=2048",
+        "data.batch_size=8",
+    ),
+)
 TINY = ("configs/tiny.toml", ("run.steps=10", "optimizer.warmup_steps=2"))
 
 
@@ -817,50 +826,198 @@ def _variant(base: tuple[str, tuple[str, ...]], *overrides: str) -> tuple[str, t
 
 CALIBRATION: tuple[tuple[str, tuple[str, ...]], ...] = (
     _variant(LLAMA, "mesh.dp=4", "mesh.pp=2", "pipeline.schedule=zb_h1", "pipeline.microbatches=4"),
-    _variant(LLAMA, "mesh.dp=4", "mesh.pp=2", "pipeline.schedule=1f1b", "pipeline.microbatches=8",
-             "pipeline.remat_stages=false"),
-    _variant(LLAMA, "mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "pipeline.schedule=gpipe",
-             "pipeline.microbatches=4"),
-    _variant(LLAMA, "mesh.dp=2", "mesh.pp=4", "pipeline.schedule=circular", "pipeline.repeats=2",
-             "pipeline.microbatches=4", "model.remat=full"),
-    _variant(LLAMA, "mesh.dp=1", "mesh.pp=4", "mesh.tp=2", "pipeline.schedule=interleaved_1f1b",
-             "pipeline.repeats=2", "pipeline.microbatches=8", "data.batch_size=4"),
+    _variant(
+        LLAMA,
+        "mesh.dp=4",
+        "mesh.pp=2",
+        "pipeline.schedule=1f1b",
+        "pipeline.microbatches=8",
+        "pipeline.remat_stages=false",
+    ),
+    _variant(
+        LLAMA,
+        "mesh.dp=2",
+        "mesh.pp=2",
+        "mesh.tp=2",
+        "pipeline.schedule=gpipe",
+        "pipeline.microbatches=4",
+    ),
+    _variant(
+        LLAMA,
+        "mesh.dp=2",
+        "mesh.pp=4",
+        "pipeline.schedule=circular",
+        "pipeline.repeats=2",
+        "pipeline.microbatches=4",
+        "model.remat=full",
+    ),
+    _variant(
+        LLAMA,
+        "mesh.dp=1",
+        "mesh.pp=4",
+        "mesh.tp=2",
+        "pipeline.schedule=interleaved_1f1b",
+        "pipeline.repeats=2",
+        "pipeline.microbatches=8",
+        "data.batch_size=4",
+    ),
     _variant(LLAMA, "mesh.dp=8", "mesh.pp=1", "pipeline.microbatches=2", "model.remat=none"),
-    _variant(LLAMA, "mesh.dp=2", "mesh.pp=1", "mesh.tp=4", "pipeline.microbatches=1",
-             "model.remat=dots"),
-    _variant(LLAMA, "mesh.dp=2", "mesh.pp=2", "mesh.cp=2", "pipeline.schedule=1f1b",
-             "pipeline.microbatches=4"),
-    _variant(LLAMA, "mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "pipeline.schedule=zb_v",
-             "pipeline.repeats=2", "pipeline.microbatches=4", "data.batch_size=2"),
-    _variant(LLAMA, "mesh.dp=4", "mesh.pp=2", "pipeline.schedule=gpipe", "pipeline.microbatches=2",
-             "data.grad_accum=2", "pipeline.remat_stages=false", "model.remat=full"),
-    _variant(LLAMA, "mesh.dp=2", "mesh.pp=4", "pipeline.schedule=zb_h1", "pipeline.microbatches=8",
-             "pipeline.remat_stages=false", "model.remat=dots", "data.seq_len=512"),
-    _variant(LLAMA, "mesh.dp=4", "mesh.pp=2", "pipeline.schedule=1f1b", "pipeline.microbatches=4",
-             "model.d_model=512", "model.mlp_dim=2048"),
-    _variant(DEEPSEEK, "mesh.dp=2", "mesh.pp=2", "mesh.ep=2", "pipeline.schedule=circular",
-             "pipeline.repeats=2", "pipeline.microbatches=4"),
-    _variant(DEEPSEEK, "mesh.dp=1", "mesh.pp=2", "mesh.ep=4", "pipeline.schedule=1f1b",
-             "pipeline.repeats=1", "pipeline.microbatches=4"),
-    _variant(DEEPSEEK, "mesh.dp=4", "mesh.pp=2", "mesh.ep=1", "pipeline.schedule=zb_h1",
-             "pipeline.repeats=1", "pipeline.microbatches=2", "pipeline.remat_stages=false"),
-    _variant(DEEPSEEK, "mesh.dp=2", "mesh.pp=1", "mesh.ep=4", "pipeline.schedule=gpipe",
-             "pipeline.repeats=1", "pipeline.microbatches=2", "model.remat=full"),
+    _variant(
+        LLAMA, "mesh.dp=2", "mesh.pp=1", "mesh.tp=4", "pipeline.microbatches=1", "model.remat=dots"
+    ),
+    _variant(
+        LLAMA,
+        "mesh.dp=2",
+        "mesh.pp=2",
+        "mesh.cp=2",
+        "pipeline.schedule=1f1b",
+        "pipeline.microbatches=4",
+    ),
+    _variant(
+        LLAMA,
+        "mesh.dp=2",
+        "mesh.pp=2",
+        "mesh.tp=2",
+        "pipeline.schedule=zb_v",
+        "pipeline.repeats=2",
+        "pipeline.microbatches=4",
+        "data.batch_size=2",
+    ),
+    _variant(
+        LLAMA,
+        "mesh.dp=4",
+        "mesh.pp=2",
+        "pipeline.schedule=gpipe",
+        "pipeline.microbatches=2",
+        "data.grad_accum=2",
+        "pipeline.remat_stages=false",
+        "model.remat=full",
+    ),
+    _variant(
+        LLAMA,
+        "mesh.dp=2",
+        "mesh.pp=4",
+        "pipeline.schedule=zb_h1",
+        "pipeline.microbatches=8",
+        "pipeline.remat_stages=false",
+        "model.remat=dots",
+        "data.seq_len=512",
+    ),
+    _variant(
+        LLAMA,
+        "mesh.dp=4",
+        "mesh.pp=2",
+        "pipeline.schedule=1f1b",
+        "pipeline.microbatches=4",
+        "model.d_model=512",
+        "model.mlp_dim=2048",
+    ),
+    _variant(
+        DEEPSEEK,
+        "mesh.dp=2",
+        "mesh.pp=2",
+        "mesh.ep=2",
+        "pipeline.schedule=circular",
+        "pipeline.repeats=2",
+        "pipeline.microbatches=4",
+    ),
+    _variant(
+        DEEPSEEK,
+        "mesh.dp=1",
+        "mesh.pp=2",
+        "mesh.ep=4",
+        "pipeline.schedule=1f1b",
+        "pipeline.repeats=1",
+        "pipeline.microbatches=4",
+    ),
+    _variant(
+        DEEPSEEK,
+        "mesh.dp=4",
+        "mesh.pp=2",
+        "mesh.ep=1",
+        "pipeline.schedule=zb_h1",
+        "pipeline.repeats=1",
+        "pipeline.microbatches=2",
+        "pipeline.remat_stages=false",
+    ),
+    _variant(
+        DEEPSEEK,
+        "mesh.dp=2",
+        "mesh.pp=1",
+        "mesh.ep=4",
+        "pipeline.schedule=gpipe",
+        "pipeline.repeats=1",
+        "pipeline.microbatches=2",
+        "model.remat=full",
+    ),
     _variant(TINY, "mesh.dp=2", "mesh.pp=2", "mesh.tp=2"),
-    _variant(TINY, "mesh.dp=1", "mesh.pp=4", "mesh.tp=1", "mesh.ep=2", "pipeline.schedule=1f1b",
-             "pipeline.repeats=1", "pipeline.microbatches=4"),
-    _variant(TINY, "mesh.dp=2", "mesh.pp=2", "mesh.tp=1", "mesh.ep=2", "pipeline.schedule=zb_h1",
-             "pipeline.repeats=1", "pipeline.microbatches=4", "pipeline.remat_stages=true"),
-    _variant(TINY, "mesh.dp=4", "mesh.pp=1", "mesh.tp=2", "pipeline.schedule=gpipe",
-             "pipeline.repeats=1", "pipeline.microbatches=4"),
-    _variant(TINY, "mesh.dp=2", "mesh.pp=2", "mesh.cp=2", "pipeline.schedule=interleaved_1f1b",
-             "pipeline.microbatches=4", "pipeline.remat_stages=true", "model.remat=dots"),
-    _variant(TINY, "mesh.dp=8", "mesh.pp=1", "pipeline.schedule=gpipe", "pipeline.repeats=1",
-             "pipeline.microbatches=1", "data.seq_len=512"),
-    _variant(LLAMA, "mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "mesh.dcn.dp=2",
-             "pipeline.schedule=1f1b", "pipeline.microbatches=4"),
-    _variant(LLAMA, "mesh.dp=4", "mesh.pp=2", "mesh.dcn.pp=2", "pipeline.schedule=zb_h1",
-             "pipeline.microbatches=8", "data.batch_size=4"),
+    _variant(
+        TINY,
+        "mesh.dp=1",
+        "mesh.pp=4",
+        "mesh.tp=1",
+        "mesh.ep=2",
+        "pipeline.schedule=1f1b",
+        "pipeline.repeats=1",
+        "pipeline.microbatches=4",
+    ),
+    _variant(
+        TINY,
+        "mesh.dp=2",
+        "mesh.pp=2",
+        "mesh.tp=1",
+        "mesh.ep=2",
+        "pipeline.schedule=zb_h1",
+        "pipeline.repeats=1",
+        "pipeline.microbatches=4",
+        "pipeline.remat_stages=true",
+    ),
+    _variant(
+        TINY,
+        "mesh.dp=4",
+        "mesh.pp=1",
+        "mesh.tp=2",
+        "pipeline.schedule=gpipe",
+        "pipeline.repeats=1",
+        "pipeline.microbatches=4",
+    ),
+    _variant(
+        TINY,
+        "mesh.dp=2",
+        "mesh.pp=2",
+        "mesh.cp=2",
+        "pipeline.schedule=interleaved_1f1b",
+        "pipeline.microbatches=4",
+        "pipeline.remat_stages=true",
+        "model.remat=dots",
+    ),
+    _variant(
+        TINY,
+        "mesh.dp=8",
+        "mesh.pp=1",
+        "pipeline.schedule=gpipe",
+        "pipeline.repeats=1",
+        "pipeline.microbatches=1",
+        "data.seq_len=512",
+    ),
+    _variant(
+        LLAMA,
+        "mesh.dp=2",
+        "mesh.pp=2",
+        "mesh.tp=2",
+        "mesh.dcn.dp=2",
+        "pipeline.schedule=1f1b",
+        "pipeline.microbatches=4",
+    ),
+    _variant(
+        LLAMA,
+        "mesh.dp=4",
+        "mesh.pp=2",
+        "mesh.dcn.pp=2",
+        "pipeline.schedule=zb_h1",
+        "pipeline.microbatches=8",
+        "data.batch_size=4",
+    ),
 )
 
 
@@ -1029,9 +1186,7 @@ def measured_costs(base: RunConfig) -> tuple[Costs, str]:
 
     try:
         config = with_plan(base, MeshConfig(pp=2), "zb_h1", 1, 1, 2, True, base.model.remat)
-        config = dataclasses.replace(
-            config, data=dataclasses.replace(config.data, batch_size=1)
-        )
+        config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=1))
     except ConfigError as error:
         return Costs(), f"unit costs (two stages refused: {error})"
     mesh = make_mesh(config.mesh, jax.devices()[:2])
@@ -1093,13 +1248,31 @@ def accelerator_named(
 
 def table_rows(rows: list[list[str]]) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in
-                      enumerate(zip(row, widths, strict=True))) for row in rows]
+    return [
+        "  ".join(
+            cell.rjust(w) if i else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
 
 
 PLAN_COLUMNS = [
-    "#", "mesh", "schedule", "G", "M", "B", "remat", "memory GiB", "compiled GiB",
-    "step s", "compute", "comm ICI", "comm DCN", "bubble", "MFU",
+    "#",
+    "mesh",
+    "schedule",
+    "G",
+    "M",
+    "B",
+    "remat",
+    "memory GiB",
+    "compiled GiB",
+    "step s",
+    "compute",
+    "comm ICI",
+    "comm DCN",
+    "bubble",
+    "MFU",
 ]
 
 
@@ -1169,8 +1342,10 @@ def plan_run(
         for refusal in found.explained:
             say(f"  refused  {refusal.label}: {refusal.reason}")
         for scored in found.explained_fits[:20]:
-            say(f"  fits     {scored.plan.label}: {scored.memory / GIB:.1f} GiB, "
-                f"{scored.time.total:.3f} s a step")
+            say(
+                f"  fits     {scored.plan.label}: {scored.memory / GIB:.1f} GiB, "
+                f"{scored.time.total:.3f} s a step"
+            )
     if not found.ranked:
         say(f"no plan fits {memory_gib:g} GiB per device")
         return []
@@ -1192,10 +1367,14 @@ def plan_run(
             say(f"{note}: {need / GIB:.1f} GiB per device, over the {memory_gib:g} GiB: dropped")
             continue
         if on_cpu() and not compiled.skips_bubbles:
-            say(f"{note}: XLA:CPU cannot skip its bubbles (collective-permutes in a stage): dropped")
+            say(
+                f"{note}: XLA:CPU cannot skip its bubbles (collective-permutes in a stage): dropped"
+            )
             continue
-        say(f"{note}: {'-' if need is None else f'{need / GIB:.2f} GiB'} per device "
-            f"(predicted {scored.memory / GIB:.2f})")
+        say(
+            f"{note}: {'-' if need is None else f'{need / GIB:.2f} GiB'} per device "
+            f"(predicted {scored.memory / GIB:.2f})"
+        )
         confirmed.append((scored, need))
     if top == 0:
         confirmed = [(scored, None) for scored in found.ranked[:10]]
@@ -1231,8 +1410,11 @@ class MeshProgress:
 
             if self.progress is None:
                 self.progress = Progress(
-                    TextColumn("searching meshes"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                    console=self.console, transient=True,
+                    TextColumn("searching meshes"),
+                    BarColumn(),
+                    TextColumn("{task.completed}/{task.total}"),
+                    console=self.console,
+                    transient=True,
                 )
                 self.progress.start()
                 self.task = self.progress.add_task("search", total=total)
@@ -1269,13 +1451,15 @@ def print_calibration(say: Callable[[str], None]) -> None:
     for row in rows:
         now = row.exact + sum(MEMORY_MODEL[n] * v for n, v in row.terms.items())
         fit = row.exact + sum(fitted[n] * v for n, v in row.terms.items())
-        table.append([
-            row.label,
-            f"{row.compiled / 2**20:.1f}",
-            f"{now / 2**20:.1f}",
-            f"{now / row.compiled - 1:+.1%}",
-            f"{fit / 2**20:.1f}",
-            f"{fit / row.compiled - 1:+.1%}",
-        ])
+        table.append(
+            [
+                row.label,
+                f"{row.compiled / 2**20:.1f}",
+                f"{now / 2**20:.1f}",
+                f"{now / row.compiled - 1:+.1%}",
+                f"{fit / 2**20:.1f}",
+                f"{fit / row.compiled - 1:+.1%}",
+            ]
+        )
     for line in table_rows(table):
         say(line)
