@@ -1126,13 +1126,13 @@ def search(
     on_mesh: Callable[[int, int], None] = lambda done, total: None,
 ) -> Search:
     """Price every plan `candidates` yields; keep the ``keep`` fastest that fit in
-    ``memory_gib`` per device. ``on_mesh(done, total)`` follows the progress over meshes."""
+    ``memory_gib`` per device (of equally fast ones, those that need the least memory). ``on_mesh(done, total)`` follows the progress over meshes."""
     import heapq
 
     facts = ModelFacts.of(base)
     limit = memory_gib * GIB
     total_meshes = sum(1 for _ in meshes(base, devices, slices))
-    heap: list[tuple[float, int, Scored]] = []
+    heap: list[tuple[float, int, int, Scored]] = []
     refused: dict[str, int] = {}
     explained: list[Refused] = []
     explained_fits: list[Scored] = []
@@ -1165,12 +1165,12 @@ def search(
         scored = Scored(candidate, memory, step_time(facts, candidate, accelerator, costs))
         if wanted:
             explained_fits.append(scored)
-        entry = (-scored.time.total, -priced, scored)
+        entry = (-scored.time.total, -memory, -priced, scored)
         if len(heap) < keep:
             heapq.heappush(heap, entry)
         elif entry > heap[0]:
             heapq.heapreplace(heap, entry)
-    ranked = [scored for _, _, scored in sorted(heap, reverse=True)]
+    ranked = [entry[-1] for entry in sorted(heap, key=lambda entry: entry[:3], reverse=True)]
     explained_fits.sort(key=lambda scored: scored.time.total)
     return Search(ranked, priced, refused, explained, explained_fits)
 
