@@ -182,23 +182,21 @@ def with_plan(
     else the base's); `RunConfig` checks it."""
     global_batch = base.global_batch_size
     model = base.model if remat is None else dataclasses.replace(base.model, remat=remat)
-    return RunConfig(
-        **{
-            **{field.name: getattr(base, field.name) for field in dataclasses.fields(base)},
-            "mesh": mesh,
-            "pipeline": PipelineConfig(
-                schedule=schedule,
-                microbatches=microbatches,
-                repeats=repeats,
-                remat_stages=base.pipeline.remat_stages if remat_stages is None else remat_stages,
-            ),
-            "data": dataclasses.replace(
-                base.data,
-                batch_size=global_batch // (grad_accum * microbatches),
-                grad_accum=grad_accum,
-            ),
-            "model": model,
-        }
+    return dataclasses.replace(
+        base,
+        mesh=mesh,
+        pipeline=PipelineConfig(
+            schedule=schedule,
+            microbatches=microbatches,
+            repeats=repeats,
+            remat_stages=base.pipeline.remat_stages if remat_stages is None else remat_stages,
+        ),
+        data=dataclasses.replace(
+            base.data,
+            batch_size=global_batch // (grad_accum * microbatches),
+            grad_accum=grad_accum,
+        ),
+        model=model,
     )
 
 
@@ -214,10 +212,8 @@ class Plan:
 
     @property
     def schedule(self) -> Schedule:
-        pipeline = self.config.pipeline
-        return Schedule(
-            pipeline.schedule, self.config.mesh.pp, pipeline.microbatches, pipeline.repeats
-        ).for_stage_remat(self.remat_stages)
+        """`RunConfig.schedule`, with this plan's stage remat."""
+        return self.config.schedule.for_stage_remat(self.remat_stages)
 
     def run_config(self) -> RunConfig:
         """The run config of this plan, as `pipelines.run` takes it."""
@@ -296,13 +292,11 @@ def mesh_refusal(base: RunConfig, mesh: MeshConfig) -> str | None:
     data_devices = mesh.dp * mesh.ep
     probe = dataclasses.replace(base.data, batch_size=data_devices, grad_accum=1)
     try:
-        RunConfig(
-            **{
-                **{field.name: getattr(base, field.name) for field in dataclasses.fields(base)},
-                "mesh": mesh,
-                "pipeline": PipelineConfig(schedule="gpipe", microbatches=mesh.pp),
-                "data": probe,
-            }
+        dataclasses.replace(
+            base,
+            mesh=mesh,
+            pipeline=PipelineConfig(schedule="gpipe", microbatches=mesh.pp),
+            data=probe,
         )
     except ConfigError as error:
         if error.field is None or not (
@@ -626,8 +620,11 @@ def predicted_memory(
     facts: ModelFacts, plan: Plan, model: Mapping[str, float] | None = None
 ) -> int:
     """Bytes per device `memory_terms` and ``model`` (default `MEMORY_MODEL`) predict."""
-    model = MEMORY_MODEL if model is None else model
-    exact, terms = memory_terms(facts, plan)
+    return weighed(*memory_terms(facts, plan), MEMORY_MODEL if model is None else model)
+
+
+def weighed(exact: int, terms: Mapping[str, float], model: Mapping[str, float]) -> int:
+    """The bytes ``exact`` plus ``terms`` weighed by ``model``."""
     return int(exact + sum(model[name] * value for name, value in terms.items()))
 
 
@@ -760,17 +757,21 @@ def compile_plan(config: RunConfig) -> Compiled:
     from eqxzoo.run.loop import batch_shape
     from eqxzoo.run.provenance import batches_carry_documents
     from eqxzoo.train.state import abstract_train_state
-    from eqxzoo.train.step import abstract_batch, make_train_step
+    from eqxzoo.train.step import compile_train_step
 
     mesh = make_mesh(config.mesh)
     settings = step_config(config)
     state = abstract_train_state(
         model_factory(run_model_config(config)), config=settings, mesh=mesh
     )
-    batch = abstract_batch(
-        mesh, settings.rules, batch_shape(config).shape, batches_carry_documents(config)
+    compiled = compile_train_step(
+        settings,
+        mesh,
+        state,
+        batch_shape(config).shape,
+        documents=batches_carry_documents(config),
+        refuse_deadlocks=False,
     )
-    compiled = make_train_step(settings, mesh).lower(state, batch).compile()
     hlo = compiled.as_text()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -1354,8 +1355,6 @@ def plan_run(
     for scored in found.ranked:
         if len(confirmed) >= top or tries >= top * TOP_TRIES:
             break
-        if top == 0:
-            break
         tries += 1
         run_config = scored.plan.run_config()
         started = time.perf_counter()
@@ -1449,8 +1448,8 @@ def print_calibration(say: Callable[[str], None]) -> None:
     header = ["config", "compiled MiB", "predicted MiB", "error", "with the fit", "error"]
     table = [header]
     for row in rows:
-        now = row.exact + sum(MEMORY_MODEL[n] * v for n, v in row.terms.items())
-        fit = row.exact + sum(fitted[n] * v for n, v in row.terms.items())
+        now = weighed(row.exact, row.terms, MEMORY_MODEL)
+        fit = weighed(row.exact, row.terms, fitted)
         table.append(
             [
                 row.label,
