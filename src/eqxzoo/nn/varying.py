@@ -8,6 +8,7 @@ each of them) gets the sum of their cotangents. Outside a manual region both are
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
 
@@ -20,8 +21,9 @@ def varying_axes(value: Array | jax.ShapeDtypeStruct) -> frozenset[str]:
     return frozenset(varying or ())
 
 
-def typed_shape(value: Array | jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-    """``value``'s shape and dtype, and the manual axes it varies over."""
+def typed_shape(value: Array | np.ndarray | jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """``value``'s shape and dtype, and the manual axes it varies over (none for a NumPy
+    array: a constant a traced function closes over, such as a pullback's folded positions)."""
     aval = value if isinstance(value, jax.ShapeDtypeStruct) else jax.typeof(value)
     manual = getattr(aval, "manual_axis_type", None)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, manual_axis_type=manual)
