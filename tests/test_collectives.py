@@ -1,6 +1,6 @@
 """`collective_traffic` against programs whose collectives are known: counts and bytes,
-loops multiplied by their trip counts, the costlier branch of a conditional; and
-`permutes_in_branches`."""
+loops multiplied by their trip counts, the costlier branch of a conditional; `matmul_flops`
+the same way; and `permutes_in_branches`."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 from eqxzoo.parallel.collectives import (
     Traffic,
     collective_traffic,
+    matmul_flops,
     permutes_in_branches,
     traffic_table,
 )
@@ -55,6 +56,25 @@ def test_the_costlier_branch_of_a_conditional_counts():
 
     traffic = collective_traffic(_compiled_text(body, jnp.ones((2, 512), jnp.float32)))
     assert traffic == {"all-reduce": Traffic(count=1, bytes=512 * 4)}
+
+
+def test_matmul_flops_count_each_iteration_and_the_dearer_branch():
+    """A loop of 5 (4 x 8) @ (8 x 16) matmuls, then a conditional whose dearer branch runs a
+    (4 x 16) @ (16 x 32) one: XLA's cost analysis counts the loop's body once."""
+
+    def program(x, w, v):
+        def step(carry, _):
+            return jnp.tanh(carry @ w) @ w.T, None
+
+        y = jax.lax.scan(step, x, None, length=5)[0]
+        return jax.lax.cond(y[0, 0] > 0, lambda: (y @ w) @ v, lambda: jnp.zeros((4, 32)))
+
+    x, w, v = jnp.ones((4, 8)), jnp.ones((8, 16)), jnp.ones((16, 32))
+    compiled = jax.jit(program).lower(x, w, v).compile()
+    pair = 2 * 4 * 8 * 16  # (4 x 8) @ (8 x 16) and (4 x 16) @ (16 x 8)
+    assert matmul_flops(compiled.as_text()) == 5 * 2 * pair + pair + 2 * 4 * 16 * 32
+    cost = compiled.cost_analysis()
+    assert (cost[0] if isinstance(cost, list) else cost)["flops"] < 5 * 2 * pair
 
 
 def test_permutes_inside_a_branch_are_found_by_their_source():

@@ -58,6 +58,21 @@ def test_the_pipeline_sends_are_those_of_the_compiled_step():
     assert exact == compiled.memory.arguments
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_the_step_flops_are_the_compiled_matmuls_within_ten_percent(remat):
+    """On one stage (no bubble ticks, whose conditionals would count as working ones), a
+    dense model's FLOPs per device with its layer remat's recompute equal the compiled
+    step's matrix FLOPs, each loop iteration counted (`matmul_flops`), within 10%."""
+    path, overrides = planner.CALIBRATION[5]
+    config = load_config(
+        ROOT / path,
+        [*overrides, "pipeline.schedule=gpipe", "model.n_layers=4", f"model.remat={remat}"],
+    )
+    predicted = planner.step_flops(planner.ModelFacts.of(config), planner.plan_of(config))[1]
+    compiled = planner.compile_plan(config).flops
+    assert 0.9 < compiled / predicted < 1.1, (compiled, predicted)
+
+
 def test_unknown_accelerators_and_meshes_are_refused_in_one_line():
     with pytest.raises(ConfigError, match="--accelerator: unknown accelerator 'H300'; known: H100"):
         planner.accelerator_named("H300")

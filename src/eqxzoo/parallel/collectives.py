@@ -16,8 +16,10 @@ name devices by their position in the mesh) and whether a group spans several sl
 """
 
 import dataclasses
+import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import numpy as np
 
@@ -47,6 +49,7 @@ _BYTES = {
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.+?) ([a-z][\w\-]*)\((.*)$")
 _SHAPE = re.compile(r"\b(pred|[su](?:8|16|32|64)|bf16|f(?:16|32|64))\[([\d,]*)\]")
+_DEFINED = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLED = re.compile(r"\b(?:body|to_apply|calls)=%?([\w.\-]+)")
 _BRANCHES = re.compile(
@@ -117,31 +120,41 @@ class Collective:
     text: str
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective the program ``hlo_text`` (optimized HLO) runs, with how many times:
-    a ``while`` body's by its known trip count, a ``conditional``'s costliest branch's once."""
+Picked = TypeVar("Picked")
+
+
+def _counted(
+    hlo_text: str,
+    pick: Callable[[str, str, str, str, Mapping[str, str]], Picked | None],
+    weight: Callable[[Picked], float],
+) -> list[tuple[Picked, int]]:
+    """What ``pick(line, result, opcode, rest, results)`` keeps of the instructions of the
+    program ``hlo_text`` (optimized HLO) that one execution runs, each with how many times
+    it runs: a ``while`` body's by its known trip count, a ``conditional``'s costliest
+    branch's (by the ``weight`` of what it runs) once. ``results`` maps the names of the
+    instructions of the same computation to their result shapes."""
     computations, entry = _parse(hlo_text)
-    memo: dict[str, list[Collective]] = {}
+    memo: dict[str, list[tuple[Picked, int]]] = {}
 
-    def repeated(found: list[Collective], times: int) -> Iterator[Collective]:
-        for c in found:
-            yield dataclasses.replace(c, times=c.times * times)
-
-    def collectives_of(name: str) -> list[Collective]:
+    def counted_in(name: str) -> list[tuple[Picked, int]]:
         if name in memo:
             return memo[name]
         memo[name] = []
-        found: list[Collective] = []
-        for line in computations.get(name, ()):
+        lines = computations.get(name, ())
+        results = {}
+        for line in lines:
+            defined = _DEFINED.match(line)
+            if defined:
+                results[defined.group(1)] = defined.group(2)
+        found: list[tuple[Picked, int]] = []
+        for line in lines:
             instruction = _INSTRUCTION.match(line)
             if instruction is None:
                 continue
             result, opcode, rest = instruction.groups()
-            kind = _kind(opcode)
-            if kind is not None:
-                operands = rest.split("), ")[0]
-                size = max(_shape_bytes(result), _shape_bytes(operands))
-                found.append(Collective(kind, size, 1, line))
+            picked = pick(line, result, opcode, rest, results)
+            if picked is not None:
+                found.append((picked, 1))
                 continue
             branches = _BRANCHES.findall(rest)
             if opcode == "conditional" and branches:
@@ -150,20 +163,66 @@ def collectives(hlo_text: str) -> list[Collective]:
                     for listed, single in branches
                     for branch in (listed.split(",") if listed else [single])
                 ]
-                costliest = max(
-                    (collectives_of(branch) for branch in names),
-                    key=lambda cs: sum(c.bytes * c.times for c in cs),
+                found.extend(
+                    max(
+                        (counted_in(branch) for branch in names),
+                        key=lambda run: sum(weight(item) * times for item, times in run),
+                    )
                 )
-                found.extend(costliest)
                 continue
             trip = _TRIP_COUNT.search(rest)
-            times = int(trip.group(1)) if opcode == "while" and trip else 1
+            repeats = int(trip.group(1)) if opcode == "while" and trip else 1
             for called in _CALLED.findall(rest):
-                found.extend(repeated(collectives_of(called), times))
+                found.extend((item, times * repeats) for item, times in counted_in(called))
         memo[name] = found
         return found
 
-    return collectives_of(entry)
+    return counted_in(entry)
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective the program ``hlo_text`` (optimized HLO) runs, with how many times:
+    a ``while`` body's by its known trip count, a ``conditional``'s costliest branch's once."""
+
+    def pick(line: str, result: str, opcode: str, rest: str, _) -> Collective | None:
+        kind = _kind(opcode)
+        if kind is None:
+            return None
+        operands = rest.split("), ")[0]
+        return Collective(kind, max(_shape_bytes(result), _shape_bytes(operands)), 1, line)
+
+    return [
+        dataclasses.replace(c, times=times)
+        for c, times in _counted(hlo_text, pick, lambda c: c.bytes)
+    ]
+
+
+def _dims(shape: str) -> list[int]:
+    found = _SHAPE.search(shape)
+    return [int(d) for d in found.group(2).split(",") if d] if found else []
+
+
+def matmul_flops(hlo_text: str) -> float:
+    """The FLOPs of the ``dot`` instructions the program ``hlo_text`` (optimized HLO) runs,
+    ``2 x`` the result's elements ``x`` the contracted size each, counted as `collectives`
+    counts (a loop's body each iteration, a conditional's dearest branch once): XLA's own
+    cost analysis counts a loop's body once, whatever its trip count."""
+
+    def pick(line: str, result: str, opcode: str, rest: str, results) -> float | None:
+        if opcode != "dot":
+            return None
+        first = rest.split(",")[0].strip()
+        lhs = first if _SHAPE.search(first) else results.get(first.split()[-1].lstrip("%"), "")
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+        lhs_dims = _dims(lhs)
+        contracted = (
+            math.prod(lhs_dims[int(d)] for d in contracting.group(1).split(",") if d)
+            if contracting
+            else 1
+        )
+        return 2.0 * math.prod(_dims(result)) * contracted
+
+    return sum(flops * times for flops, times in _counted(hlo_text, pick, lambda f: f))
 
 
 def collective_traffic(hlo_text: str) -> dict[str, Traffic]:

@@ -740,7 +740,10 @@ def step_time(facts: ModelFacts, plan: Plan, accelerator: Accelerator, costs: Co
 @dataclasses.dataclass(frozen=True)
 class Compiled:
     """What the compiled step of a plan says of itself: its memory per device
-    (`StepMemory`), its optimized HLO and its FLOPs by XLA's cost analysis."""
+    (`StepMemory`), its optimized HLO and its matrix FLOPs per device
+    (`eqxzoo.parallel.collectives.matmul_flops`: each loop iteration counted, where XLA's cost
+    analysis counts a loop's body once; a conditional's dearest branch, so a pipeline's
+    bubble ticks count as working ones)."""
 
     memory: StepMemory
     hlo: str
@@ -753,7 +756,7 @@ def compile_plan(config: RunConfig) -> Compiled:
     run compiles it but without refusing a step XLA:CPU cannot run (`skips_bubbles` says
     whether the stages could skip their bubbles there: no collective-permute in a branch)."""
     from eqxzoo.parallel import make_mesh
-    from eqxzoo.parallel.collectives import permutes_in_branches
+    from eqxzoo.parallel.collectives import matmul_flops, permutes_in_branches
     from eqxzoo.run.loop import batch_shape
     from eqxzoo.run.provenance import batches_carry_documents
     from eqxzoo.train.state import abstract_train_state
@@ -773,12 +776,10 @@ def compile_plan(config: RunConfig) -> Compiled:
         refuse_deadlocks=False,
     )
     hlo = compiled.as_text()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
     return Compiled(
         memory=StepMemory.of(compiled),
         hlo=hlo,
-        flops=float(cost.get("flops", 0.0)),
+        flops=matmul_flops(hlo),
         skips_bubbles=config.mesh.pp == 1 or not permutes_in_branches(hlo),
     )
 
@@ -1461,4 +1462,21 @@ def print_calibration(say: Callable[[str], None]) -> None:
             ]
         )
     for line in table_rows(table):
+        say(line)
+    say(
+        "FLOPs per device: predicted (the model's, remat recompute included) and the compiled "
+        "step's matrix FLOPs (a pipeline's bubble ticks count as working ones there)"
+    )
+    flops = [["config", "stages", "predicted GFLOP", "compiled GFLOP", "compiled / predicted"]]
+    for row in rows:
+        flops.append(
+            [
+                row.label,
+                row.label.split("pp=")[1].split()[0] if "pp=" in row.label else "1",
+                f"{row.flops_predicted / 1e9:.2f}",
+                f"{row.flops_compiled / 1e9:.2f}",
+                f"{row.flops_compiled / row.flops_predicted:.3f}",
+            ]
+        )
+    for line in table_rows(flops):
         say(line)
