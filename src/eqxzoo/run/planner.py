@@ -41,6 +41,7 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 from eqxzoo.nn import Axes
+from eqxzoo.nn.mlp import GATED
 from eqxzoo.optim import trainable_mask
 from eqxzoo.parallel.mesh import MESH_AXES, DcnConfig, MeshConfig
 from eqxzoo.parallel.rules import partition_spec
@@ -366,7 +367,8 @@ class StateLeaf:
 class ModelFacts:
     """What pricing needs of ``config``'s model, computed once: the train state's arrays
     (`StateLeaf`), per-token widths of a layer's activations (elements; ``*_split``: split
-    over tp) and the FLOPs of a training token."""
+    over tp; ``tp_input_width``: the inputs of a layer's tp-split projections, whose
+    gradients each reduce over tp) and the FLOPs of a training token."""
 
     leaves: tuple[StateLeaf, ...]
     d_model: int
@@ -378,6 +380,7 @@ class ModelFacts:
     dots_whole: int
     hidden_split: int
     kv_width: int
+    tp_input_width: int
     attention_layers: int
     moe_layers: int
     top_k: int
@@ -431,6 +434,7 @@ class ModelFacts:
             context = heads * head_dim
             kv_width = kv
             whole = 0
+            attention_inputs = 3 * d  # q, k and v each read the layer's input
         else:
             qk = latent.qk_nope_head_dim + latent.qk_rope_head_dim
             q = heads * qk
@@ -438,6 +442,8 @@ class ModelFacts:
             context = heads * latent.v_head_dim
             kv_width = heads * (qk + latent.v_head_dim)
             whole = (latent.q_lora_rank or 0) + latent.kv_lora_rank + latent.qk_rope_head_dim
+            attention_inputs = (latent.q_lora_rank or d) + latent.kv_lora_rank
+        mlp_inputs = (2 if model.activation in GATED else 1) * d
         if model.moe is None:
             mlp, hidden, moe_layers, top_k, n_experts = 2 * model.mlp_dim, model.mlp_dim, 0, 1, 1
         else:
@@ -461,6 +467,7 @@ class ModelFacts:
             dots_whole=2 * d + whole,
             hidden_split=hidden,
             kv_width=kv_width,
+            tp_input_width=attention_inputs + mlp_inputs,
             attention_layers=model.n_layers,
             moe_layers=moe_layers,
             top_k=top_k,
@@ -673,10 +680,13 @@ def step_flops(facts: ModelFacts, plan: Plan) -> tuple[float, float]:
 def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], float]:
     """``{(kind, axis): buffer bytes}`` one device's collectives move in a step, as
     `eqxzoo.parallel.collectives` sizes them (a buffer each, not wire bytes): tensor
-    parallelism's all-reduces of each layer's output (two a layer each pass), context
-    parallelism's keys and values round the ring, expert parallelism's all-to-alls (two each
-    way a MoE layer), the pipeline's sends (one a tick each way), FSDP's gathers of each
-    stage's weights (each pass) and the gradients' reduce-scatter over the data axes."""
+    parallelism's all-reduces of each layer's outputs (two a layer each forward, one for a
+    layer's own remat, which stops at what its backward reads) and of the gradient of each
+    split projection's input (the partitioner reduces q's, k's and v's apart, not their
+    sum), and the vocabulary-split embedding's and head's; context parallelism's keys and
+    values round the ring, expert parallelism's all-to-alls (two each way a MoE layer), the
+    pipeline's sends (one a tick each way), FSDP's gathers of each stage's weights (each
+    pass) and the gradients' reduce-scatter over the data axes."""
     config, mesh = plan.config, plan.config.mesh
     tokens = tokens_per_microbatch(config)
     microbatches = config.pipeline.microbatches * config.data.grad_accum
@@ -685,7 +695,15 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
     activation = tokens * facts.d_model * facts.compute_bytes
     traffic: dict[tuple[str, str], float] = {}
     if mesh.tp > 1:
-        traffic[("all-reduce", "tp")] = 2 * (passes - 1) * stage_layers * microbatches * activation
+        # Each forward reduces the attention's and the MLP's outputs; a layer's own remat
+        # recomputes only up to what its backward reads, not the MLP's output.
+        outputs = 2 * (1 + plan.remat_stages) + (1 if plan.remat == "full" else 0)
+        inputs = tokens * facts.tp_input_width * facts.compute_bytes
+        per_layer = outputs * activation + inputs
+        ends = 2 if mesh.pp == 1 else 1  # the vocab-split embedding's and head's reductions
+        traffic[("all-reduce", "tp")] = microbatches * (
+            stage_layers * per_layer + ends * activation
+        )
     if mesh.cp > 1:
         shard = tokens * facts.kv_width / mesh.tp * facts.compute_bytes
         traffic[("collective-permute", "cp")] = (
