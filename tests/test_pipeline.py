@@ -89,6 +89,7 @@ CONTEXT_MESHES = {
     "dp2,pp2,cp2": MeshConfig(dp=2, pp=2, cp=2),
     "pp2,cp2,tp2": MeshConfig(pp=2, cp=2, tp=2),
     "cp4,tp2": MeshConfig(cp=4, tp=2),
+    "dp4,cp2": MeshConfig(dp=4, cp=2),
     "pp2,cp4": MeshConfig(pp=2, cp=4),
     "pp2,cp2,ep2": MeshConfig(pp=2, cp=2, ep=2),
 }
@@ -461,6 +462,7 @@ CONTEXT_CASES = [
         ("gemma2", "1f1b", "dp2,pp2,cp2", "M=P", "blockwise", "all_gather"),
         ("deepseek_v3", "circular", "pp2,cp4", "M=P", "plain", "all_gather"),
         ("mixtral", "gpipe", "cp4,tp2", "M=P", "chunked-z-pooled", "ring"),
+        ("llama", "gpipe", "dp4,cp2", "M=2P+1", "plain", "ring"),
         ("qwen3_moe", "zb_h1", "pp2,cp2,ep2", "M=2P+1", "plain", "ring"),
         ("gpt_oss", "interleaved_1f1b", "pp2,cp4", "M=P", "no-remat", "ring"),
     )

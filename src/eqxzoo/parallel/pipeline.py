@@ -140,6 +140,9 @@ def run_pipeline(
     params, static = eqx.partition(layers, eqx.is_array)
     params = restage_layers(params, placed_by, schedule)
     table = {name: jnp.asarray(values) for name, values in schedule.table().items()}
+    # One stage has no bubble: a conditional there would only be a branch never taken (whose
+    # output the partitioner may shard otherwise than the stage's: XLA rejects that).
+    has_bubbles = not bool(np.all(schedule.table()["active"]))
     n_stages, n_repeats = schedule.stages, schedule.repeats
     last_stage = n_stages - 1
     shift = [(stage, (stage + 1) % n_stages) for stage in range(n_stages)]
@@ -200,6 +203,8 @@ def run_pipeline(
             # of the picked weights for every tick.
             def stage_or_bubble(w, r, h, documents):
                 w = jax.tree.map(lambda p: p[r], w)
+                if not has_bubbles:
+                    return run_stage(w, h, documents)
                 if skip_bubbles:
                     return jax.lax.cond(active, run_stage, skip_stage, w, h, documents)
                 computed = run_stage(w, jnp.where(active, h, jnp.zeros_like(h)), documents)
