@@ -13,6 +13,10 @@ depend on the algorithm and the topology.
 device groups span (read from ``replica_groups`` or ``source_target_pairs``: SPMD programs
 name devices by their position in the mesh) and whether a group spans several slices
 (`eqxzoo.parallel.MeshConfig.slice_indices`), which puts its bytes on the slow network.
+
+`matmul_flops` counts the program's ``dot`` FLOPs the same way (each loop iteration, a
+conditional's dearest branch): what it computes, beside what it communicates, which XLA's
+``cost_analysis()`` undercounts by a loop's trip count.
 """
 
 import dataclasses
