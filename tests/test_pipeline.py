@@ -171,13 +171,16 @@ def runs(case: dict) -> bool:
     )
 
 
+def split_axes(mesh: MeshConfig) -> list[str]:
+    """Which of dp, tp and ep ``mesh`` splits."""
+    return [axis for axis in ("dp", "tp", "ep") if getattr(mesh, axis) > 1]
+
+
 def how_the_mesh_splits_the_family(case: dict) -> list[tuple]:
     """(family, axis) for each of dp, tp and ep that the case's mesh splits (its arrays split
     along those axes), and (kind of family, stages): its layers cut into that many stages."""
     mesh = MESHES[case["mesh"]]
-    axes = [
-        ("axis", case["family"], axis) for axis in ("dp", "tp", "ep") if getattr(mesh, axis) > 1
-    ]
+    axes = [("axis", case["family"], axis) for axis in split_axes(mesh)]
     return [*axes, ("stages", kind_of_family(case["family"]), mesh.pp)]
 
 
@@ -192,8 +195,7 @@ def with_axes_and_stages(name: str):
 
     def keys(case: dict) -> list[tuple]:
         mesh = MESHES[case["mesh"]]
-        axes = [axis for axis in ("dp", "tp", "ep") if getattr(mesh, axis) > 1]
-        return [(name, "axis", axis, case[name]) for axis in axes] + [
+        return [(name, "axis", axis, case[name]) for axis in split_axes(mesh)] + [
             (name, "stages", mesh.pp, case[name])
         ]
 

@@ -139,10 +139,11 @@ def run_pipeline(
         microbatches = microbatches.astype(jnp.float32)
     params, static = eqx.partition(layers, eqx.is_array)
     params = restage_layers(params, placed_by, schedule)
-    table = {name: jnp.asarray(values) for name, values in schedule.table().items()}
+    schedule_table = schedule.table()
+    table = {name: jnp.asarray(values) for name, values in schedule_table.items()}
     # One stage has no bubble: a conditional there would only be a branch never taken (whose
     # output the partitioner may shard otherwise than the stage's: XLA rejects that).
-    has_bubbles = not bool(np.all(schedule.table()["active"]))
+    has_bubbles = not bool(np.all(schedule_table["active"]))
     n_stages, n_repeats = schedule.stages, schedule.repeats
     last_stage = n_stages - 1
     shift = [(stage, (stage + 1) % n_stages) for stage in range(n_stages)]
