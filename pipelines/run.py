@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from eqxzoo.allocator import rerun_with_huge_pages
 from eqxzoo.errors import EXIT_LOST_PEER, EXIT_OK, UserError, fail, run_command
 from eqxzoo.train.stop_signal import (
     StoppedBeforeFirstStep,
@@ -183,5 +184,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    rerun_with_huge_pages("pipelines.run")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.exit(main())

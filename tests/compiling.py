@@ -9,6 +9,8 @@ conftest reads it before JAX starts).
 - `CACHE_DIR`: JAX's persistent compilation cache inside the clone, shared by the xdist
   workers, by the runs the end-to-end tests start (``run.compilation_cache_dir``) and by the
   next run of the suite: a program compiled once is loaded everywhere else.
+- ``GLIBC_TUNABLES``: the processes the suite starts run on huge pages from the start
+  (`eqxzoo.allocator`), so that no command runs itself again.
 """
 
 from pathlib import Path
@@ -30,4 +32,9 @@ def environment(base: dict[str, str], xla_flags: str = XLA_FLAGS) -> dict[str, s
     ``xla_flags=""`` keeps XLA's defaults, for a process that trains long enough for the
     optimised code to repay its compile (README's SFT run: 100 steps, 66 s -> 49 s)."""
     env = {k: v for k, v in base.items() if k != "XLA_FLAGS"}
-    return env | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "XLA_FLAGS": xla_flags}
+    return env | {
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": str(ROOT),
+        "XLA_FLAGS": xla_flags,
+        "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
+    }
