@@ -144,14 +144,24 @@ def test_every_part_is_checked():
     assert set(CHECKS) == set(bench.PARTS)
 
 
+# The parts that time one device run together, in the one process of one device they start.
+ONE_DEVICE = tuple(name for name, part in bench.PARTS.items() if part.one_device)
+GROUPS = [ONE_DEVICE, *((name,) for name in bench.PARTS if name not in ONE_DEVICE)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("part", bench.PARTS)
-def test_bench_part_writes_its_json_keys(part, tmp_path, capsys):
+@pytest.mark.parametrize("parts", GROUPS, ids="+".join)
+def test_bench_parts_write_their_json_keys(parts, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    returned = bench.main(["--quick", "--repeats", "1", "--only", part, "--json", str(out)])
+    only = [f"--only={part}" for part in parts]
+    returned = bench.main(["--quick", "--repeats", "1", *only, "--json", str(out)])
     figures = json.loads(out.read_text())
     assert figures == json.loads(json.dumps(returned))
     assert isinstance(figures["matmul_peak_flops"], float)
-    assert set(bench.PARTS[part].keys) <= set(figures), "it writes the keys its row names"
-    CHECKS[part](figures)
-    assert capsys.readouterr().out.strip(), "every part prints its figures"
+    printed = capsys.readouterr().out
+    for part in parts:
+        assert set(bench.PARTS[part].keys) <= set(figures), f"{part} writes its row's keys"
+        CHECKS[part](figures)
+    assert printed.strip(), "every part prints its figures"
+    if parts == ONE_DEVICE:
+        assert "single device: " in printed and "pytorch eager: " in printed

@@ -59,6 +59,11 @@ PyTorch (5., 12.) also run both steps in turn and report the median of the round
 Each part is one row of `PARTS`: what it measures, what it prints and the JSON keys it
 writes (the modules beside this one hold the measurements).
 
+The parts that time one device (1., 5., 11., 12.) run in a process of one device, as
+`pipelines.run` does on a one-device mesh: a process of 8 simulated CPU devices has 8 XLA
+intra-op threads on the machine's cores, which made the one-device step 25% slower on 2
+cores (`main` starts that process, ``EQXZOO_BENCH_DEVICES=1``).
+
 Absolute times on a shared machine are noise; the ratios, measured in one run, are the result.
 ``--quick`` runs every part on a toy model with the fewest points of each sweep: it checks the
 command and its JSON (the test suite runs it), not speed.
@@ -71,7 +76,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
 
 from eqxzoo.parallel.action_costs import cost_ratio  # noqa: E402
 from eqxzoo.parallel.schedule import SCHEDULES as SCHEDULE_SPECS  # noqa: E402
@@ -107,12 +118,14 @@ class Options:
 @dataclasses.dataclass(frozen=True)
 class Part:
     """One part of the benchmark: ``measure(options)`` returns its figures (the JSON ``keys``),
-    ``report(figures)`` the lines it prints."""
+    ``report(figures)`` the lines it prints; ``one_device``: it times one device, in a
+    process of one device (module docstring)."""
 
     name: str
     measure: Callable[[Options], dict]
     report: Callable[[dict], list[str]]
     keys: tuple[str, ...]
+    one_device: bool = False
 
 
 def _single(options: Options) -> dict:
@@ -287,7 +300,7 @@ SINGLE_KEYS = ("tokens_per_s", "model_flops_per_token", "model_flops_per_s", "mf
 PARTS: dict[str, Part] = {
     part.name: part
     for part in (
-        Part("single", _single, _report_single, SINGLE_KEYS),
+        Part("single", _single, _report_single, SINGLE_KEYS, one_device=True),
         Part(
             "pipeline",
             lambda o: pipeline_efficiency(o.repeats, o.quick),
@@ -319,6 +332,7 @@ PARTS: dict[str, Part] = {
             _torch,
             _report_torch,
             (*SINGLE_KEYS, "vs_pytorch"),
+            one_device=True,
         ),
         Part(
             "loader",
@@ -374,12 +388,14 @@ PARTS: dict[str, Part] = {
             lambda o: attention_figures(o.repeats, o.quick),
             _report_attention,
             ("attention_fwd_bwd_s", "attention_temp_bytes"),
+            one_device=True,
         ),
         Part(
             "seq",
             lambda o: step_by_seq(o.repeats, o.quick),
             _report_seq,
             ("step_vs_pytorch_by_seq",),
+            one_device=True,
         ),
     )
 }
@@ -399,11 +415,20 @@ def main(argv: list[str] | None = None) -> dict:
     )
     args = parser.parse_args(argv)
     parts = frozenset(args.only or PARTS)
-    peak = measured_matmul_flops(repeats=args.repeats, size=256 if args.quick else 2048)
+    figures: dict = {}
+    elsewhere = (
+        {name for name in parts if PARTS[name].one_device} if jax.device_count() > 1 else set()
+    )
+    if elsewhere:
+        figures |= _on_one_device(sorted(elsewhere), repeats=args.repeats, quick=args.quick)
+    here = parts - elsewhere
+    peak = figures.get("matmul_peak_flops") or measured_matmul_flops(
+        repeats=args.repeats, size=256 if args.quick else 2048
+    )
     options = Options(repeats=args.repeats, quick=args.quick, peak=peak, parts=parts)
-    figures: dict = {"matmul_peak_flops": peak}
+    figures["matmul_peak_flops"] = peak
     for part in PARTS.values():
-        if part.name in parts:
+        if part.name in here:
             measured = part.measure(options)
             figures.update(measured)
             if measured:
@@ -413,3 +438,23 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
     return figures
+
+
+DEVICES_ENV = "EQXZOO_BENCH_DEVICES"
+
+
+def _on_one_device(parts: list[str], *, repeats: int, quick: bool) -> dict:
+    """The figures of ``parts`` measured by ``python -m pipelines.bench`` in a process of one
+    device, its lines printed here."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "one_device.json"
+        args = [sys.executable, "-m", "pipelines.bench", "--repeats", str(repeats)]
+        args += [*(f"--only={name}" for name in parts), "--json", str(out)]
+        args += ["--quick"] if quick else []
+        child = subprocess.run(
+            args, env=os.environ | {DEVICES_ENV: "1"}, capture_output=True, text=True
+        )
+        if child.returncode != 0:
+            raise RuntimeError(f"the one-device parts failed:\n{child.stderr[-3000:]}")
+        print(child.stdout, end="")
+        return json.loads(out.read_text())
