@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Shaped
 
+from eqxzoo.nn.rows import row_max
 from eqxzoo.nn.varying import cotangent_for, varying_like
 
 
@@ -317,7 +318,7 @@ def _forward(blocks, q, k, v, q_positions, k_positions, window, sinks, segments=
                     raw = jnp.where(visible, raw, -jnp.inf)
                 # The logits are increasing in the raw products: their row maximum is the
                 # logit of the raw maximum, which saves a pass over the block.
-                new_max = jnp.maximum(running_max, _logits(raw.max(-1), blocks))
+                new_max = jnp.maximum(running_max, _logits(row_max(raw), blocks))
                 finite_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
                 probs = jnp.exp(_logits(raw, blocks) - finite_max[..., None])
                 if masked:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from eqxzoo.nn.rows import row_max
 from eqxzoo.nn.varying import varying_like
 
 Unembedding = Float[Array, "embed vocab"] | Float[Array, "vocab embed"]
@@ -290,7 +291,7 @@ def _forward(
             logits = _chunk_logits(
                 _take(h_split, token_chunk, n_batch), columns, chunk, softcap, chunks
             )
-            new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
+            new_max = jnp.maximum(running_max, row_max(logits))
             running_sum = running_sum * jnp.exp(running_max - new_max) + jnp.sum(
                 jnp.exp(logits - new_max[..., None]), axis=-1
             )

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from eqxzoo.nn.blockwise import blockwise_attend
+from eqxzoo.nn.rows import softmax_rows
 from eqxzoo.typed_config import refuse
 
 AttentionKernel = Literal["auto", "blockwise", "dense", "cudnn"]
@@ -197,11 +198,22 @@ def dense_attend(
     of the real keys then sum to less than one, so a head can attend to nothing.
     ``q_segments`` and ``k_segments`` (packed documents, per sequence): a query sees only
     the keys of its own segment as well.
+
+    The matmuls run head-major: queries, keys and values are moved to ``(heads, seq,
+    head_dim)`` first and the result back after, so that each matmul and its two gradients
+    contract the minor axis of a contiguous block; left to XLA:CPU, the same einsums on the
+    token-major arrays transposed the ``(seq, kv_seq)`` scores in the backward pass (fwd+bwd
+    of 8 x 256 tokens, 4 heads: 32 -> 27 ms; at 1,024 tokens 219 -> 114 ms).
     """
     *batch, seq, n_heads, head_dim = q.shape
     n_kv_heads = k.shape[-2]
-    grouped = q.reshape(*batch, seq, n_kv_heads, n_heads // n_kv_heads, head_dim)
-    scores = jnp.einsum("...tkgd,...skd->...kgts", grouped, k, preferred_element_type=jnp.float32)
+    groups, kv_seq = n_heads // n_kv_heads, k.shape[-3]
+    grouped = q.reshape(*batch, seq, n_kv_heads, groups, head_dim)
+    # (..., kv_heads, rows, head_dim): a key/value head's rows are its groups' tokens.
+    rows = jnp.moveaxis(grouped, -4, -2).reshape(*batch, n_kv_heads, groups * seq, head_dim)
+    k, v = jnp.moveaxis(k, -3, -2), jnp.moveaxis(v, -3, -2)  # (..., kv_heads, kv_seq, d)
+    scores = jnp.einsum("...krd,...ksd->...krs", rows, k, preferred_element_type=jnp.float32)
+    scores = scores.reshape(*batch, n_kv_heads, groups, seq, kv_seq)
     scores = scores * scale
     if softcap is not None:
         scores = softcap * jnp.tanh(scores / softcap)
@@ -213,12 +225,15 @@ def dense_attend(
         visible = visible & same[..., None, None, :, :]
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     if sinks is None:
-        probs = jax.nn.softmax(scores, axis=-1)
+        probs = softmax_rows(scores)
     else:
         sink_logits = sinks.astype(jnp.float32).reshape(n_kv_heads, -1, 1, 1)
         sink_logits = jnp.broadcast_to(sink_logits, (*scores.shape[:-1], 1))
-        probs = jax.nn.softmax(jnp.concatenate([scores, sink_logits], axis=-1), axis=-1)
+        probs = softmax_rows(jnp.concatenate([scores, sink_logits], axis=-1))
         probs = probs[..., :-1]
     probs = probs.astype(v.dtype)
-    attended = jnp.einsum("...kgts,...skd->...tkgd", probs, v, preferred_element_type=jnp.float32)
+    probs = probs.reshape(*batch, n_kv_heads, groups * seq, kv_seq)
+    attended = jnp.einsum("...krs,...ksd->...krd", probs, v, preferred_element_type=jnp.float32)
+    attended = attended.reshape(*batch, n_kv_heads, groups, seq, v.shape[-1])
+    attended = jnp.moveaxis(attended, -2, -4)  # (..., seq, kv_heads, groups, v_head_dim)
     return attended.reshape(*batch, seq, n_heads, v.shape[-1]).astype(q.dtype)
