@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-
 from compiling import ROOT
+
 from eqxzoo.allocator import HUGE_PAGES, OPT_OUT_ENV, TUNABLES_ENV, huge_pages_on_request
 
 PROBE = (
