@@ -5,7 +5,7 @@ XLA:CPU allocates each step's temporaries afresh, and glibc maps every allocatio
 300 MB of fresh memory a step, 76,800 minor page faults of 4 KiB. Where the kernel gives
 transparent huge pages on request (``madvise``, the common default) and glibc has the
 ``glibc.malloc.hugetlb`` tunable (2.35 and later), ``hugetlb=1`` asks for 2 MiB pages for
-those mappings: 1,200 faults a step, the step 12-15% faster. A tunable is read only when the
+those mappings: 1,200 faults a step, the step 8-14% faster. A tunable is read only when the
 process starts, so the command runs itself again with it (`rerun_with_huge_pages`); this
 module imports nothing heavy, so that costs a fraction of a second.
 """
