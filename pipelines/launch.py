@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 
+from eqxzoo.allocator import rerun_with_huge_pages
 from eqxzoo.errors import run_command
 from eqxzoo.runtime import HEARTBEAT_ENV, LOOPBACK, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 
@@ -140,4 +141,6 @@ def describe_exit(code: int) -> str:
 
 
 if __name__ == "__main__":
+    # Once here, so that the processes it starts inherit the allocator and none re-runs.
+    rerun_with_huge_pages("pipelines.launch")
     sys.exit(main())

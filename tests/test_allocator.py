@@ -40,9 +40,10 @@ def test_a_command_runs_itself_again_on_huge_pages_and_says_so_first():
         f"({TUNABLES_ENV}={HUGE_PAGES}; {OPT_OUT_ENV}=system runs without)"
     )
     assert rest == [f"tunables: {HUGE_PAGES}"]
-    first, second, *_ = run_python(["-m", "pipelines.run", "--help"])
-    assert first.startswith("pipelines.run: running again on glibc malloc")
-    assert second.startswith("usage: ")
+    for command in ("pipelines.run", "pipelines.launch"):
+        first, second, *_ = run_python(["-m", command, "--help"])
+        assert first.startswith(f"{command}: running again on glibc malloc")
+        assert second.startswith("usage: ")
 
 
 def test_a_command_keeps_the_allocator_the_user_chose():
