@@ -15,6 +15,8 @@ conftest reads it before JAX starts).
 
 from pathlib import Path
 
+from eqxzoo.allocator import HUGE_PAGES, TUNABLES_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 XLA_FLAGS = " ".join(
     (
@@ -36,5 +38,5 @@ def environment(base: dict[str, str], xla_flags: str = XLA_FLAGS) -> dict[str, s
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(ROOT),
         "XLA_FLAGS": xla_flags,
-        "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
+        TUNABLES_ENV: HUGE_PAGES,
     }
