@@ -10,8 +10,8 @@ about ``w / seq`` of it. Pairs that are visible throughout skip the mask as well
 
 Layout: a query block's rows are its tokens times the query heads that share one key/value
 head (``rows = q_block * groups``), so each key block is read once for a whole group. The
-outer loop runs over (batch, key/value head) pairs, two per step when blocks are full (their
-scores then stay in cache) and more together when they are not (decoding). The
+outer loop runs over (batch, key/value head) pairs, as many per step as keep the step's
+scores within `SCORES_PER_STEP` (more when blocks are short: a chunk, a decoding step). The
 backward pass works on transposed scores ``(keys, rows)``, which keeps each of its five
 matmuls in a layout XLA:CPU runs fast (a transposed left operand ran at half speed).
 """
@@ -129,23 +129,29 @@ class _Blocks(NamedTuple):
     @classmethod
     def choose(cls, block_size, seq, kv_seq, n_pairs, groups, scale, softcap) -> "_Blocks":
         """Query blocks of ``block_size`` rows and key blocks of ``block_size`` keys, and as
-        many (batch, key/value head) pairs per step as fill ``2 * block_size`` rows: two
-        full blocks, or many pairs of a short chunk or a decoding step (per-pair steps of
-        tiny blocks would cost more in loop iterations than they compute).
+        many (batch, key/value head) pairs per step as keep the step's scores within
+        `SCORES_PER_STEP` elements: one batched matmul for many pairs costs fewer loop
+        iterations than a matmul each, which matters most for a short chunk or a decoding
+        step (tiny blocks).
 
-        Measured on 2 cores, forward and backward, 8 heads of 64, with this process given
-        the CPU: XLA:CPU spreads an operation over both cores only once it is large, so 512 x
-        512 tiles ran within 1.1-1.4x of PyTorch's flash attention at T = 1024-8192 where
-        128 x 256 tiles, though cheaper in CPU time, ran on one core (1.9x). Few pairs per
-        step keep their scores in cache (eight heads at once: 10-20% slower).
+        Measured on 2 cores with XLA:CPU's Eigen dots, forward and backward, 4 heads of 64
+        and 2,048 tokens a batch: 256 x 256 tiles, 16 pairs a step, ran T = 512 / 1,024 /
+        2,048 in 40 / 59 / 99 ms where 512 x 512 tiles two pairs a step took 50 (dense) / 74
+        / 112 ms: fewer masked key positions on the diagonal blocks, fewer loop iterations.
         """
         q_block = min(seq, max(1, block_size // groups))
+        k_block = min(block_size, kv_seq)
         fits = [
             d
             for d in range(1, n_pairs + 1)
-            if n_pairs % d == 0 and d * q_block * groups <= 2 * block_size
+            if n_pairs % d == 0 and d * q_block * groups * k_block <= SCORES_PER_STEP
         ]
-        return cls(scale, softcap, q_block, min(block_size, kv_seq), max(fits, default=1))
+        return cls(scale, softcap, q_block, k_block, max(fits, default=1))
+
+
+SCORES_PER_STEP = 2**20
+"""At most this many float32 scores (4 MiB) in one step of the blockwise kernel's outer loop
+(`_Blocks.choose`): up to 16 pairs of 256 x 256 blocks."""
 
 
 class _Plan(NamedTuple):

@@ -41,6 +41,7 @@ from eqxzoo.nn.blockwise import (
     blockwise_attend,
     on_one_batch_axis,
 )
+from eqxzoo.nn.kernels import DEFAULT_BLOCK_SIZE
 from eqxzoo.nn.varying import cotangent_for, varying_like
 
 
@@ -119,7 +120,7 @@ def context_attend(
     scale: float,
     softcap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
-    block_size: int = 512,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     segments: Int[Array, "*batch seq"] | None = None,
 ) -> Float[Array, "*batch seq heads v_head_dim"]:
     """`eqxzoo.nn.blockwise.blockwise_attend` of this device's shard of the queries against

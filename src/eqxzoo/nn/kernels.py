@@ -14,7 +14,7 @@ from eqxzoo.typed_config import refuse
 AttentionKernel = Literal["auto", "blockwise", "dense", "cudnn"]
 
 
-DEFAULT_BLOCK_SIZE = 512
+DEFAULT_BLOCK_SIZE = 256
 
 
 def attend(
