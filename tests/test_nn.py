@@ -48,6 +48,49 @@ def test_layer_norm_matches_formula():
     np.testing.assert_allclose(norm(x), (x - mean) / np.sqrt(var + 1e-5), rtol=1e-5, atol=1e-6)
 
 
+def _plain_norm(norm, x):
+    """The norm's formula left to autodiff."""
+    if isinstance(norm, LayerNorm):
+        mean = x.mean(-1, keepdims=True)
+        normed = (x - mean) / jnp.sqrt(jnp.square(x - mean).mean(-1, keepdims=True) + norm.eps)
+        return normed * norm.weight + norm.bias
+    axes = tuple(range(-norm.weight.ndim, 0))
+    normed = x / jnp.sqrt(jnp.square(x).mean(axes, keepdims=True) + norm.eps)
+    return normed * (norm.weight_offset + norm.weight)
+
+
+@pytest.mark.parametrize(
+    "norm",
+    [
+        LayerNorm(16),
+        RMSNorm(16),
+        RMSNorm((2, 8), weight_offset=1.0, axis_names=("heads", "head_dim")),
+    ],
+    ids=["layer", "rms", "rms_two_axes_offset"],
+)
+def test_norm_gradients_match_autodiff_and_keep_only_the_input(norm):
+    """The custom VJP gives autodiff's gradients of the formula, and of the input-sized
+    arrays it keeps only the input (the statistics are one value per row)."""
+    keys = jax.random.split(jax.random.key(13), 3)
+    norm = jax.tree.map(lambda w: w + 0.3 * jax.random.normal(keys[0], w.shape), norm)
+    x = jax.random.normal(keys[1], (5, 3, 16)).reshape(5, 3, *norm.weight.shape) * 2 + 0.5
+    probe = jax.random.normal(keys[2], x.shape)
+
+    def loss(fn):
+        return lambda norm, x: jnp.sum(jnp.sin(fn(norm, x)) * probe)
+
+    ours = jax.grad(loss(lambda norm, x: norm(x)), argnums=(0, 1))(norm, x)
+    reference = jax.grad(loss(_plain_norm), argnums=(0, 1))(norm, x)
+    for got, want in zip(jax.tree.leaves(ours), jax.tree.leaves(reference), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print_saved_residuals(lambda x: norm(x), x)
+    shape = ",".join(map(str, x.shape))
+    input_sized = [line for line in printed.getvalue().splitlines() if f"[{shape}]" in line]
+    assert len(input_sized) == 1 and "from the argument" in input_sized[0], printed.getvalue()
+
+
 def test_rope_preserves_norm_and_is_relative():
     q = jax.random.normal(jax.random.key(2), (1, 2, 8))
     k = jax.random.normal(jax.random.key(3), (1, 2, 8))

@@ -27,6 +27,9 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, Shaped
 from eqxzoo.nn.rows import row_max
 from eqxzoo.nn.varying import cotangent_for, varying_like
 
+DEFAULT_BLOCK_SIZE = 256
+"""Tokens per key block and rows per query block (`_Blocks.choose` says why)."""
+
 
 def blockwise_attend(
     q: Float[Array, "*batch seq heads head_dim"],
@@ -39,7 +42,7 @@ def blockwise_attend(
     scale: float,
     softcap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
-    block_size: int = 512,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     q_segments: Int[Array, "*batch seq"] | None = None,
     k_segments: Int[Array, "*batch kv_seq"] | None = None,
 ) -> Float[Array, "*batch seq heads v_head_dim"]:

@@ -33,6 +33,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PyTree
 
 from eqxzoo.nn.blockwise import (
+    DEFAULT_BLOCK_SIZE,
     _Blocks,
     _blockwise_bwd,
     _forward,
@@ -41,7 +42,6 @@ from eqxzoo.nn.blockwise import (
     blockwise_attend,
     on_one_batch_axis,
 )
-from eqxzoo.nn.kernels import DEFAULT_BLOCK_SIZE
 from eqxzoo.nn.varying import cotangent_for, varying_like
 
 

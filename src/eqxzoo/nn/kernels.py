@@ -7,14 +7,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from eqxzoo.nn.blockwise import blockwise_attend
+from eqxzoo.nn.blockwise import DEFAULT_BLOCK_SIZE, blockwise_attend
 from eqxzoo.nn.rows import softmax_rows
 from eqxzoo.typed_config import refuse
 
 AttentionKernel = Literal["auto", "blockwise", "dense", "cudnn"]
-
-
-DEFAULT_BLOCK_SIZE = 256
 
 
 def attend(
@@ -224,15 +221,15 @@ def dense_attend(
         same = q_segments[..., :, None] == k_segments[..., None, :]
         visible = visible & same[..., None, None, :, :]
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
-    if sinks is None:
-        probs = softmax_rows(scores)
-    else:
+    if sinks is not None:
         sink_logits = sinks.astype(jnp.float32).reshape(n_kv_heads, -1, 1, 1)
         sink_logits = jnp.broadcast_to(sink_logits, (*scores.shape[:-1], 1))
-        probs = softmax_rows(jnp.concatenate([scores, sink_logits], axis=-1))
-        probs = probs[..., :-1]
+        scores = jnp.concatenate([scores, sink_logits], axis=-1)
+    # The softmax runs on the rows the matmul reads, so that its output is the one array
+    # both backward passes keep.
+    probs = softmax_rows(scores.reshape(*batch, n_kv_heads, groups * seq, -1))
+    probs = probs if sinks is None else probs[..., :kv_seq]
     probs = probs.astype(v.dtype)
-    probs = probs.reshape(*batch, n_kv_heads, groups * seq, kv_seq)
     attended = jnp.einsum("...krs,...ksd->...krd", probs, v, preferred_element_type=jnp.float32)
     attended = attended.reshape(*batch, n_kv_heads, groups, seq, v.shape[-1])
     attended = jnp.moveaxis(attended, -2, -4)  # (..., seq, kv_heads, groups, v_head_dim)
