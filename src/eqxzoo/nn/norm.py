@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
+from eqxzoo.nn.rows import leading_sum, row_mean
 from eqxzoo.nn.varying import cotangent_for
 from eqxzoo.typed_config import refuse
 
@@ -59,9 +60,8 @@ class RMSNorm(AbstractAxesOwner):
 
 
 def _rms_norm_forward(eps, weight_offset, x, weight):
-    axes = tuple(range(-weight.ndim, 0))
     x32 = x.astype(jnp.float32)
-    inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axes, keepdims=True) + eps)
+    inv_rms = jax.lax.rsqrt(_trailing_mean(jnp.square(x32), weight.ndim) + eps)
     normed = x32 * inv_rms
     if weight_offset == 0.0:
         out = (weight * normed.astype(x.dtype)).astype(x.dtype)
@@ -78,16 +78,22 @@ def _rms_norm(eps, weight_offset, x, weight):
 def _rms_norm_backward(eps, weight_offset, residuals, d_out):
     """With ``n = x / rms`` and ``g = d_out * scale``: ``dx = (g - n mean(g n)) / rms``."""
     x, inv_rms, weight = residuals
-    axes = tuple(range(-weight.ndim, 0))
     normed = x.astype(jnp.float32) * inv_rms
     d_out = d_out.astype(jnp.float32)
     scaled = d_out * (weight_offset + weight.astype(jnp.float32))
-    d_x = inv_rms * (scaled - normed * jnp.mean(scaled * normed, axis=axes, keepdims=True))
-    d_weight = jnp.sum(d_out * normed, axis=tuple(range(x.ndim - weight.ndim)))
+    d_x = inv_rms * (scaled - normed * _trailing_mean(scaled * normed, weight.ndim))
+    d_weight = leading_sum(d_out * normed, weight.ndim)
     return d_x.astype(x.dtype), cotangent_for(d_weight.astype(weight.dtype), weight)
 
 
 _rms_norm.defvjp(_rms_norm_forward, _rms_norm_backward)
+
+
+def _trailing_mean(x: Float[Array, "*batch dims"], n_axes: int) -> Float[Array, "..."]:
+    """The mean over the last ``n_axes`` axes, kept as axes of size one."""
+    lead = x.shape[: x.ndim - n_axes]
+    mean = row_mean(x.reshape(*lead, -1))
+    return mean.reshape(*lead, *(1,) * n_axes)
 
 
 class LayerNorm(AbstractAxesOwner):
@@ -113,8 +119,8 @@ class LayerNorm(AbstractAxesOwner):
 
 def _layer_norm_forward(eps, x, weight, bias):
     x32 = x.astype(jnp.float32)
-    mean = jnp.mean(x32, axis=-1, keepdims=True)
-    inv_std = jax.lax.rsqrt(jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True) + eps)
+    mean = row_mean(x32)
+    inv_std = jax.lax.rsqrt(row_mean(jnp.square(x32 - mean)) + eps)
     normed = ((x32 - mean) * inv_std).astype(x.dtype)
     return (normed * weight + bias).astype(x.dtype), (x, mean, inv_std, weight, bias)
 
@@ -131,11 +137,10 @@ def _layer_norm_backward(eps, residuals, d_out):
     normed = (x.astype(jnp.float32) - mean) * inv_std
     d_out = d_out.astype(jnp.float32)
     scaled = d_out * weight.astype(jnp.float32)
-    centred = scaled - jnp.mean(scaled, axis=-1, keepdims=True)
-    d_x = inv_std * (centred - normed * jnp.mean(scaled * normed, axis=-1, keepdims=True))
-    tokens = tuple(range(x.ndim - 1))
-    d_weight = jnp.sum(d_out * normed, axis=tokens).astype(weight.dtype)
-    d_bias = jnp.sum(d_out, axis=tokens).astype(bias.dtype)
+    centred = scaled - row_mean(scaled)
+    d_x = inv_std * (centred - normed * row_mean(scaled * normed))
+    d_weight = leading_sum(d_out * normed, 1).astype(weight.dtype)
+    d_bias = leading_sum(d_out, 1).astype(bias.dtype)
     return d_x.astype(x.dtype), cotangent_for(d_weight, weight), cotangent_for(d_bias, bias)
 
 

@@ -6,8 +6,12 @@ XLA:CPU, compiling without YNNPACK fusions (`eqxzoo.runtime.FAST_CPU_FLAGS`), re
 reduction over more than 32 elements into a windowed reduction first (for the precision of
 sums); for a maximum, which is exact in any order, that only costs time: the
 row maximum of the reference model's ``(8, 4, 256, 256)`` attention scores took 1.65 ms, and
-0.25 ms folded in halves (`row_max`), the same values bit for bit.
+0.25 ms folded in halves (`row_max`), the same values bit for bit. A sum folded the same way
+(`row_sum`, `leading_sum`) is a pairwise sum down to 32 terms: another order of the same
+float32 additions, and 2-5x faster than the windowed reduction.
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -26,15 +30,41 @@ def row_max(x: Float[Array, "*rows n"]) -> Float[Array, "*rows"]:
     return x.max(-1)
 
 
+def row_sum(x: Float[Array, "*rows n"]) -> Float[Array, "*rows"]:
+    """``x.sum(-1)``: the row folded in halves by addition down to `DIRECT_REDUCTION`
+    elements (while its width is even), then reduced."""
+    while x.shape[-1] > DIRECT_REDUCTION and x.shape[-1] % 2 == 0:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x.sum(-1)
+
+
+def row_mean(x: Float[Array, "*rows n"]) -> Float[Array, "*rows 1"]:
+    """``x.mean(-1, keepdims=True)`` by `row_sum`."""
+    return (row_sum(x) / x.shape[-1])[..., None]
+
+
+def leading_sum(x: Float[Array, "*dims"], n_rest: int) -> Float[Array, "*rest"]:
+    """``x`` summed over every axis but its last ``n_rest`` (a weight's gradient summed over
+    tokens), folded in halves along the flattened leading axes like `row_sum`."""
+    rest = x.shape[x.ndim - n_rest :]
+    x = x.reshape(math.prod(x.shape[: x.ndim - n_rest]), *rest)
+    while x.shape[0] > DIRECT_REDUCTION and x.shape[0] % 2 == 0:
+        half = x.shape[0] // 2
+        x = x[:half] + x[half:]
+    return x.sum(0)
+
+
 @jax.custom_jvp
 def softmax_rows(x: Float[Array, "*rows n"]) -> Float[Array, "*rows n"]:
-    """`jax.nn.softmax` over the last axis (its formula and its JVP), with `row_max`."""
+    """`jax.nn.softmax` over the last axis (its formula and its JVP), with `row_max` and
+    `row_sum`."""
     unnormalized = jnp.exp(x - row_max(x)[..., None])
-    return unnormalized / unnormalized.sum(-1, keepdims=True)
+    return unnormalized / row_sum(unnormalized)[..., None]
 
 
 @softmax_rows.defjvp
 def _softmax_rows_jvp(primals, tangents):
     (x,), (x_dot,) = primals, tangents
     y = softmax_rows(x)
-    return y, y * (x_dot - (y * x_dot).sum(-1, keepdims=True))
+    return y, y * (x_dot - row_sum(y * x_dot)[..., None])
