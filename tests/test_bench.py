@@ -6,8 +6,11 @@ import json
 
 import pytest
 
+from eqxzoo.parallel import MeshConfig, Schedule
+from eqxzoo.parallel.collectives import permutes_in_branches
 from pipelines import bench
 from pipelines.bench import kernels, moe, schedules, throughput
+from pipelines.bench.common import StepRunner, batch_and_seq, reference_config
 
 
 def keys(numbers) -> set[str]:
@@ -165,3 +168,19 @@ def test_bench_parts_write_their_json_keys(parts, tmp_path, capsys):
     assert printed.strip(), "every part prints its figures"
     if parts == ONE_DEVICE:
         assert "single device: " in printed and "pytorch eager: " in printed
+
+
+def test_the_reference_pipelined_step_leaves_no_permute_in_a_branch():
+    """The benchmark's dp2 x pp4 step at the reference sizes (the partitioner's choices
+    depend on them: ``--quick``'s differ) compiles without a collective-permute inside the
+    stages' bubble-skipping branch, where XLA:CPU hangs: LayerNorm statistics summed by
+    folding the features in halves once put some there."""
+    batch, seq = batch_and_seq(quick=False)
+    runner = StepRunner(
+        reference_config(),
+        MeshConfig(dp=2, pp=4),
+        Schedule("gpipe", 4, 8, 1),
+        (1, 8, batch, seq),
+        compile_only=True,
+    )
+    assert permutes_in_branches(runner.compiled.as_text()) == []

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from eqxzoo.nn.axes import AbstractAxesOwner, LogicalName
-from eqxzoo.nn.rows import leading_sum, row_mean
 from eqxzoo.nn.varying import cotangent_for
 from eqxzoo.typed_config import refuse
 
@@ -82,7 +81,7 @@ def _rms_norm_backward(eps, weight_offset, residuals, d_out):
     d_out = d_out.astype(jnp.float32)
     scaled = d_out * (weight_offset + weight.astype(jnp.float32))
     d_x = inv_rms * (scaled - normed * _trailing_mean(scaled * normed, weight.ndim))
-    d_weight = leading_sum(d_out * normed, weight.ndim)
+    d_weight = jnp.sum(d_out * normed, axis=tuple(range(x.ndim - weight.ndim)))
     return d_x.astype(x.dtype), cotangent_for(d_weight.astype(weight.dtype), weight)
 
 
@@ -90,10 +89,11 @@ _rms_norm.defvjp(_rms_norm_forward, _rms_norm_backward)
 
 
 def _trailing_mean(x: Float[Array, "*batch dims"], n_axes: int) -> Float[Array, "..."]:
-    """The mean over the last ``n_axes`` axes, kept as axes of size one."""
-    lead = x.shape[: x.ndim - n_axes]
-    mean = row_mean(x.reshape(*lead, -1))
-    return mean.reshape(*lead, *(1,) * n_axes)
+    """The mean over the last ``n_axes`` axes, kept as axes of size one. Not a folded sum
+    (`eqxzoo.nn.rows`): the partitioner may split the features over a mesh axis (from a
+    weight sharded over it), and a fold across a split axis moves data between devices
+    inside a pipeline stage's branch, where not every device runs it."""
+    return jnp.mean(x, axis=tuple(range(-n_axes, 0)), keepdims=True)
 
 
 class LayerNorm(AbstractAxesOwner):
@@ -119,8 +119,8 @@ class LayerNorm(AbstractAxesOwner):
 
 def _layer_norm_forward(eps, x, weight, bias):
     x32 = x.astype(jnp.float32)
-    mean = row_mean(x32)
-    inv_std = jax.lax.rsqrt(row_mean(jnp.square(x32 - mean)) + eps)
+    mean = _trailing_mean(x32, 1)
+    inv_std = jax.lax.rsqrt(_trailing_mean(jnp.square(x32 - mean), 1) + eps)
     normed = ((x32 - mean) * inv_std).astype(x.dtype)
     return (normed * weight + bias).astype(x.dtype), (x, mean, inv_std, weight, bias)
 
@@ -137,10 +137,11 @@ def _layer_norm_backward(eps, residuals, d_out):
     normed = (x.astype(jnp.float32) - mean) * inv_std
     d_out = d_out.astype(jnp.float32)
     scaled = d_out * weight.astype(jnp.float32)
-    centred = scaled - row_mean(scaled)
-    d_x = inv_std * (centred - normed * row_mean(scaled * normed))
-    d_weight = leading_sum(d_out * normed, 1).astype(weight.dtype)
-    d_bias = leading_sum(d_out, 1).astype(bias.dtype)
+    centred = scaled - _trailing_mean(scaled, 1)
+    d_x = inv_std * (centred - normed * _trailing_mean(scaled * normed, 1))
+    tokens = tuple(range(x.ndim - 1))
+    d_weight = jnp.sum(d_out * normed, axis=tokens).astype(weight.dtype)
+    d_bias = jnp.sum(d_out, axis=tokens).astype(bias.dtype)
     return d_x.astype(x.dtype), cotangent_for(d_weight, weight), cotangent_for(d_bias, bias)
 
 

@@ -7,11 +7,12 @@ reduction over more than 32 elements into a windowed reduction first (for the pr
 sums); for a maximum, which is exact in any order, that only costs time: the
 row maximum of the reference model's ``(8, 4, 256, 256)`` attention scores took 1.65 ms, and
 0.25 ms folded in halves (`row_max`), the same values bit for bit. A sum folded the same way
-(`row_sum`, `leading_sum`) is a pairwise sum down to 32 terms: another order of the same
-float32 additions, and 2-5x faster than the windowed reduction.
+(`row_sum`) is a pairwise sum down to 32 terms: another order of the same float32 additions,
+and 2-5x faster than the windowed reduction. Folds are only for axes no mesh axis splits (a
+row of attention scores over its keys): the partitioner moves the halves of a split axis
+between devices with collective-permutes, which deadlock inside a pipeline stage's branch
+(a LayerNorm's features, split where an FSDP weight's sharding propagated, did).
 """
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -37,22 +38,6 @@ def row_sum(x: Float[Array, "*rows n"]) -> Float[Array, "*rows"]:
         half = x.shape[-1] // 2
         x = x[..., :half] + x[..., half:]
     return x.sum(-1)
-
-
-def row_mean(x: Float[Array, "*rows n"]) -> Float[Array, "*rows 1"]:
-    """``x.mean(-1, keepdims=True)`` by `row_sum`."""
-    return (row_sum(x) / x.shape[-1])[..., None]
-
-
-def leading_sum(x: Float[Array, "*dims"], n_rest: int) -> Float[Array, "*rest"]:
-    """``x`` summed over every axis but its last ``n_rest`` (a weight's gradient summed over
-    tokens), folded in halves along the flattened leading axes like `row_sum`."""
-    rest = x.shape[x.ndim - n_rest :]
-    x = x.reshape(math.prod(x.shape[: x.ndim - n_rest]), *rest)
-    while x.shape[0] > DIRECT_REDUCTION and x.shape[0] % 2 == 0:
-        half = x.shape[0] // 2
-        x = x[:half] + x[half:]
-    return x.sum(0)
 
 
 @jax.custom_jvp
