@@ -59,8 +59,9 @@ class RMSNorm(AbstractAxesOwner):
 
 
 def _rms_norm_forward(eps, weight_offset, x, weight):
+    axes = tuple(range(-weight.ndim, 0))
     x32 = x.astype(jnp.float32)
-    inv_rms = jax.lax.rsqrt(_trailing_mean(jnp.square(x32), weight.ndim) + eps)
+    inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axes, keepdims=True) + eps)
     normed = x32 * inv_rms
     if weight_offset == 0.0:
         out = (weight * normed.astype(x.dtype)).astype(x.dtype)
@@ -77,23 +78,16 @@ def _rms_norm(eps, weight_offset, x, weight):
 def _rms_norm_backward(eps, weight_offset, residuals, d_out):
     """With ``n = x / rms`` and ``g = d_out * scale``: ``dx = (g - n mean(g n)) / rms``."""
     x, inv_rms, weight = residuals
+    axes = tuple(range(-weight.ndim, 0))
     normed = x.astype(jnp.float32) * inv_rms
     d_out = d_out.astype(jnp.float32)
     scaled = d_out * (weight_offset + weight.astype(jnp.float32))
-    d_x = inv_rms * (scaled - normed * _trailing_mean(scaled * normed, weight.ndim))
+    d_x = inv_rms * (scaled - normed * jnp.mean(scaled * normed, axis=axes, keepdims=True))
     d_weight = jnp.sum(d_out * normed, axis=tuple(range(x.ndim - weight.ndim)))
     return d_x.astype(x.dtype), cotangent_for(d_weight.astype(weight.dtype), weight)
 
 
 _rms_norm.defvjp(_rms_norm_forward, _rms_norm_backward)
-
-
-def _trailing_mean(x: Float[Array, "*batch dims"], n_axes: int) -> Float[Array, "..."]:
-    """The mean over the last ``n_axes`` axes, kept as axes of size one. Not a folded sum
-    (`eqxzoo.nn.rows`): the partitioner may split the features over a mesh axis (from a
-    weight sharded over it), and a fold across a split axis moves data between devices
-    inside a pipeline stage's branch, where not every device runs it."""
-    return jnp.mean(x, axis=tuple(range(-n_axes, 0)), keepdims=True)
 
 
 class LayerNorm(AbstractAxesOwner):
@@ -119,8 +113,8 @@ class LayerNorm(AbstractAxesOwner):
 
 def _layer_norm_forward(eps, x, weight, bias):
     x32 = x.astype(jnp.float32)
-    mean = _trailing_mean(x32, 1)
-    inv_std = jax.lax.rsqrt(_trailing_mean(jnp.square(x32 - mean), 1) + eps)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    inv_std = jax.lax.rsqrt(jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True) + eps)
     normed = ((x32 - mean) * inv_std).astype(x.dtype)
     return (normed * weight + bias).astype(x.dtype), (x, mean, inv_std, weight, bias)
 
@@ -137,8 +131,8 @@ def _layer_norm_backward(eps, residuals, d_out):
     normed = (x.astype(jnp.float32) - mean) * inv_std
     d_out = d_out.astype(jnp.float32)
     scaled = d_out * weight.astype(jnp.float32)
-    centred = scaled - _trailing_mean(scaled, 1)
-    d_x = inv_std * (centred - normed * _trailing_mean(scaled * normed, 1))
+    centred = scaled - jnp.mean(scaled, axis=-1, keepdims=True)
+    d_x = inv_std * (centred - normed * jnp.mean(scaled * normed, axis=-1, keepdims=True))
     tokens = tuple(range(x.ndim - 1))
     d_weight = jnp.sum(d_out * normed, axis=tokens).astype(weight.dtype)
     d_bias = jnp.sum(d_out, axis=tokens).astype(bias.dtype)

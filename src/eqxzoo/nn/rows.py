@@ -6,12 +6,7 @@ XLA:CPU, compiling without YNNPACK fusions (`eqxzoo.runtime.FAST_CPU_FLAGS`), re
 reduction over more than 32 elements into a windowed reduction first (for the precision of
 sums); for a maximum, which is exact in any order, that only costs time: the
 row maximum of the reference model's ``(8, 4, 256, 256)`` attention scores took 1.65 ms, and
-0.25 ms folded in halves (`row_max`), the same values bit for bit. A sum folded the same way
-(`row_sum`) is a pairwise sum down to 32 terms: another order of the same float32 additions,
-and 2-5x faster than the windowed reduction. Folds are only for axes no mesh axis splits (a
-row of attention scores over its keys): the partitioner moves the halves of a split axis
-between devices with collective-permutes, which deadlock inside a pipeline stage's branch
-(a LayerNorm's features, split where an FSDP weight's sharding propagated, did).
+0.25 ms folded in halves (`row_max`), the same values bit for bit.
 """
 
 import jax
@@ -31,25 +26,15 @@ def row_max(x: Float[Array, "*rows n"]) -> Float[Array, "*rows"]:
     return x.max(-1)
 
 
-def row_sum(x: Float[Array, "*rows n"]) -> Float[Array, "*rows"]:
-    """``x.sum(-1)``: the row folded in halves by addition down to `DIRECT_REDUCTION`
-    elements (while its width is even), then reduced."""
-    while x.shape[-1] > DIRECT_REDUCTION and x.shape[-1] % 2 == 0:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x.sum(-1)
-
-
 @jax.custom_jvp
 def softmax_rows(x: Float[Array, "*rows n"]) -> Float[Array, "*rows n"]:
-    """`jax.nn.softmax` over the last axis (its formula and its JVP), with `row_max` and
-    `row_sum`."""
+    """`jax.nn.softmax` over the last axis (its formula and its JVP), with `row_max`."""
     unnormalized = jnp.exp(x - row_max(x)[..., None])
-    return unnormalized / row_sum(unnormalized)[..., None]
+    return unnormalized / unnormalized.sum(-1, keepdims=True)
 
 
 @softmax_rows.defjvp
 def _softmax_rows_jvp(primals, tangents):
     (x,), (x_dot,) = primals, tangents
     y = softmax_rows(x)
-    return y, y * (x_dot - row_sum(y * x_dot)[..., None])
+    return y, y * (x_dot - (y * x_dot).sum(-1, keepdims=True))
