@@ -48,6 +48,24 @@ def test_layer_norm_matches_formula():
     np.testing.assert_allclose(norm(x), (x - mean) / np.sqrt(var + 1e-5), rtol=1e-5, atol=1e-6)
 
 
+def saved_after_matching_gradients(module, formula, x, *, probe=1.0, atol: float) -> list[str]:
+    """Check that ``module``'s gradients (of its parameters and of ``x``) are autodiff's of
+    ``formula(module, x)``, then return the lines `print_saved_residuals` gives for
+    ``module(x)``: what its backward keeps."""
+
+    def loss(fn):
+        return lambda module, x: jnp.sum(jnp.sin(fn(module, x)) * probe)
+
+    ours = jax.grad(loss(lambda module, x: module(x)), argnums=(0, 1))(module, x)
+    reference = jax.grad(loss(formula), argnums=(0, 1))(module, x)
+    for got, want in zip(jax.tree.leaves(ours), jax.tree.leaves(reference), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=atol)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print_saved_residuals(lambda x: module(x), x)
+    return printed.getvalue().splitlines()
+
+
 def _plain_norm(norm, x):
     """The norm's formula left to autodiff."""
     if isinstance(norm, LayerNorm):
@@ -76,19 +94,10 @@ def test_norm_gradients_match_autodiff_and_keep_only_the_input(norm):
     x = jax.random.normal(keys[1], (5, 3, 16)).reshape(5, 3, *norm.weight.shape) * 2 + 0.5
     probe = jax.random.normal(keys[2], x.shape)
 
-    def loss(fn):
-        return lambda norm, x: jnp.sum(jnp.sin(fn(norm, x)) * probe)
-
-    ours = jax.grad(loss(lambda norm, x: norm(x)), argnums=(0, 1))(norm, x)
-    reference = jax.grad(loss(_plain_norm), argnums=(0, 1))(norm, x)
-    for got, want in zip(jax.tree.leaves(ours), jax.tree.leaves(reference), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        print_saved_residuals(lambda x: norm(x), x)
+    saved = saved_after_matching_gradients(norm, _plain_norm, x, probe=probe, atol=1e-6)
     shape = ",".join(map(str, x.shape))
-    input_sized = [line for line in printed.getvalue().splitlines() if f"[{shape}]" in line]
-    assert len(input_sized) == 1 and "from the argument" in input_sized[0], printed.getvalue()
+    input_sized = [line for line in saved if f"[{shape}]" in line]
+    assert len(input_sized) == 1 and "from the argument" in input_sized[0], saved
 
 
 def test_rope_preserves_norm_and_is_relative():
@@ -288,18 +297,9 @@ def test_mlp_gradients_match_formula_and_save_only_the_pre_activations(activatio
             return act(x @ mlp.up.weight) @ mlp.down.weight
         return (act(x @ mlp.gate.weight) * (x @ mlp.up.weight)) @ mlp.down.weight
 
-    def loss(fn):
-        return lambda mlp, x: jnp.sum(jnp.sin(fn(mlp, x)))
-
-    ours = jax.grad(loss(lambda mlp, x: mlp(x)), argnums=(0, 1))(mlp, x)
-    reference = jax.grad(loss(formula), argnums=(0, 1))(mlp, x)
-    for got, want in zip(jax.tree.leaves(ours), jax.tree.leaves(reference), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        print_saved_residuals(lambda x: mlp(x), x)
-    hidden_sized = [line for line in printed.getvalue().splitlines() if "[5,24]" in line]
-    assert len(hidden_sized) == (1 if activation == "gelu" else 2), printed.getvalue()
+    saved = saved_after_matching_gradients(mlp, formula, x, atol=1e-7)
+    hidden_sized = [line for line in saved if "[5,24]" in line]
+    assert len(hidden_sized) == (1 if activation == "gelu" else 2), saved
 
 
 def test_embedding_lookup_gradient_scatter_adds_repeated_tokens():
