@@ -18,7 +18,7 @@ from eqxzoo.train.loss_terms import LossConfig
 from eqxzoo.train.report import median_seconds
 from eqxzoo.train.settings import StepConfig
 from eqxzoo.train.state import abstract_train_state, init_train_state
-from eqxzoo.train.step import batch_sharding, make_train_step
+from eqxzoo.train.step import batch_sharding, check_no_permutes_in_branches, make_train_step
 
 REFERENCE = dict(vocab_size=1024, d_model=256, n_layers=4, n_heads=4, mlp_dim=1024)
 
@@ -90,6 +90,9 @@ class StepRunner:
         start = time.perf_counter()
         self.compiled = self.step_fn.lower(self.state, self.batch).compile()
         self.compile_seconds = time.perf_counter() - start
+        if not compile_only:
+            # A step the run would refuse as one XLA:CPU hangs in is refused here too.
+            check_no_permutes_in_branches(self.compiled, self.mesh)
         self.tokens = self.batch["tokens"].size
 
     def step(self):
