@@ -15,7 +15,10 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_FLAGS}".strip
 
 import jax  # noqa: E402
 
+from eqxzoo.runtime import use_collective_threads  # noqa: E402
+
 jax.config.update("jax_num_cpu_devices", 8)
+use_collective_threads(8)
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", str(CACHE_DIR))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

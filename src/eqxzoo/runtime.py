@@ -103,10 +103,30 @@ def setup_runtime(*, compilation_cache_dir: str, devices: int) -> None:
     use_cpu_flags(FAST_CPU_FLAGS | MEMORY_MINIMIZING_CPU_FLAGS)
     enable_compilation_cache(compilation_cache_dir)
     processes = join_processes()
-    needed = devices
+    local_devices = max(1, devices // processes)
+    use_collective_threads(local_devices)
     if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # Only the CPU client reads this: on accelerators the mesh uses the real devices.
-        jax.config.update("jax_num_cpu_devices", max(1, needed // processes))
+        jax.config.update("jax_num_cpu_devices", local_devices)
+
+
+# XLA:CPU runs each collective on a thread of its client's pool, blocked until every device of
+# the group has arrived. The pool holds max(cores, devices) threads, and the runtime starts
+# independent collectives at once (a cp all-to-all beside a tp all-reduce): with more
+# collectives under way than threads, the devices yet to arrive wait for a thread that none
+# frees, a deadlock XLA aborts after 40 s ("Termination timeout for `all reduce ...`"). On 2
+# cores it ended 3 of 4 runs of the context-parallel tests (cp4 x tp2). XLA counts the cores
+# as NPROC where that is set.
+COLLECTIVE_THREADS_PER_DEVICE = 4
+
+
+def use_collective_threads(local_devices: int) -> None:
+    """Give XLA:CPU's pool enough threads for the collectives of ``local_devices`` simulated
+    devices (before the CPU client starts; an explicit ``NPROC`` is kept, one device has no
+    collectives)."""
+    if local_devices > 1:
+        threads = max(os.cpu_count() or 1, COLLECTIVE_THREADS_PER_DEVICE * local_devices)
+        os.environ.setdefault("NPROC", str(threads))
 
 
 # XLA:CPU reads these only from XLA_FLAGS (not from per-jit compiler options), before the first
