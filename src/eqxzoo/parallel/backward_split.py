@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import core
 from jaxtyping import Array, PyTree
 
@@ -241,6 +242,26 @@ def _product(sizes) -> int:
     return total
 
 
+def computed_from_inputs(fn: Callable, *args) -> list[bool]:
+    """For each leaf of ``fn(*args)``, whether it is computed from ``args`` or from a value
+    of the enclosing trace that ``fn`` closes over; the others are made from constants and
+    the device's place on the mesh alone (a context shard's positions, say), the same
+    whatever the inputs. Read from the equations of ``fn``'s trace (through `CALLS`; any
+    other equation's outputs are computed from all its inputs)."""
+    closed = jax.make_jaxpr(fn)(*args)
+    eqns, outvars = _inlined(closed.jaxpr)
+    traced_consts = (
+        v
+        for v, value in zip(closed.jaxpr.constvars, closed.consts, strict=True)
+        if isinstance(value, jax.core.Tracer)
+    )
+    live = {*closed.jaxpr.invars, *traced_consts}
+    for eqn in eqns:
+        if any(isinstance(v, core.Var) and v in live for v in eqn.invars):
+            live.update(eqn.outvars)
+    return [isinstance(v, core.Var) and v in live for v in outvars]
+
+
 # --- a stage of stacked layers, split -------------------------------------------------------
 
 LayerFn = Callable[[PyTree, PyTree, Array], tuple[Array, dict[str, Array]]]
@@ -274,8 +295,9 @@ class PullbackResiduals:
         )
         return cls(jax.tree.structure(pullback), weight_of_leaf, shapes)
 
-    def residuals(self, pullback: Callable) -> list[Array]:
-        """The pullback's leaves that are not weights: what is kept."""
+    def residuals(self, pullback: Callable) -> list[Array | np.ndarray]:
+        """The pullback's leaves that are not weights: what is kept (a NumPy array where the
+        function closed over a constant, such as a context shard's position table)."""
         leaves = jax.tree.leaves(pullback)
         return [leaf for leaf, w in zip(leaves, self.weight_of_leaf, strict=True) if w is None]
 

@@ -53,6 +53,7 @@ from eqxzoo.nn.stack import RematPolicy, remat, run_layer
 from eqxzoo.nn.varying import typed_shape, varying_as, varying_axes, varying_like, zeros_of
 from eqxzoo.parallel.backward_split import (
     PullbackResiduals,
+    computed_from_inputs,
     stage_forward,
     stage_input_grad,
     stage_weight_grad,
@@ -249,6 +250,7 @@ def pipeline_value_and_grad(
 
         weights, data = jax.tree.map(lambda p: p[0], (layer_params, layer_data))
         w_stash_shapes, residual_shapes = [], []
+        kept_residuals = InSlots({}, 0)
         if splits_backward:
             first_weights, first_data = jax.tree.map(lambda p: p[0], (weights, data))
             probe_layer_fn = layer_fn_for(probe_documents)
@@ -268,7 +270,18 @@ def pipeline_value_and_grad(
                 fit_cotangent,
             )
             w_stash_shapes = [typed_shape(leaf) for leaf in probe_stash]
-            residual_shapes = [typed_shape(leaf) for leaf in probe_residuals]
+            from_inputs = computed_from_inputs(
+                lambda w, d, x: layer_layout.residuals(
+                    jax.vjp(lambda w, x: probe_layer_fn(w, d, x), w, x)[1]
+                ),
+                first_weights,
+                first_data,
+                probe,
+            )
+            kept_residuals = InSlots.of(probe_residuals, from_inputs)
+            residual_shapes = [
+                typed_shape(leaf) for leaf in kept_residuals.in_slots(probe_residuals)
+            ]
         elif not remat_stages:
             layout = PullbackResiduals.of(stage_with(data, probe_documents), weights, probe)
             residual_shapes = list(layout.shapes)
@@ -358,6 +371,7 @@ def pipeline_value_and_grad(
                         (h_out, aux), new_residuals = stage_forward(
                             layer_fn, layer_layout, weights, data, h_in
                         )
+                        new_residuals = kept_residuals.in_slots(new_residuals)
                     else:
                         (h_out, aux), pullback = jax.vjp(
                             stage_with(data, documents_m), weights, h_in
@@ -444,7 +458,9 @@ def pipeline_value_and_grad(
                             layer_layout,
                             weights,
                             data,
-                            [buffer[residual_slot] for buffer in stash.residuals],
+                            kept_residuals.whole(
+                                [buffer[residual_slot] for buffer in stash.residuals]
+                            ),
                             stash.grads[slot],
                             aux_grad,
                             fit_cotangent,
@@ -485,7 +501,9 @@ def pipeline_value_and_grad(
                 )
                 written["residuals"] = [
                     buffer.at[0].set(value)
-                    for buffer, value in zip(written["residuals"], new_residuals, strict=True)
+                    for buffer, value in zip(
+                        written["residuals"], kept_residuals.in_slots(new_residuals), strict=True
+                    )
                 ]
                 return written, sent
 
@@ -665,6 +683,35 @@ def pipeline_value_and_grad(
     outer_grads = jax.tree.map(lambda g: g.sum(axis=0), outer_grads)
     layer_aux = jax.tree.map(lambda v: in_layer_order(v, schedule), aux_sums)
     return loss_sums.sum(axis=0), layer_aux, layer_grads, outer_grads
+
+
+class InSlots(NamedTuple):
+    """Which of the split backward's pullback residuals an item keeps in its stash slots.
+    Those made from constants alone (`computed_from_inputs`; a context shard's positions)
+    are the same at every tick: the layout trace's values (``fixed``, by their place among
+    ``count``) stand for them. Read back at a slot, whose index varies over pp, they would
+    vary over pp too, unlike the equations of B that read them, which were traced without."""
+
+    fixed: dict[int, Array]
+    count: int
+
+    @classmethod
+    def of(cls, traced: Sequence[Array], from_inputs: Sequence[bool]) -> "InSlots":
+        fixed = {
+            i: leaf
+            for i, (leaf, computed) in enumerate(zip(traced, from_inputs, strict=True))
+            if not computed
+        }
+        return cls(fixed, len(traced))
+
+    def in_slots(self, values: Sequence) -> list:
+        """What of ``values`` (one for each residual) the slots keep."""
+        return [value for i, value in enumerate(values) if i not in self.fixed]
+
+    def whole(self, in_slots: Sequence[Array]) -> list[Array]:
+        """Every residual: what the slots kept, and the fixed ones."""
+        kept = iter(in_slots)
+        return [self.fixed[i] if i in self.fixed else next(kept) for i in range(self.count)]
 
 
 class Stash(NamedTuple):
