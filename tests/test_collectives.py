@@ -60,7 +60,8 @@ def test_the_costlier_branch_of_a_conditional_counts():
 
 def test_matmul_flops_count_each_iteration_and_the_dearer_branch():
     """A loop of 5 (4 x 8) @ (8 x 16) matmuls, then a conditional whose dearer branch runs a
-    (4 x 16) @ (16 x 32) one: XLA's cost analysis counts the loop's body once."""
+    (4 x 16) @ (16 x 32) one: XLA's cost analysis counts the loop's body once. Given how often
+    each branch runs, the branches count so."""
 
     def program(x, w, v):
         def step(carry, _):
@@ -73,6 +74,9 @@ def test_matmul_flops_count_each_iteration_and_the_dearer_branch():
     compiled = jax.jit(program).lower(x, w, v).compile()
     pair = 2 * 4 * 8 * 16  # (4 x 8) @ (8 x 16) and (4 x 16) @ (16 x 8)
     assert matmul_flops(compiled.as_text()) == 5 * 2 * pair + pair + 2 * 4 * 16 * 32
+    # Told that each branch runs half the visits (the false branch has no matmul):
+    halves = matmul_flops(compiled.as_text(), lambda line: [0.5, 0.5])
+    assert halves == 5 * 2 * pair + 0.5 * (pair + 2 * 4 * 16 * 32)
     cost = compiled.cost_analysis()
     assert (cost[0] if isinstance(cost, list) else cost)["flops"] < 5 * 2 * pair
 

@@ -85,6 +85,24 @@ def test_the_step_flops_and_tensor_reductions_are_the_compiled_steps(remat):
     assert reduced == pytest.approx(measured, rel=1e-3)
 
 
+@pytest.mark.parametrize("row", [3, 4], ids=["circular-dp2,pp4", "interleaved_1f1b-pp4,tp2"])
+def test_a_pipelined_steps_flops_count_each_branch_as_often_as_the_schedule_runs_it(row):
+    """On four stages, with autodiff of circular's forward table (its stage's conditional,
+    layers rematerialised whole) and with interleaved 1F1B's own actions (a conditional each,
+    the head's inside F): the compiled step's matrix FLOPs per device, each pipeline branch
+    counted as often as the table runs it (`executed_branches`), are the model's within 10%,
+    where every tick counted at its dearest branches is 1.15x to 6x over."""
+    from eqxzoo.parallel.collectives import matmul_flops
+
+    path, overrides = planner.CALIBRATION[row]
+    config = load_config(ROOT / path, [*overrides, "precision.compute=float32"])
+    facts, plan = planner.ModelFacts.of(config), planner.plan_of(config)
+    compiled = planner.compile_plan(config)
+    predicted = planner.step_flops(facts, plan)[1]
+    assert 0.9 < compiled.flops / predicted < 1.1, (compiled.flops, predicted)
+    assert matmul_flops(compiled.hlo) / predicted > 1.15
+
+
 def test_unknown_accelerators_and_meshes_are_refused_in_one_line():
     with pytest.raises(ConfigError, match="--accelerator: unknown accelerator 'H300'; known: H100"):
         planner.accelerator_named("H300")

@@ -16,13 +16,15 @@ name devices by their position in the mesh) and whether a group spans several sl
 
 `matmul_flops` counts the program's ``dot`` FLOPs the same way (each loop iteration, a
 conditional's dearest branch): what it computes, beside what it communicates, which XLA's
-``cost_analysis()`` undercounts by a loop's trip count.
+``cost_analysis()`` undercounts by a loop's trip count. Given how often the branches of some
+conditionals run (``branch_runs``: a pipeline's actions, which a tick runs only where its
+table names them), it counts those branches so instead: what the devices run on average.
 """
 
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -125,22 +127,27 @@ class Collective:
 
 
 Picked = TypeVar("Picked")
+# How many times each branch of a conditional runs per visit, from its instruction's line
+# (None: the costliest branch once).
+BranchRuns = Callable[[str], Sequence[float] | None]
 
 
 def _counted(
     hlo_text: str,
     pick: Callable[[str, str, str, str, Mapping[str, str]], Picked | None],
     weight: Callable[[Picked], float],
-) -> list[tuple[Picked, int]]:
+    branch_runs: BranchRuns | None = None,
+) -> list[tuple[Picked, int | float]]:
     """What ``pick(line, result, opcode, rest, results)`` keeps of the instructions of the
     program ``hlo_text`` (optimized HLO) that one execution runs, each with how many times
-    it runs: a ``while`` body's by its known trip count, a ``conditional``'s costliest
-    branch's (by the ``weight`` of what it runs) once. ``results`` maps the names of the
-    instructions of the same computation to their result shapes."""
+    it runs: a ``while`` body's by its known trip count, a ``conditional``'s branches as
+    ``branch_runs`` says, else its costliest branch's (by the ``weight`` of what it runs)
+    once. ``results`` maps the names of the instructions of the same computation to their
+    result shapes."""
     computations, entry = _parse(hlo_text)
-    memo: dict[str, list[tuple[Picked, int]]] = {}
+    memo: dict[str, list[tuple[Picked, int | float]]] = {}
 
-    def counted_in(name: str) -> list[tuple[Picked, int]]:
+    def counted_in(name: str) -> list[tuple[Picked, int | float]]:
         if name in memo:
             return memo[name]
         memo[name] = []
@@ -150,7 +157,7 @@ def _counted(
             defined = _DEFINED.match(line)
             if defined:
                 results[defined.group(1)] = defined.group(2)
-        found: list[tuple[Picked, int]] = []
+        found: list[tuple[Picked, int | float]] = []
         for line in lines:
             instruction = _INSTRUCTION.match(line)
             if instruction is None:
@@ -167,6 +174,11 @@ def _counted(
                     for listed, single in branches
                     for branch in (listed.split(",") if listed else [single])
                 ]
+                runs = branch_runs(line) if branch_runs is not None else None
+                if runs is not None:
+                    for branch, run in zip(names, runs, strict=True):
+                        found.extend((item, times * run) for item, times in counted_in(branch))
+                    continue
                 found.extend(
                     max(
                         (counted_in(branch) for branch in names),
@@ -206,11 +218,12 @@ def _dims(shape: str) -> list[int]:
     return [int(d) for d in found.group(2).split(",") if d] if found else []
 
 
-def matmul_flops(hlo_text: str) -> float:
+def matmul_flops(hlo_text: str, branch_runs: BranchRuns | None = None) -> float:
     """The FLOPs of the ``dot`` instructions the program ``hlo_text`` (optimized HLO) runs,
     ``2 x`` the result's elements ``x`` the contracted size each, counted as `collectives`
-    counts (a loop's body each iteration, a conditional's dearest branch once): XLA's own
-    cost analysis counts a loop's body once, whatever its trip count."""
+    counts (a loop's body each iteration, a conditional's dearest branch once, or its
+    branches as ``branch_runs`` says): XLA's own cost analysis counts a loop's body once,
+    whatever its trip count."""
 
     def pick(line: str, result: str, opcode: str, rest: str, results) -> float | None:
         if opcode != "dot":
@@ -226,7 +239,7 @@ def matmul_flops(hlo_text: str) -> float:
         )
         return 2.0 * math.prod(_dims(result)) * contracted
 
-    return sum(flops * times for flops, times in _counted(hlo_text, pick, lambda f: f))
+    return sum(flops * times for flops, times in _counted(hlo_text, pick, lambda f: f, branch_runs))
 
 
 def collective_traffic(hlo_text: str) -> dict[str, Traffic]:

@@ -207,7 +207,8 @@ def run_pipeline(
                 if not has_bubbles:
                     return run_stage(w, h, documents)
                 if skip_bubbles:
-                    return jax.lax.cond(active, run_stage, skip_stage, w, h, documents)
+                    with jax.named_scope(STAGE_SCOPE):
+                        return jax.lax.cond(active, run_stage, skip_stage, w, h, documents)
                 computed = run_stage(w, jnp.where(active, h, jnp.zeros_like(h)), documents)
                 return jax.tree.map(
                     lambda value, skipped: jnp.where(active, value, skipped),
@@ -310,6 +311,9 @@ def shard_axes(manual_axes: tuple[str, ...]) -> tuple[str, ...]:
 # stages, and the routed experts (each device computes its own). Every other axis a rule
 # splits over a manual axis (FSDP over ep) is whole there, gathered at the region's boundary.
 SPLIT_IN_REGION = ("repeats", "stages", "experts")
+# The name scope of the conditional a stage skips its bubble ticks with (its forward's and,
+# by autodiff, its backward's): its true branch runs on the table's active ticks only.
+STAGE_SCOPE = "pipeline_stage"
 
 
 def stage_specs(

@@ -408,9 +408,10 @@ def pipeline_value_and_grad(
                     )
 
                 names = ("grads", "aux_grads", "outer_grads", "loss")
-                sums = jax.lax.cond(
-                    is_last, head, lambda sums: sums, tuple(written[name] for name in names)
-                )
+                with jax.named_scope(HEAD_SCOPE):
+                    sums = jax.lax.cond(
+                        is_last, head, lambda sums: sums, tuple(written[name] for name in names)
+                    )
                 written |= dict(zip(names, sums, strict=True))
                 written["aux"] = jax.tree.map(
                     lambda acc, v: acc.at[m, r].add(v), written["aux"], aux
@@ -746,6 +747,11 @@ class TickCarry(NamedTuple):
 # What a tick's action sends (value and aux tree), and the input an F on the first virtual
 # stage made (its embedding).
 Sent = tuple[Array, dict[str, Array], Array]
+
+
+# The name scope of the conditional in which the last virtual stage's F adds the head, the
+# loss and their backward (its true branch runs in one F of every ``P R``).
+HEAD_SCOPE = "pipeline_head"
 
 
 def action_scope(kind: int) -> str:

@@ -760,8 +760,8 @@ class Compiled:
     """What the compiled step of a plan says of itself: its memory per device
     (`StepMemory`), its optimized HLO and its matrix FLOPs per device
     (`eqxzoo.parallel.collectives.matmul_flops`: each loop iteration counted, where XLA's cost
-    analysis counts a loop's body once; a conditional's dearest branch, so a pipeline's
-    bubble ticks count as working ones)."""
+    analysis counts a loop's body once; a pipeline's conditionals by how often the schedule
+    runs their branches, `executed_branches`)."""
 
     memory: StepMemory
     hlo: str
@@ -797,9 +797,35 @@ def compile_plan(config: RunConfig) -> Compiled:
     return Compiled(
         memory=StepMemory.of(compiled),
         hlo=hlo,
-        flops=matmul_flops(hlo),
+        flops=matmul_flops(hlo, executed_branches(plan_of(config).schedule)),
         skips_bubbles=config.mesh.pp == 1 or not permutes_in_branches(hlo),
     )
+
+
+def executed_branches(schedule: Schedule) -> Callable[[str], list[float] | None]:
+    """How often, on average over the stages, each branch of the pipeline's conditionals runs
+    a tick, from a conditional's HLO line (its op_name): an action's (`action_scope`) by its
+    share of the action table's cells, a forward schedule's stage (`STAGE_SCOPE`, forward and
+    backward) by its active share of the forward table, the head (`HEAD_SCOPE`) in one F of
+    every ``P R``. Other conditionals count their dearest branch once."""
+    from eqxzoo.parallel.pipeline import STAGE_SCOPE
+    from eqxzoo.parallel.pipeline_grad import HEAD_SCOPE, action_scope
+    from eqxzoo.parallel.schedule import ACTION_NAMES
+
+    actions = schedule.actions().action
+    shares = {action_scope(kind): float(np.mean(actions == kind)) for kind in ACTION_NAMES}
+    busy = schedule.microbatches * schedule.repeats
+    shares[STAGE_SCOPE] = busy / schedule.forward_only.ticks
+    shares[HEAD_SCOPE] = 1 / (schedule.stages * schedule.repeats)
+
+    def runs(line: str) -> list[float] | None:
+        name = re.search(r'op_name="([^"]*)/cond"', line)
+        scope = name.group(1).rsplit("/", 1)[-1] if name else None
+        if scope not in shares:
+            return None
+        return [1 - shares[scope], shares[scope]]
+
+    return runs
 
 
 def plan_of(config: RunConfig) -> Plan:
@@ -1057,6 +1083,7 @@ class CalibrationRow:
     bytes_compiled: dict[str, float]
     flops_predicted: float
     flops_compiled: float
+    moe: bool
 
 
 def compiled_bytes_by_axis(compiled: Compiled, mesh: MeshConfig) -> dict[str, float]:
@@ -1090,6 +1117,7 @@ def calibration_row(config: RunConfig, label: str) -> CalibrationRow:
         bytes_compiled=compiled_bytes_by_axis(compiled, config.mesh),
         flops_predicted=step_flops(facts, plan)[1],
         flops_compiled=compiled.flops,
+        moe=facts.moe_layers > 0,
     )
 
 
@@ -1485,14 +1513,13 @@ def print_calibration(say: Callable[[str], None]) -> None:
         say(line)
     say(
         "FLOPs per device: predicted (the model's, remat recompute included) and the compiled "
-        "step's matrix FLOPs. Like for like on one GPipe stage only: elsewhere the HLO takes "
-        "each tick at its dearest action (a bubble tick as a working one, each 1F1B tick as a "
-        "BW), and a dropless MoE on CPU computes every expert's rows."
+        "step's matrix FLOPs, a pipeline's conditionals counted as often as its schedule runs "
+        "their branches (`executed_branches`). Not like for like with MoE layers: a dropless "
+        "MoE on CPU computes every expert's rows."
     )
     flops = [["config", "predicted GFLOP", "compiled GFLOP", "compiled / predicted", "like"]]
     for row in rows:
-        stages = re.search(r"\bpp(\d+)", row.label)
-        like = stages is None and "| gpipe " in row.label
+        like = not row.moe
         flops.append(
             [
                 row.label,
