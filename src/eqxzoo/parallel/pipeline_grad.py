@@ -164,24 +164,9 @@ def pipeline_value_and_grad(
     layer_params, layer_data = eqx.partition(layer_arrays, eqx.is_inexact_array)
     outer_params, outer_static = eqx.partition(outer, eqx.is_inexact_array)
 
-    # The batch axes the compiler splits in the region. The ids enter replicated (below), so
-    # without a constraint every data-parallel device ran the stage on the whole microbatch.
-    # Not with tp: XLA's partitioner then aborts on a gather (PartitionGather's check).
-    auto_batch = {"batch": tuple(a for a in rule_axes("batch", rules) if a not in manual_axes)}
-    splits_batch = (
-        manual
-        and mesh.shape.get("tp", 1) == 1
-        and any(mesh.shape[a] > 1 for a in auto_batch["batch"])
-    )
-
-    def split_batch(h):
-        if not splits_batch:
-            return h
-        return jax.lax.with_sharding_constraint(h, activation_spec("batch", rules=auto_batch))
-
     def stage_fn(stage_params, stage_data, h, documents):
         stage = eqx.combine(stage_params, stage_data, layer_static)
-        return apply_layers(stage, split_batch(h), documents=documents, remat_policy=remat_policy)
+        return apply_layers(stage, h, documents=documents, remat_policy=remat_policy)
 
     def stage_with(stage_data, documents):
         """The stage as a function of its weights and input, for one repeat's data and a
@@ -194,7 +179,7 @@ def pipeline_value_and_grad(
     splits_backward = W in scheduled
     one_layer = remat(
         lambda w, d, h, documents: run_layer(
-            eqx.combine(w, d, layer_static), split_batch(h), documents=documents
+            eqx.combine(w, d, layer_static), h, documents=documents
         ),
         remat_policy,
     )
