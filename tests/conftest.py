@@ -17,8 +17,9 @@ import jax  # noqa: E402
 
 from eqxzoo.runtime import use_collective_threads  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
-use_collective_threads(8)
+DEVICES = 8
+jax.config.update("jax_num_cpu_devices", DEVICES)
+use_collective_threads(DEVICES)
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", str(CACHE_DIR))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

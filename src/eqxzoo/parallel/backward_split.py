@@ -301,6 +301,11 @@ class PullbackResiduals:
         leaves = jax.tree.leaves(pullback)
         return [leaf for leaf, w in zip(leaves, self.weight_of_leaf, strict=True) if w is None]
 
+    def from_inputs(self, fn: Callable, weights: PyTree, x: Array) -> list[bool]:
+        """For each residual of ``fn``'s pullback at ``(weights, x)``, whether it is computed
+        from them (`computed_from_inputs`); the others are made from constants alone."""
+        return computed_from_inputs(lambda w, x: self.residuals(jax.vjp(fn, w, x)[1]), weights, x)
+
     def pullback(self, weights: PyTree, residuals: Sequence[Array]) -> Callable:
         """The pullback rebuilt from the kept residuals and the weights."""
         stored, weight_leaves = iter(residuals), jax.tree.leaves(weights)

@@ -53,7 +53,6 @@ from eqxzoo.nn.stack import RematPolicy, remat, run_layer
 from eqxzoo.nn.varying import typed_shape, varying_as, varying_axes, varying_like, zeros_of
 from eqxzoo.parallel.backward_split import (
     PullbackResiduals,
-    computed_from_inputs,
     stage_forward,
     stage_input_grad,
     stage_weight_grad,
@@ -254,9 +253,11 @@ def pipeline_value_and_grad(
         if splits_backward:
             first_weights, first_data = jax.tree.map(lambda p: p[0], (weights, data))
             probe_layer_fn = layer_fn_for(probe_documents)
-            layer_layout = PullbackResiduals.of(
-                lambda w, x: probe_layer_fn(w, first_data, x), first_weights, probe
-            )
+
+            def first_layer(w, x):
+                return probe_layer_fn(w, first_data, x)
+
+            layer_layout = PullbackResiduals.of(first_layer, first_weights, probe)
             # Traced on placeholders for their shapes only (dead code, as the layouts are).
             _, probe_residuals = stage_forward(probe_layer_fn, layer_layout, weights, data, probe)
             _, probe_stash = stage_input_grad(
@@ -270,14 +271,7 @@ def pipeline_value_and_grad(
                 fit_cotangent,
             )
             w_stash_shapes = [typed_shape(leaf) for leaf in probe_stash]
-            from_inputs = computed_from_inputs(
-                lambda w, d, x: layer_layout.residuals(
-                    jax.vjp(lambda w, x: probe_layer_fn(w, d, x), w, x)[1]
-                ),
-                first_weights,
-                first_data,
-                probe,
-            )
+            from_inputs = layer_layout.from_inputs(first_layer, first_weights, probe)
             kept_residuals = InSlots.of(probe_residuals, from_inputs)
             residual_shapes = [
                 typed_shape(leaf) for leaf in kept_residuals.in_slots(probe_residuals)
