@@ -111,12 +111,13 @@ QWEN_MOE = (
     ),
 )
 # name -> (architecture, config fields, pipeline schedule, mesh); four layers each, so that
-# every schedule splits them over two stages.
+# every schedule splits them over two stages. Each mesh's data axes (dp x ep) split the
+# microbatch's B sequences, as a run's config requires.
 CASES = {
     "llama-circular": (*LLAMA, Schedule("circular", 2, 2, 2), MeshConfig(dp=2, pp=2, tp=2)),
     "llama-1f1b": (*LLAMA, Schedule("1f1b", 2, 2, 1), MeshConfig(dp=2, pp=2, tp=2)),
     "qwen_moe-gpipe": (*QWEN_MOE, Schedule("gpipe", 2, 2, 1), MeshConfig(dp=2, pp=2, tp=2)),
-    "qwen_moe-zb_h1-ep2": (*QWEN_MOE, Schedule("zb_h1", 2, 2, 1), MeshConfig(dp=2, pp=2, ep=2)),
+    "qwen_moe-zb_h1-ep2": (*QWEN_MOE, Schedule("zb_h1", 2, 2, 1), MeshConfig(pp=2, tp=2, ep=2)),
 }
 
 

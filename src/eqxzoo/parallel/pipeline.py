@@ -111,10 +111,10 @@ def run_pipeline(
 
     Returns the outputs (same shape as ``microbatches``) and every layer's aux values for
     every microbatch, shape ``(microbatches, L, ...)`` in layer order. With one stage (no
-    shard_map) the stage's input and output are constrained to the ``batch`` rule of ``rules``, so that the
-    compiler keeps data parallelism instead of gathering the batch to match FSDP-sharded
-    weights (inside shard_map the batch split propagates from the inputs; a constraint there
-    crashed XLA's partitioner with dp, pp and ep together). ``remat_stages=False`` keeps every
+    shard_map) the stage's input and output are constrained to the ``batch`` rule of
+    ``rules``, so that the compiler keeps data parallelism instead of gathering the batch to
+    match FSDP-sharded weights; on several stages the region is manual over the batch's axes
+    (`auto_batch_axes`). ``remat_stages=False`` keeps every
     tick's activations instead of recomputing them (faster, more memory). ``bubble_fill`` is
     what a skipped tick emits (tests fill bubbles with NaN to show nothing leaks from them).
     ``skip_bubbles=False`` computes the stage at every tick, on zeros in a bubble, and keeps
@@ -129,7 +129,12 @@ def run_pipeline(
     # pp (XLA's partitioner rejects the autodiff all-reduce over a size-1 manual pp axis
     # next to dp).
     pipelined = schedule.stages > 1
-    manual_axes = pipeline_axes(mesh, layers)
+    batch_axes = auto_batch_axes(mesh, layers, rules)
+    # On several stages the region is manual over the batch's other axes too
+    # (`auto_batch_axes`).
+    pooled_axes = batch_axes if pipelined else ()
+    layers_axes = pipeline_axes(mesh, layers)
+    manual_axes = layers_axes + pooled_axes
     manual = bool(manual_axes)
     # Activations cross stages in float32: XLA:CPU fails to compile the pipeline's
     # bfloat16 collectives ("Invalid binary instruction opcode copy"); layers still compute
@@ -148,9 +153,9 @@ def run_pipeline(
     last_stage = n_stages - 1
     shift = [(stage, (stage + 1) % n_stages) for stage in range(n_stages)]
 
-    # The batch axes the compiler splits (ep is the region's where the experts are split).
-    auto_batch = {"batch": tuple(a for a in rule_axes("batch", rules) if a not in manual_axes)}
-    split_over_batch = not pipelined and any(mesh.shape[a] > 1 for a in auto_batch["batch"])
+    # On one stage the compiler splits the batch over them.
+    auto_batch = {"batch": batch_axes}
+    split_over_batch = not pipelined and bool(batch_axes)
 
     def split_batch(h):
         if not split_over_batch:
@@ -252,16 +257,16 @@ def run_pipeline(
             (_, _, outputs, aux_sums), _ = tick(init, 0)
         else:
             (_, _, outputs, aux_sums), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
-        # The aux values are already the whole batch's (the layers average them over cp
-        # and ep).
-        data_axes = shard_axes(manual_axes)
+        # The layers average their aux values over cp and ep; the means over the batch's
+        # other axes make them the whole batch's.
+        data_axes = shard_axes(layers_axes) + pooled_axes
         aux_sums = jax.lax.pmean(aux_sums, data_axes) if data_axes else aux_sums
         return outputs[None], jax.tree.map(lambda v: v[None], aux_sums)
 
     def spec(*names):
         return manual_spec(*names, manual_axes=manual_axes, rules=rules)
 
-    stage_spec = stage_specs(params, static, manual_axes, rules)
+    stage_spec = stage_specs(params, static, layers_axes, rules)
     if split_over_batch:
         microbatches = jax.lax.with_sharding_constraint(
             microbatches, activation_sharding(mesh, "microbatches", "batch", rules=rules)
@@ -300,6 +305,27 @@ def pipeline_axes(mesh: Mesh | AbstractMesh, layers: PyTree) -> tuple[str, ...]:
     return tuple(axis for axis, used in split.items() if used and mesh.shape.get(axis, 1) > 1)
 
 
+def auto_batch_axes(
+    mesh: Mesh | AbstractMesh, layers: PyTree, rules: Mapping[str, MeshAxes]
+) -> tuple[str, ...]:
+    """The axes of more than one device the ``batch`` rule splits the sequences over, other
+    than the `pipeline_axes` (dp; ep where ``layers`` do not split their experts over it).
+
+    On several stages the pipeline's region is manual over them too, each device running
+    its own sequences of each microbatch, and the weights are whole over them there
+    (gathered once at the region's boundary, as MaxText's ``pipeline_fsdp_ag_once`` does;
+    their gradients summed over them once, at its end). Left to the compiler, the batch's
+    split did not survive into the region: every data-parallel device ran each stage on the
+    whole microbatch (the 1F1B executor's ids enter replicated, as its partitioner fails on
+    batch-split ids' gathers next to tp), and constraints inside the region aborted XLA's
+    partitioner with tp or put collective-permutes into the action branches with ep. On one
+    stage the compiler splits the batch over them (the layers' inputs constrained)."""
+    manual = pipeline_axes(mesh, layers)
+    return tuple(
+        a for a in rule_axes("batch", rules) if a not in manual and mesh.shape.get(a, 1) > 1
+    )
+
+
 def shard_axes(manual_axes: tuple[str, ...]) -> tuple[str, ...]:
     """The manual axes over which each device holds a shard of the batch's tokens (``cp``:
     of each sequence; ``ep``: of the sequences): the loss and the gradients of what every
@@ -320,7 +346,9 @@ def stage_specs(
     params: PyTree, static: PyTree, manual_axes: tuple[str, ...], rules: Mapping[str, MeshAxes]
 ) -> PyTree:
     """The `jax.shard_map` specs of staged layer arrays ``params`` (``(R, P, k, ...)``,
-    `stage_layers`; ``static`` the rest of the layers) in the pipeline's region."""
+    `stage_layers`; ``static`` the rest of the layers) in the pipeline's region: split over
+    the stages and the experts where ``manual_axes`` (the `pipeline_axes`) split them, whole
+    over every other axis."""
     one_layer = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape[3:], p.dtype), params)
     axes = logical_axes(eqx.combine(one_layer, static))
     in_region = {

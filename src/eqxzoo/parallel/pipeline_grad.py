@@ -1,7 +1,8 @@
 """The forward-and-backward pipeline executor: runs a 1F1B-family `ActionTable` under the one
 `jax.shard_map` (manual over ``pp``, ``cp`` where the sequences are split and ``ep`` where
-the experts are: `eqxzoo.parallel.pipeline.pipeline_axes`), computing the loss and every
-gradient itself.
+the experts are: `eqxzoo.parallel.pipeline.pipeline_axes`; on several stages over the
+batch's other axes too, `eqxzoo.parallel.pipeline.auto_batch_axes`), computing the loss and
+every gradient itself.
 
 Autodiff of a forward pipeline keeps every microbatch's stage inputs until the backward
 starts; here the backward of a microbatch runs as soon as its loss exists, so a stage keeps
@@ -59,6 +60,7 @@ from eqxzoo.parallel.backward_split import (
 )
 from eqxzoo.parallel.mesh import check_stage_loops
 from eqxzoo.parallel.pipeline import (
+    auto_batch_axes,
     in_layer_order,
     pipeline_axes,
     shard_axes,
@@ -68,6 +70,7 @@ from eqxzoo.parallel.pipeline import (
 from eqxzoo.parallel.rules import (
     DEFAULT_RULES,
     MeshAxes,
+    activation_sharding,
     activation_spec,
     manual_spec,
     rule_axes,
@@ -139,9 +142,15 @@ def pipeline_value_and_grad(
     n_stages, n_repeats = schedule.stages, schedule.repeats
     n_slots = table.slots
     pipelined = n_stages > 1
-    manual_axes = pipeline_axes(mesh, layers)
+    batch_axes = auto_batch_axes(mesh, layers, rules)
+    # On several stages the region is manual over the batch's other axes too
+    # (`auto_batch_axes`).
+    # The layers average their statistics over cp and ep themselves, not over these.
+    pooled_axes = batch_axes if pipelined else ()
+    layers_axes = pipeline_axes(mesh, layers)
+    manual_axes = layers_axes + pooled_axes
     manual = bool(manual_axes)
-    data_axes = shard_axes(manual_axes)
+    data_axes = shard_axes(layers_axes) + pooled_axes
 
     virtual_stages = jnp.asarray(schedule.virtual_stages)
     # The sources (`eqxzoo.parallel.schedule.SOURCES`) something arrives from, per buffer.
@@ -163,9 +172,22 @@ def pipeline_value_and_grad(
     layer_params, layer_data = eqx.partition(layer_arrays, eqx.is_inexact_array)
     outer_params, outer_static = eqx.partition(outer, eqx.is_inexact_array)
 
+    # On one stage the compiler splits the batch over them: the layers' inputs are
+    # constrained to its split, as the forward pipeline's are, or with the ids entering
+    # replicated (below) every data-parallel device ran the whole batch.
+    auto_batch = {"batch": batch_axes}
+    split_over_batch = not pipelined and bool(batch_axes)
+
+    def split_batch(h):
+        if not split_over_batch:
+            return h
+        if manual:
+            return jax.lax.with_sharding_constraint(h, activation_spec("batch", rules=auto_batch))
+        return jax.lax.with_sharding_constraint(h, activation_sharding(mesh, "batch", rules=rules))
+
     def stage_fn(stage_params, stage_data, h, documents):
         stage = eqx.combine(stage_params, stage_data, layer_static)
-        return apply_layers(stage, h, documents=documents, remat_policy=remat_policy)
+        return apply_layers(stage, split_batch(h), documents=documents, remat_policy=remat_policy)
 
     def stage_with(stage_data, documents):
         """The stage as a function of its weights and input, for one repeat's data and a
@@ -178,7 +200,7 @@ def pipeline_value_and_grad(
     splits_backward = W in scheduled
     one_layer = remat(
         lambda w, d, h, documents: run_layer(
-            eqx.combine(w, d, layer_static), h, documents=documents
+            eqx.combine(w, d, layer_static), split_batch(h), documents=documents
         ),
         remat_policy,
     )
@@ -232,6 +254,10 @@ def pipeline_value_and_grad(
         transport_dtype = (
             jnp.promote_types(h_shape.dtype, jnp.float32) if pipelined else h_shape.dtype
         )
+
+        def pooled(totals):
+            """A microbatch's aux totals over all its sequences (each device holds its own)."""
+            return jax.lax.pmean(totals, pooled_axes) if pooled_axes else totals
 
         def fit_cotangent(outputs, cotangent):
             """``cotangent`` for ``outputs``: in their dtypes, varying over the manual axes
@@ -391,7 +417,7 @@ def pipeline_value_and_grad(
                     d_outer, d_h = pullback(
                         jnp.ones_like(loss) * jnp.asarray(part_weights, loss.dtype)
                     )
-                    aux_grad = jax.grad(aux_loss)(totals)
+                    aux_grad = jax.grad(lambda t: aux_loss(pooled(t)))(totals)
                     return varying(
                         (
                             grads.at[slot].set(d_h.astype(h_shape.dtype)),
@@ -632,7 +658,7 @@ def pipeline_value_and_grad(
         return manual_spec(*names, manual_axes=manual_axes, rules=rules)
 
     stage_spec = eqx.partition(
-        stage_specs(layer_arrays, layer_static, manual_axes, rules),
+        stage_specs(layer_arrays, layer_static, layers_axes, rules),
         jax.tree.map(eqx.is_inexact_array, layer_arrays),
     )
     per_stage_spec = spec("stages")
@@ -661,9 +687,10 @@ def pipeline_value_and_grad(
     else:
         run = per_stage
     # Each stage's tokens and targets tick by tick, (ticks, stages, batch, seq), sliced by
-    # the scan. They enter replicated over the batch: XLA's partitioner fails on the embedding's and the loss's gathers
-    # of batch-sharded ids inside the region manual over pp when dp and tp are both split
-    # (int32 ids are a sliver of the activations).
+    # the scan. They are whole over the axes the compiler splits (XLA's partitioner fails on
+    # the embedding's and the loss's gathers of batch-split ids inside a region manual over
+    # pp, next to tp; int32 ids are a sliver of the activations); the region splits them
+    # over its own.
     replicated_ids = NamedSharding(mesh, activation_spec(rules=rules))
     tick_tokens = jax.lax.with_sharding_constraint(tokens[columns["microbatch"]], replicated_ids)
     tick_targets = jax.lax.with_sharding_constraint(targets[columns["microbatch"]], replicated_ids)

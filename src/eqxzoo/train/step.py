@@ -415,9 +415,10 @@ def check_no_permutes_in_branches(compiled: jax.stages.Compiled, mesh: Mesh) -> 
     """Refuse, on XLA:CPU with pipeline stages, a step whose partitioner placed
     collective-permutes inside the pipeline's bubble-skipping branch
     (`eqxzoo.parallel.collectives.permutes_in_branches`): there every device must arrive,
-    and the stages idling in a bubble never do. Which sharding choices make the partitioner
-    move a weight between mesh axes by permutes depends on the model (latent attention
-    with both ``dp`` and ``tp`` above 1 does)."""
+    and the stages idling in a bubble never do. The partitioner did so where it moved a
+    weight between mesh axes (latent attention with ``dp`` and ``tp`` or ``ep`` above 1)
+    while ``dp`` was its own in the region; with the region manual over the batch's axes
+    (`eqxzoo.parallel.pipeline.auto_batch_axes`) no model of the zoo is known to."""
     if mesh.devices.flat[0].platform != "cpu" or mesh.shape["pp"] == 1:
         return
     permutes = permutes_in_branches(compiled.as_text())
