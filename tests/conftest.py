@@ -15,11 +15,18 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_FLAGS}".strip
 
 import jax  # noqa: E402
 
-from eqxzoo.runtime import use_collective_threads  # noqa: E402
+from eqxzoo.runtime import (  # noqa: E402
+    MEMORY_MINIMIZING_CPU_FLAGS,
+    use_collective_threads,
+    use_cpu_flags,
+)
 
 DEVICES = 8
 jax.config.update("jax_num_cpu_devices", DEVICES)
 use_collective_threads(DEVICES)
+# Steps compiled here are scheduled as a run's are, so that their memory analysis is the one
+# the planner's model is fitted to.
+use_cpu_flags(MEMORY_MINIMIZING_CPU_FLAGS)
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", str(CACHE_DIR))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

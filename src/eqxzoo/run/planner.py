@@ -33,6 +33,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -41,6 +42,7 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 from eqxzoo.nn import Axes
+from eqxzoo.nn.grouped import resolve_implementation
 from eqxzoo.nn.mlp import GATED
 from eqxzoo.optim import trainable_mask
 from eqxzoo.parallel.mesh import MESH_AXES, DcnConfig, MeshConfig
@@ -50,6 +52,7 @@ from eqxzoo.run.config import (
     ConfigError,
     PipelineConfig,
     RunConfig,
+    model_config_for_mesh,
     run_model_config,
     step_config,
 )
@@ -57,7 +60,7 @@ from eqxzoo.train.memory import StepMemory
 from eqxzoo.train.report import PEAK_FLOPS
 from eqxzoo.train.state import _state_shape_and_axes
 from eqxzoo.typed_config import refuse
-from models import flops_per_token, model_factory, parameter_counts
+from models import DecoderConfig, flops_per_token, model_factory, parameter_counts
 
 GIB = 2**30
 GB = 1e9
@@ -363,28 +366,118 @@ class StateLeaf:
         return "stages" in self.names
 
 
+def layer_residual_bytes(model: DecoderConfig, seq_len: int, dtype) -> dict[str, int]:
+    """Bytes one block of ``model`` (built without a context or expert axis) keeps for its
+    backward on one sequence of ``seq_len`` tokens in ``dtype``, on abstract shapes: under each layer remat policy, the residuals of
+    its pullback as JAX traces it (weights not counted), and (``"w_stash/" + policy``) what
+    a split backward's B hands its W (`eqxzoo.parallel.backward_split.BackwardSplit`)."""
+    from eqxzoo.nn.stack import remat, run_layer
+    from eqxzoo.parallel.backward_split import BackwardSplit
+
+    make_model = model_factory(model)
+    blocks = eqx.filter_eval_shape(lambda key: make_model(key=key), jax.random.key(0)).blocks.layers
+
+    def floating(leaf) -> bool:
+        return isinstance(leaf, jax.ShapeDtypeStruct) and jnp.issubdtype(leaf.dtype, jnp.inexact)
+
+    def integer(leaf) -> bool:
+        return isinstance(leaf, jax.ShapeDtypeStruct) and not floating(leaf)
+
+    def size(leaves) -> int:
+        return sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in leaves)
+
+    one = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape[1:], dtype if floating(s) else s.dtype), blocks
+    )
+    weights, rest = eqx.partition(one, floating)
+    data, static = eqx.partition(rest, integer)
+    h = jax.ShapeDtypeStruct((1, seq_len, model.d_model), dtype)
+    kept = {}
+    for policy in REMAT_POLICIES:
+        layer = remat(lambda w, d, x: run_layer(eqx.combine(w, d, static), x), policy)
+        stashes = []
+
+        def residuals(w, d, x, layer=layer, stashes=stashes):
+            weight_leaves = jax.tree.leaves(w)
+            fn = lambda w, x: layer(w, d, x)  # noqa: E731
+            leaves = jax.tree.leaves(jax.vjp(fn, w, x)[1])
+            cotangent = jax.tree.map(jnp.zeros_like, jax.eval_shape(fn, w, x))
+            stashes.append(BackwardSplit.of(fn, w, x, cotangent)[0].stash)
+            return [leaf for leaf in leaves if not any(leaf is v for v in weight_leaves)]
+
+        kept[policy] = size(jax.eval_shape(residuals, weights, data, h))
+        kept[f"w_stash/{policy}"] = size(v.aval for v in stashes[0])
+    return kept
+
+
+def split_widths(model: DecoderConfig) -> DecoderConfig:
+    """``model`` with the widths tensor parallelism splits halved (heads, the MLPs' and the
+    experts' hidden widths), each head as wide: one of two tp devices' share of a layer."""
+    moe = model.moe
+    if moe is not None:
+        moe = dataclasses.replace(
+            moe, expert_mlp_dim=moe.expert_mlp_dim // 2, shared_mlp_dim=moe.shared_mlp_dim // 2
+        )
+    kv_heads = model.kv_heads // 2 if model.kv_heads % 2 == 0 else model.kv_heads
+    return dataclasses.replace(
+        model,
+        n_heads=model.n_heads // 2,
+        n_kv_heads=kv_heads,
+        head_dim=model.attention_head_dim,
+        mlp_dim=model.mlp_dim // 2,
+        moe=moe,
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def layer_model(model: DecoderConfig, mesh: MeshConfig) -> DecoderConfig:
+    """``model``'s layer as a run builds it on ``mesh`` (its MoE kernel is the mesh's), on
+    one device's share: without its context and expert axes."""
+    on_mesh = model_config_for_mesh(model, mesh)
+    return dataclasses.replace(on_mesh, context_axis=None, expert_axis=None)
+
+
+@functools.lru_cache(maxsize=64)
+def layer_residuals(
+    model: DecoderConfig, seq_len: int, dtype: str
+) -> dict[str, tuple[float, float]]:
+    """Per token, the bytes a block keeps for its backward under each layer remat policy
+    (`layer_residual_bytes`), as ``(whole, split)``: what every tp device keeps, and what
+    tp splits (a device keeps ``split / tp``), from the block at its own widths and at
+    half of them (`split_widths`)."""
+    whole = layer_residual_bytes(model, seq_len, jnp.dtype(dtype))
+    if model.n_heads < 2:
+        return {policy: (kept / seq_len, 0.0) for policy, kept in whole.items()}
+    half = layer_residual_bytes(split_widths(model), seq_len, jnp.dtype(dtype))
+    return {
+        policy: ((2 * half[policy] - kept) / seq_len, 2 * (kept - half[policy]) / seq_len)
+        for policy, kept in whole.items()
+    }
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ModelFacts:
     """What pricing needs of ``config``'s model, computed once: the train state's arrays
-    (`StateLeaf`), per-token widths of a layer's activations (elements; ``*_split``: split
-    over tp; ``tp_input_width``: the inputs of a layer's tp-split projections, whose
-    gradients each reduce over tp) and the FLOPs of a training token."""
+    (`StateLeaf`), the model as a run builds it on one device (``model``; what its layers
+    keep, `layer_residuals`, is measured per mesh), per-token widths of a layer's
+    activations (elements; ``tp_input_width``: the inputs of a layer's tp-split projections,
+    whose gradients each reduce over tp) and the FLOPs of a training token."""
 
     leaves: tuple[StateLeaf, ...]
+    model: DecoderConfig
+    compute_dtype: str
     d_model: int
     n_blocks: int
     n_layers: int
     vocab: int
     compute_bytes: int
-    dots_split: int
-    dots_whole: int
-    hidden_split: int
     kv_width: int
     tp_input_width: int
     attention_layers: int
     moe_layers: int
     top_k: int
     n_experts: int
+    expert_hidden: int
     block_flops_share: float
     flops_per_token: float
     prefix_flops_share: float
@@ -428,107 +521,146 @@ class ModelFacts:
         latent = model.latent_attention
         heads = model.n_heads
         if latent is None:
-            head_dim = model.attention_head_dim
-            q = heads * head_dim
-            kv = 2 * model.kv_heads * head_dim
-            context = heads * head_dim
-            kv_width = kv
-            whole = 0
+            kv_width = 2 * model.kv_heads * model.attention_head_dim
             attention_inputs = 3 * d  # q, k and v each read the layer's input
         else:
             qk = latent.qk_nope_head_dim + latent.qk_rope_head_dim
-            q = heads * qk
-            kv = heads * (latent.qk_nope_head_dim + latent.v_head_dim)
-            context = heads * latent.v_head_dim
             kv_width = heads * (qk + latent.v_head_dim)
-            whole = (latent.q_lora_rank or 0) + latent.kv_lora_rank + latent.qk_rope_head_dim
             attention_inputs = (latent.q_lora_rank or d) + latent.kv_lora_rank
         mlp_inputs = (2 if model.activation in GATED else 1) * d
-        if model.moe is None:
-            mlp, hidden, moe_layers, top_k, n_experts = 2 * model.mlp_dim, model.mlp_dim, 0, 1, 1
-        else:
-            moe = model.moe
-            mlp = moe.top_k * 2 * moe.expert_mlp_dim + 2 * moe.shared_mlp_dim
-            hidden = moe.top_k * moe.expert_mlp_dim + moe.shared_mlp_dim
-            whole += moe.n_experts + moe.top_k * d
-            moe_layers, top_k, n_experts = model.n_blocks, moe.top_k, moe.n_experts
+        moe = model.moe
+        moe_layers = 0 if moe is None else model.n_blocks
+        top_k, n_experts = (1, 1) if moe is None else (moe.top_k, moe.n_experts)
+        expert_hidden = 0 if moe is None else moe.expert_mlp_dim
         counts = parameter_counts(model)
         head = model.vocab_size * d
         block_params = counts.active - counts.embedding - (0 if model.tie_embeddings else head)
         share = 6 * block_params / (6 * (block_params + head))
         return cls(
             leaves=tuple(leaves),
+            model=one_device.adapted_model,
+            compute_dtype=jnp.dtype(config.precision.compute).name,
             d_model=d,
             n_blocks=model.n_blocks,
             n_layers=model.n_layers,
             vocab=model.vocab_size,
             compute_bytes=jnp.dtype(config.precision.compute).itemsize,
-            dots_split=q + kv + context + mlp,
-            dots_whole=2 * d + whole,
-            hidden_split=hidden,
             kv_width=kv_width,
             tp_input_width=attention_inputs + mlp_inputs,
             attention_layers=model.n_layers,
             moe_layers=moe_layers,
             top_k=top_k,
             n_experts=n_experts,
+            expert_hidden=expert_hidden,
             block_flops_share=share,
             flops_per_token=tokens_flops,
             prefix_flops_share=model.first_dense_layers / model.n_layers,
         )
 
-    def dots_per_token(self, tp: int) -> float:
-        """Elements per token of a layer's matmul outputs on one of ``tp`` devices."""
-        return self.dots_split / tp + self.dots_whole
+    def residual_per_token(self, remat: str, config: RunConfig) -> float:
+        """Bytes a layer keeps per token for its backward under layer remat ``remat`` on
+        ``config``'s mesh: its pullback's residuals (`layer_residuals` of the layer the run
+        builds there, on a cp device's share of each sequence)."""
+        return self._per_token(remat, config)
 
-    def residual_per_token(self, remat: str, tp: int) -> int:
-        """Bytes a layer keeps per token for its backward under layer remat ``remat``: its
-        input (``"full"``), its matmuls' outputs (``"dots"``), those and the elementwise
-        results between them (``"none"``)."""
-        dots = self.dots_per_token(tp)
-        if remat == "full":
-            width = self.d_model
-        elif remat == "dots":
-            width = dots
-        else:
-            width = dots + 3 * self.d_model + self.hidden_split / tp
-        return int(width * self.compute_bytes)
+    def w_stash_per_token(self, remat: str, config: RunConfig) -> float:
+        """Bytes per token a layer's B hands its W in a split backward, likewise."""
+        return self._per_token(f"w_stash/{remat}", config)
+
+    def _per_token(self, kind: str, config: RunConfig) -> float:
+        mesh = config.mesh
+        model = layer_model(self.model, mesh)
+        kept = layer_residuals(model, config.data.seq_len // mesh.cp, self.compute_dtype)
+        whole, split = kept[kind]
+        return whole + split / mesh.tp
+
+    def expert_rows(self, config: RunConfig) -> float:
+        """Bytes of the buffers a dropless MoE layer's sorted kernel fills where
+        `jax.lax.ragged_dot` is not native (XLA:CPU): every local expert's block over every
+        row the device received, for the hidden and the output widths."""
+        model = layer_model(self.model, config.mesh)
+        if model.moe is None or model.moe.dropless_kernel != "sorted":
+            return 0.0
+        if resolve_implementation("auto") == "ragged_dot":
+            return 0.0
+        rows = tokens_per_microbatch(config) * self.top_k * config.mesh.ep
+        experts = self.n_experts / config.mesh.ep
+        return experts * rows * (2 * self.expert_hidden / config.mesh.tp + self.d_model) * 4
 
 
 def abstract_mesh(mesh: MeshConfig) -> AbstractMesh:
     return AbstractMesh(mesh.axis_shape, mesh.axis_names)
 
 
+class StateBytes(NamedTuple):
+    """Bytes per device of a train state on a mesh: the whole ``state``, its ``trainable``
+    parameters, and of those as a pipeline's region holds them (whole over the data axes,
+    dp and ep but for the experts' own weights; the outer ones over pp too): one
+    ``layer``'s and the ``outer`` (not layered) ones, and among them (``*_gathered``) those
+    the state splits over the data axes, which the region gathers at its boundary, and
+    (``*_reduced``) those whole over a data axis in the region, whose gradients it sums."""
+
+    state: int
+    trainable: int
+    layer: int
+    outer: int
+    layer_gathered: int
+    outer_gathered: int
+    layer_reduced: int
+    outer_reduced: int
+
+
 @functools.lru_cache(maxsize=4096)
-def _state_bytes(facts: ModelFacts, mesh: MeshConfig, rules_key: tuple) -> tuple[int, int, int]:
-    """``(state, trainable parameters, one layer's weights whole over dp and ep)`` bytes per
-    device of ``facts``' train state on ``mesh`` under the rules ``rules_key`` names."""
+def _state_bytes(facts: ModelFacts, mesh: MeshConfig, rules_key: tuple) -> StateBytes:
+    """`StateBytes` of ``facts``' train state on ``mesh`` under the rules ``rules_key``
+    names."""
     rules = dict(rules_key)
     on_mesh = abstract_mesh(mesh)
     sizes = dict(zip(mesh.axis_names, mesh.axis_shape, strict=True))
-    state = trainable = layer = 0
-    whole_over = {axis for axis in mesh.axis_names if axis.startswith("dp")} | {"ep"}
+    data_axes = {axis for axis in mesh.axis_names if axis.startswith("dp")} | {"ep"}
+    state = trainable = 0
+    region = {"layer": 0, "outer": 0}
+    gathered = {"layer": 0, "outer": 0}
+    reduced = {"layer": 0, "outer": 0}
     for leaf in facts.leaves:
         spec = partition_spec(leaf.axes, leaf.shape, on_mesh, rules)
-        shards = 1
-        not_data = 1
-        for part in spec:
-            for axis in (part,) if isinstance(part, str) else part or ():
-                shards *= sizes[axis]
-                if axis not in whole_over or "experts" in leaf.names:
-                    not_data *= sizes[axis]
+        own_experts = "experts" in leaf.names and mesh.ep > 1
+        whole_over = {a for a in data_axes if not (a == "ep" and own_experts)}
+        split_axes = [
+            axis for part in spec for axis in ((part,) if isinstance(part, str) else part or ())
+        ]
+        shards = math.prod(sizes[axis] for axis in split_axes)
+        # The region holds the outer weights whole over pp too (a stage's layers are its own).
+        in_region = math.prod(
+            sizes[axis] for axis in split_axes if axis not in whole_over and axis != "pp"
+        )
         elements = math.prod(leaf.shape)
         pp = mesh.pp if leaf.layered else 1
         per_device = elements * leaf.itemsize // (shards * pp)
         state += per_device
-        if leaf.trainable_parameter:
-            trainable += per_device
-            if leaf.layered:
-                layer += elements * leaf.itemsize // (not_data * facts.n_blocks)
-    return state, trainable, layer
+        if not leaf.trainable_parameter:
+            continue
+        trainable += per_device
+        kind, count = ("layer", facts.n_blocks) if leaf.layered else ("outer", 1)
+        size = elements * leaf.itemsize // (in_region * count)
+        region[kind] += size
+        if any(axis in whole_over for axis in split_axes):
+            gathered[kind] += size
+        if any(sizes[axis] > 1 for axis in whole_over):
+            reduced[kind] += size
+    return StateBytes(
+        state,
+        trainable,
+        region["layer"],
+        region["outer"],
+        gathered["layer"],
+        gathered["outer"],
+        reduced["layer"],
+        reduced["outer"],
+    )
 
 
-def state_bytes(facts: ModelFacts, config: RunConfig) -> tuple[int, int, int]:
+def state_bytes(facts: ModelFacts, config: RunConfig) -> StateBytes:
     """`_state_bytes` of ``config``'s mesh and sharding rules."""
     rules = config.sharding.rules_on(config.mesh.axis_names)
     return _state_bytes(facts, config.mesh, tuple(sorted(rules.items())))
@@ -545,26 +677,27 @@ MEMORY_TERMS = (
     "chunk_residuals",
     "fused_residuals",
     "layer_peak",
-    "pipeline_io",
     "logits",
     "chunk_weights",
+    "region_weights",
+    "expert_rows",
+    "tick_weights",
     "split_backward",
-    "constant",
 )
-# Fitted 2026-11-27 over 17 of the configs (`python -m pipelines.plan --calibrate`); within
-# 10% of the compiled step on 4 of them, 36-67% off on the split-backward schedules on one
-# stage and on the DeepSeek shapes (README, "Plan a run").
+# Fitted 2026-11-28 over the 24 configs (`python -m pipelines.plan --calibrate`): within
+# 10% of the compiled step on 11 of them, -28% to +36% over all (README, "Plan a run").
 MEMORY_MODEL: dict[str, float] = {
-    "gradients": 1.137,
-    "stash": 4.152,
-    "chunk_residuals": 5.582,
-    "fused_residuals": 1.58,
-    "layer_peak": 8.163,
-    "pipeline_io": 0.0,
-    "logits": 0.0,
-    "chunk_weights": 4.799,
-    "split_backward": 4.384,
-    "constant": 0.0,
+    "gradients": 2.365,
+    "stash": 0.399,
+    "chunk_residuals": 3.769,
+    "fused_residuals": 1.649,
+    "layer_peak": 0.961,
+    "logits": 0.36,
+    "chunk_weights": 1.037,
+    "region_weights": 1.545,
+    "expert_rows": 0.601,
+    "tick_weights": 0.59,
+    "split_backward": 1.464,
 }
 
 
@@ -579,12 +712,13 @@ def memory_terms(facts: ModelFacts, plan: Plan) -> tuple[int, dict[str, float]]:
     """``(state and batch bytes, {term: bytes})`` per device of ``plan``'s step: the first
     exact, the terms what `MEMORY_MODEL` weighs into the temporaries."""
     config, mesh = plan.config, plan.config.mesh
-    state, trainable, layer_weights = state_bytes(facts, config)
+    weights = state_bytes(facts, config)
+    state, trainable, layer_weights = weights.state, weights.trainable, weights.layer
     tokens = tokens_per_microbatch(config)
     batch = 2 * 4 * config.data.grad_accum * config.pipeline.microbatches * tokens
     schedule = plan.schedule
     chunk_layers = facts.n_blocks // (mesh.pp * schedule.repeats)
-    residual = facts.residual_per_token(plan.remat, mesh.tp)
+    residual = facts.residual_per_token(plan.remat, config)
     chunk = chunk_layers * tokens * residual
     item = tokens * facts.d_model * facts.compute_bytes if plan.remat_stages else chunk
     # The 1F1B family's last stage runs the head on each microbatch as it comes; the
@@ -598,24 +732,41 @@ def memory_terms(facts: ModelFacts, plan: Plan) -> tuple[int, dict[str, float]]:
         "stash": _in_flight(schedule) * item,
         "chunk_residuals": 0 if schedule.fuses_backward else chunk,
         "fused_residuals": chunk if schedule.fuses_backward else 0,
-        "layer_peak": tokens * (facts.hidden_split / mesh.tp + facts.d_model) * 4,
-        "pipeline_io": config.pipeline.microbatches * tokens * facts.d_model * facts.compute_bytes,
+        # One layer's backward: everything it computes, kept or recomputed.
+        "layer_peak": tokens * facts.residual_per_token("none", config),
         "logits": min(head_tokens, config.loss.chunk_size) * logits_columns * 4
         + head_tokens * facts.d_model * 4,
         "chunk_weights": chunk_layers * layer_weights,
+        # On several stages the region holds its stage's and the outer weights whole over
+        # the data axes, and accumulates their gradients so.
+        "region_weights": (
+            facts.n_blocks // mesh.pp * layer_weights + weights.outer if mesh.pp > 1 else 0
+        ),
+        "expert_rows": facts.expert_rows(config),
+        # Autodiff of a forward schedule's tick loop keeps each tick's stage weights, as
+        # the stage's conditional outputs its residuals (with stage remat, the stage only).
+        "tick_weights": (
+            _in_flight(schedule) * facts.n_blocks // mesh.pp * layer_weights
+            if not schedule.fuses_backward and not plan.remat_stages and mesh.pp > 1
+            else 0
+        ),
         "split_backward": (
-            _in_flight(schedule) * chunk_layers * tokens * facts.dots_per_token(mesh.tp) * 4
+            _in_flight(schedule)
+            * chunk_layers
+            * tokens
+            * facts.w_stash_per_token(plan.remat, config)
             if schedule.splits_backward
             else 0
         ),
-        "constant": 2**20,
     }
     return state + batch, {name: float(value) for name, value in terms.items()}
 
 
 @functools.lru_cache(maxsize=4096)
 def _in_flight(schedule: Schedule) -> int:
-    return schedule.in_flight()
+    """The items a stage stashes at once: the 1F1B family's slots; under autodiff of a
+    forward schedule's tick loop, a tick's each (a bubble's zeros too)."""
+    return schedule.in_flight() if schedule.fuses_backward else schedule.forward_only.ticks
 
 
 @functools.lru_cache(maxsize=4096)
@@ -669,11 +820,14 @@ WIRE_FACTOR: dict[str, Callable[[int], float]] = {
 def step_flops(facts: ModelFacts, plan: Plan) -> tuple[float, float]:
     """``(model FLOPs of the step, FLOPs one device runs)``: the model's training FLOPs
     (`models.flops_per_token`), and a device's share of them with the forwards run again
-    (stage remat: each stage's; ``"full"`` layer remat: each layer's, once more)."""
-    config = plan.config
+    (stage remat: each stage's; ``"full"`` layer remat: each layer's, once more; both: the
+    stage's recompute stops at its last layer's input, which is all the layers keep)."""
+    config, mesh = plan.config, plan.config.mesh
     model_flops = facts.flops_per_token * config.tokens_per_step
     forward = model_flops * facts.block_flops_share / 3
-    again = (1 if plan.remat_stages else 0) + (1 if plan.remat == "full" else 0)
+    chunk_layers = facts.n_blocks // (mesh.pp * plan.schedule.repeats)
+    stage_again = 1.0 if plan.remat != "full" else (chunk_layers - 1) / chunk_layers
+    again = (stage_again if plan.remat_stages else 0) + (1 if plan.remat == "full" else 0)
     return model_flops, (model_flops + again * forward) / config.mesh.size
 
 
@@ -685,8 +839,10 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
     split projection's input (the partitioner reduces q's, k's and v's apart, not their
     sum), and the vocabulary-split embedding's and head's; context parallelism's keys and
     values round the ring, expert parallelism's all-to-alls (two each way a MoE layer), the
-    pipeline's sends (one a tick each way), FSDP's gathers of each stage's weights (each
-    pass) and the gradients' reduce-scatter over the data axes."""
+    pipeline's sends (one a tick each way), and over the data axes (dp and ep, under
+    ``"dp"``): on one stage FSDP's gathers of the weights (each pass) and the gradients'
+    reduce-scatter, on several the region's gather of its weights and sum of their
+    gradients, once each accumulation step."""
     config, mesh = plan.config, plan.config.mesh
     tokens = tokens_per_microbatch(config)
     microbatches = config.pipeline.microbatches * config.data.grad_accum
@@ -716,9 +872,22 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
     if mesh.pp > 1:
         ticks = plan.schedule.ticks * config.data.grad_accum
         traffic[("collective-permute", "pp")] = 2 * ticks * activation
-    state, trainable, layer_weights = state_bytes(facts, config)
+    weights = state_bytes(facts, config)
+    trainable, layer_weights = weights.trainable, weights.layer
     data = mesh.dp * mesh.ep
-    if data > 1:
+    if data > 1 and mesh.pp > 1:
+        # Each accumulation step gathers the stage's and the outer weights whole over the
+        # data axes once (the region its stage's, and the 1F1B family's the outer ones it
+        # runs inside; the forward schedules' embedding and head run outside, gathered
+        # there), and sums their gradients so once (the forward schedules' outer ones are
+        # not modelled: the partitioner reduces those several times).
+        outer = plan.schedule.fuses_backward
+        layers = facts.n_blocks // mesh.pp
+        gathered = layers * weights.layer_gathered + weights.outer_gathered
+        reduced = layers * weights.layer_reduced + outer * weights.outer_reduced
+        traffic[("all-gather", "dp")] = config.data.grad_accum * gathered
+        traffic[("all-reduce", "dp")] = config.data.grad_accum * reduced
+    elif data > 1:
         gathered = stage_layers * layer_weights
         traffic[("all-gather", "dp")] = (passes - 1) * microbatches * gathered
         traffic[("reduce-scatter", "dp")] = trainable * data
@@ -1097,6 +1266,19 @@ def compiled_bytes_by_axis(compiled: Compiled, mesh: MeshConfig) -> dict[str, fl
         key = f"{link.kind} over {'+'.join(axes) or 'none'}"
         by_axis[key] = by_axis.get(key, 0.0) + traffic.bytes
     return by_axis
+
+
+def data_axes_traffic(by_axis: Mapping[str, float]) -> dict[str, float]:
+    """``by_axis`` (`compiled_bytes_by_axis`) with the gathers and reductions over the data
+    axes (dp, ep, both: FSDP's, and a region's whole over them) as ``"kind over dp"``, the
+    key the planner predicts them under."""
+    merged: dict[str, float] = {}
+    for key, size in by_axis.items():
+        kind, axes = key.split(" over ")
+        if kind != "all-to-all" and set(axes.split("+")) <= {"dp", "ep"}:
+            key = f"{kind} over dp"
+        merged[key] = merged.get(key, 0.0) + size
+    return merged
 
 
 def calibration_row(config: RunConfig, label: str) -> CalibrationRow:
@@ -1530,4 +1712,31 @@ def print_calibration(say: Callable[[str], None]) -> None:
             ]
         )
     for line in table_rows(flops):
+        say(line)
+    say(
+        "Collective bytes per device, predicted / compiled (MiB): the data axes' gathers and "
+        "gradient reductions (dp and ep together), the pipeline's sends."
+    )
+    traffic = [["config", "gathers", "reductions", "sends over pp"]]
+    for row in rows:
+        compiled = data_axes_traffic(row.bytes_compiled)
+
+        def pair(key, compiled=compiled, row=row):
+            return (
+                f"{row.bytes_predicted.get(key, 0.0) / 2**20:.1f} / "
+                f"{compiled.get(key, 0.0) / 2**20:.1f}"
+            )
+
+        reductions = "all-reduce over dp"
+        if "reduce-scatter over dp" in row.bytes_predicted:
+            reductions = "reduce-scatter over dp"
+        traffic.append(
+            [
+                row.label,
+                pair("all-gather over dp"),
+                f"{pair(reductions)} ({reductions.split()[0]})",
+                pair("collective-permute over pp"),
+            ]
+        )
+    for line in table_rows(traffic):
         say(line)
