@@ -1270,12 +1270,17 @@ def compiled_bytes_by_axis(compiled: Compiled, mesh: MeshConfig) -> dict[str, fl
 
 def data_axes_traffic(by_axis: Mapping[str, float]) -> dict[str, float]:
     """``by_axis`` (`compiled_bytes_by_axis`) with the gathers and reductions over the data
-    axes (dp, ep, both: FSDP's, and a region's whole over them) as ``"kind over dp"``, the
-    key the planner predicts them under."""
+    axes (dp, ep, both: FSDP's, and a region's whole over them; a region's gradient sum over
+    cp too) as ``"kind over dp"``, the key the planner predicts them under."""
+    data_axes = {
+        "all-gather": {"dp", "ep"},
+        "reduce-scatter": {"dp", "ep"},
+        "all-reduce": {"dp", "ep", "cp"},
+    }
     merged: dict[str, float] = {}
     for key, size in by_axis.items():
         kind, axes = key.split(" over ")
-        if kind != "all-to-all" and set(axes.split("+")) <= {"dp", "ep"}:
+        if set(axes.split("+")) <= data_axes.get(kind, set()):
             key = f"{kind} over dp"
         merged[key] = merged.get(key, 0.0) + size
     return merged
