@@ -12,7 +12,8 @@ later ones; the last stage collects outputs on the last repeat. The stage body i
 rematerialised around the `cond`, so only each tick's input is saved for the backward pass.
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import einops
 import equinox as eqx
@@ -129,12 +130,8 @@ def run_pipeline(
     # pp (XLA's partitioner rejects the autodiff all-reduce over a size-1 manual pp axis
     # next to dp).
     pipelined = schedule.stages > 1
-    batch_axes = auto_batch_axes(mesh, layers, rules)
-    # On several stages the region is manual over the batch's other axes too
-    # (`auto_batch_axes`).
-    pooled_axes = batch_axes if pipelined else ()
-    layers_axes = pipeline_axes(mesh, layers)
-    manual_axes = layers_axes + pooled_axes
+    region = RegionAxes.of(mesh, layers, rules, pipelined=pipelined)
+    manual_axes = region.manual
     manual = bool(manual_axes)
     # Activations cross stages in float32: XLA:CPU fails to compile the pipeline's
     # bfloat16 collectives ("Invalid binary instruction opcode copy"); layers still compute
@@ -153,16 +150,7 @@ def run_pipeline(
     last_stage = n_stages - 1
     shift = [(stage, (stage + 1) % n_stages) for stage in range(n_stages)]
 
-    # On one stage the compiler splits the batch over them.
-    auto_batch = {"batch": batch_axes}
-    split_over_batch = not pipelined and bool(batch_axes)
-
-    def split_batch(h):
-        if not split_over_batch:
-            return h
-        if manual:  # inside the region manual over cp or ep: a bare spec of the other axes
-            return jax.lax.with_sharding_constraint(h, activation_spec("batch", rules=auto_batch))
-        return jax.lax.with_sharding_constraint(h, activation_sharding(mesh, "batch", rules=rules))
+    split_batch = batch_split(mesh, region, rules)
 
     def stage_compute(stage_params, h, documents):
         h_out, aux = apply_layers(
@@ -257,17 +245,17 @@ def run_pipeline(
             (_, _, outputs, aux_sums), _ = tick(init, 0)
         else:
             (_, _, outputs, aux_sums), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
-        # The layers average their aux values over cp and ep; the means over the batch's
-        # other axes make them the whole batch's.
-        data_axes = shard_axes(layers_axes) + pooled_axes
+        # The layers average their aux values over cp and ep; the means over the pooled
+        # axes make them the whole batch's.
+        data_axes = region.data
         aux_sums = jax.lax.pmean(aux_sums, data_axes) if data_axes else aux_sums
         return outputs[None], jax.tree.map(lambda v: v[None], aux_sums)
 
     def spec(*names):
         return manual_spec(*names, manual_axes=manual_axes, rules=rules)
 
-    stage_spec = stage_specs(params, static, layers_axes, rules)
-    if split_over_batch:
+    stage_spec = stage_specs(params, static, region.layers, rules)
+    if region.auto_batch:
         microbatches = jax.lax.with_sharding_constraint(
             microbatches, activation_sharding(mesh, "microbatches", "batch", rules=rules)
         )
@@ -324,6 +312,56 @@ def auto_batch_axes(
     return tuple(
         a for a in rule_axes("batch", rules) if a not in manual and mesh.shape.get(a, 1) > 1
     )
+
+
+class RegionAxes(NamedTuple):
+    """The mesh axes of a pipeline's region: ``layers``, the `pipeline_axes` (pp, and cp and
+    ep where the layers split over them); ``pooled``, the `auto_batch_axes` on several
+    stages, where the region is manual over them too; ``auto_batch``, the same on one
+    stage, which the compiler splits."""
+
+    layers: tuple[str, ...]
+    pooled: tuple[str, ...]
+    auto_batch: tuple[str, ...]
+
+    @classmethod
+    def of(
+        cls,
+        mesh: Mesh | AbstractMesh,
+        layers: PyTree,
+        rules: Mapping[str, MeshAxes],
+        *,
+        pipelined: bool,
+    ) -> "RegionAxes":
+        batch = auto_batch_axes(mesh, layers, rules)
+        return cls(pipeline_axes(mesh, layers), *((batch, ()) if pipelined else ((), batch)))
+
+    @property
+    def manual(self) -> tuple[str, ...]:
+        """The axes the region's `jax.shard_map` is manual over."""
+        return self.layers + self.pooled
+
+    @property
+    def data(self) -> tuple[str, ...]:
+        """The manual axes over which each device holds a shard of the batch's tokens
+        (`shard_axes`, and the pooled ones): the loss and the gradients of what every shard
+        uses are sums over them, the aux values (each shard's averages) means."""
+        return shard_axes(self.layers) + self.pooled
+
+
+def batch_split(
+    mesh: Mesh | AbstractMesh, region: RegionAxes, rules: Mapping[str, MeshAxes]
+) -> Callable[[Array], Array]:
+    """A stage's activations constrained to the batch's split over the axes the compiler
+    splits (`RegionAxes.auto_batch`: on one stage), so that it keeps data parallelism
+    instead of gathering the batch to match FSDP-sharded weights; unchanged elsewhere."""
+    if not region.auto_batch:
+        return lambda h: h
+    if region.manual:  # inside a region manual over cp or ep: a bare spec of the other axes
+        spec = activation_spec("batch", rules={"batch": region.auto_batch})
+        return lambda h: jax.lax.with_sharding_constraint(h, spec)
+    sharding = activation_sharding(mesh, "batch", rules=rules)
+    return lambda h: jax.lax.with_sharding_constraint(h, sharding)
 
 
 def shard_axes(manual_axes: tuple[str, ...]) -> tuple[str, ...]:

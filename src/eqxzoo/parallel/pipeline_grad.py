@@ -60,17 +60,15 @@ from eqxzoo.parallel.backward_split import (
 )
 from eqxzoo.parallel.mesh import check_stage_loops
 from eqxzoo.parallel.pipeline import (
-    auto_batch_axes,
+    RegionAxes,
+    batch_split,
     in_layer_order,
-    pipeline_axes,
-    shard_axes,
     stage_specs,
     varying_over,
 )
 from eqxzoo.parallel.rules import (
     DEFAULT_RULES,
     MeshAxes,
-    activation_sharding,
     activation_spec,
     manual_spec,
     rule_axes,
@@ -142,15 +140,10 @@ def pipeline_value_and_grad(
     n_stages, n_repeats = schedule.stages, schedule.repeats
     n_slots = table.slots
     pipelined = n_stages > 1
-    batch_axes = auto_batch_axes(mesh, layers, rules)
-    # On several stages the region is manual over the batch's other axes too
-    # (`auto_batch_axes`).
-    # The layers average their statistics over cp and ep themselves, not over these.
-    pooled_axes = batch_axes if pipelined else ()
-    layers_axes = pipeline_axes(mesh, layers)
-    manual_axes = layers_axes + pooled_axes
+    region = RegionAxes.of(mesh, layers, rules, pipelined=pipelined)
+    manual_axes = region.manual
     manual = bool(manual_axes)
-    data_axes = shard_axes(layers_axes) + pooled_axes
+    data_axes = region.data
 
     virtual_stages = jnp.asarray(schedule.virtual_stages)
     # The sources (`eqxzoo.parallel.schedule.SOURCES`) something arrives from, per buffer.
@@ -172,18 +165,9 @@ def pipeline_value_and_grad(
     layer_params, layer_data = eqx.partition(layer_arrays, eqx.is_inexact_array)
     outer_params, outer_static = eqx.partition(outer, eqx.is_inexact_array)
 
-    # On one stage the compiler splits the batch over them: the layers' inputs are
-    # constrained to its split, as the forward pipeline's are, or with the ids entering
-    # replicated (below) every data-parallel device ran the whole batch.
-    auto_batch = {"batch": batch_axes}
-    split_over_batch = not pipelined and bool(batch_axes)
-
-    def split_batch(h):
-        if not split_over_batch:
-            return h
-        if manual:
-            return jax.lax.with_sharding_constraint(h, activation_spec("batch", rules=auto_batch))
-        return jax.lax.with_sharding_constraint(h, activation_sharding(mesh, "batch", rules=rules))
+    # On one stage the layers' inputs are constrained to the batch's split, or with the ids
+    # entering replicated (below) every data-parallel device ran the whole batch.
+    split_batch = batch_split(mesh, region, rules)
 
     def stage_fn(stage_params, stage_data, h, documents):
         stage = eqx.combine(stage_params, stage_data, layer_static)
@@ -256,8 +240,9 @@ def pipeline_value_and_grad(
         )
 
         def pooled(totals):
-            """A microbatch's aux totals over all its sequences (each device holds its own)."""
-            return jax.lax.pmean(totals, pooled_axes) if pooled_axes else totals
+            """A microbatch's aux totals over all its sequences (each device holds its own;
+            the layers average their statistics over cp and ep themselves)."""
+            return jax.lax.pmean(totals, region.pooled) if region.pooled else totals
 
         def fit_cotangent(outputs, cotangent):
             """``cotangent`` for ``outputs``: in their dtypes, varying over the manual axes
@@ -658,7 +643,7 @@ def pipeline_value_and_grad(
         return manual_spec(*names, manual_axes=manual_axes, rules=rules)
 
     stage_spec = eqx.partition(
-        stage_specs(layer_arrays, layer_static, layers_axes, rules),
+        stage_specs(layer_arrays, layer_static, region.layers, rules),
         jax.tree.map(eqx.is_inexact_array, layer_arrays),
     )
     per_stage_spec = spec("stages")
