@@ -283,6 +283,11 @@ class PullbackResiduals:
     def of(cls, fn: Callable, weights: PyTree, x: Array) -> "PullbackResiduals":
         """The layout of ``fn``'s pullback as traced here; the computation is dead code."""
         _, pullback = jax.vjp(fn, weights, x)
+        return cls.of_pullback(pullback, weights)
+
+    @classmethod
+    def of_pullback(cls, pullback: Callable, weights: PyTree) -> "PullbackResiduals":
+        """`of` for the ``pullback`` of ``jax.vjp(fn, weights, x)``."""
         weight_leaves = jax.tree.leaves(weights)
         leaves = jax.tree.leaves(pullback)
         weight_of_leaf = tuple(

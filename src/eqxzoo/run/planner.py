@@ -368,11 +368,12 @@ class StateLeaf:
 
 def layer_residual_bytes(model: DecoderConfig, seq_len: int, dtype) -> dict[str, int]:
     """Bytes one block of ``model`` (built without a context or expert axis) keeps for its
-    backward on one sequence of ``seq_len`` tokens in ``dtype``, on abstract shapes: under each layer remat policy, the residuals of
-    its pullback as JAX traces it (weights not counted), and (``"w_stash/" + policy``) what
-    a split backward's B hands its W (`eqxzoo.parallel.backward_split.BackwardSplit`)."""
+    backward on one sequence of ``seq_len`` tokens in ``dtype``, on abstract shapes: under
+    each layer remat policy, the residuals of its pullback as JAX traces it (weights not
+    counted, `eqxzoo.parallel.backward_split.PullbackResiduals`), and (``"w_stash/" +
+    policy``) what a split backward's B hands its W (`BackwardSplit`)."""
     from eqxzoo.nn.stack import remat, run_layer
-    from eqxzoo.parallel.backward_split import BackwardSplit
+    from eqxzoo.parallel.backward_split import BackwardSplit, PullbackResiduals
 
     make_model = model_factory(model)
     blocks = eqx.filter_eval_shape(lambda key: make_model(key=key), jax.random.key(0)).blocks.layers
@@ -395,18 +396,15 @@ def layer_residual_bytes(model: DecoderConfig, seq_len: int, dtype) -> dict[str,
     kept = {}
     for policy in REMAT_POLICIES:
         layer = remat(lambda w, d, x: run_layer(eqx.combine(w, d, static), x), policy)
-        stashes = []
 
-        def residuals(w, d, x, layer=layer, stashes=stashes):
-            weight_leaves = jax.tree.leaves(w)
-            fn = lambda w, x: layer(w, d, x)  # noqa: E731
-            leaves = jax.tree.leaves(jax.vjp(fn, w, x)[1])
-            cotangent = jax.tree.map(jnp.zeros_like, jax.eval_shape(fn, w, x))
-            stashes.append(BackwardSplit.of(fn, w, x, cotangent)[0].stash)
-            return [leaf for leaf in leaves if not any(leaf is v for v in weight_leaves)]
+        def measure(w, d, x, layer=layer, policy=policy):
+            outputs, pullback = jax.vjp(lambda w, x: layer(w, d, x), w, x)
+            cotangent = jax.tree.map(jnp.zeros_like, outputs)
+            split = BackwardSplit.of_pullback(pullback, w, x, cotangent)[0]
+            kept[policy] = size(PullbackResiduals.of_pullback(pullback, w).shapes)
+            kept[f"w_stash/{policy}"] = size(v.aval for v in split.stash)
 
-        kept[policy] = size(jax.eval_shape(residuals, weights, data, h))
-        kept[f"w_stash/{policy}"] = size(v.aval for v in stashes[0])
+        jax.eval_shape(measure, weights, data, h)
     return kept
 
 
