@@ -109,13 +109,17 @@ def test_a_pipelined_steps_flops_count_each_branch_as_often_as_the_schedule_runs
 
 
 @pytest.mark.parametrize(
-    "row", [0, 2, 5], ids=["zb_h1-dp4,pp2", "gpipe-dp2,pp2,tp2", "zb_h1-dp8,pp1"]
+    "row",
+    [0, 2, 5, 15],
+    ids=["zb_h1-dp4,pp2", "gpipe-dp2,pp2,tp2", "zb_h1-dp8,pp1", "deepseek-gpipe-dp2,ep4"],
 )
 def test_each_data_parallel_device_runs_its_own_sequences(row):
-    """Both executors on several stages (the region manual over dp too) and the 1F1B
-    executor on one stage (its layers' inputs constrained to the batch's split): the compiled
-    step's matrix FLOPs per device are the model's within 10%. Left to the partitioner,
-    every data-parallel device ran each stage on the whole microbatch (1.46x, 1.21x, 1.76x)."""
+    """Both executors on several stages (the region manual over dp too), the 1F1B executor
+    on one stage (its layers' inputs constrained to the batch's split) and DeepSeek's dense
+    prefix over dp x ep (its region manual over both): the compiled step's matrix FLOPs per
+    device are the model's within 10%. Left to the partitioner, every data-parallel device
+    ran each stage on the whole microbatch (1.46x, 1.21x, 1.76x), and the prefix's backward
+    on the whole batch (1.28x)."""
     path, overrides = planner.CALIBRATION[row]
     config = load_config(ROOT / path, [*overrides, "precision.compute=float32"])
     facts, plan = planner.ModelFacts.of(config), planner.plan_of(config)

@@ -366,12 +366,21 @@ class StateLeaf:
         return "stages" in self.names
 
 
-def layer_residual_bytes(model: DecoderConfig, seq_len: int, dtype) -> dict[str, int]:
+# Backends whose compiled step computes a 16-bit matmul in float32 and keeps its output so
+# (XLA:CPU: a layer's compiled "dots" residuals are twice what JAX traces in bfloat16).
+WIDENS_DOT_OUTPUTS = ("cpu",)
+
+
+def layer_residual_bytes(
+    model: DecoderConfig, seq_len: int, dtype, sequences: int = 1
+) -> dict[str, int]:
     """Bytes one block of ``model`` (built without a context or expert axis) keeps for its
-    backward on one sequence of ``seq_len`` tokens in ``dtype``, on abstract shapes: under
-    each layer remat policy, the residuals of its pullback as JAX traces it (weights not
-    counted, `eqxzoo.parallel.backward_split.PullbackResiduals`), and (``"w_stash/" +
-    policy``) what a split backward's B hands its W (`BackwardSplit`)."""
+    backward on ``sequences`` sequences of ``seq_len`` tokens in ``dtype``, on abstract
+    shapes: under each layer remat policy, the residuals of its pullback as JAX traces it
+    (its weights not counted, `eqxzoo.parallel.backward_split.PullbackResiduals`; what it
+    computes from them is), the matmuls' outputs in float32 where the backend keeps them so
+    (`WIDENS_DOT_OUTPUTS`), and (``"w_stash/" + policy``) what a split backward's B hands
+    its W (`BackwardSplit`)."""
     from eqxzoo.nn.stack import remat, run_layer
     from eqxzoo.parallel.backward_split import BackwardSplit, PullbackResiduals
 
@@ -392,7 +401,7 @@ def layer_residual_bytes(model: DecoderConfig, seq_len: int, dtype) -> dict[str,
     )
     weights, rest = eqx.partition(one, floating)
     data, static = eqx.partition(rest, integer)
-    h = jax.ShapeDtypeStruct((1, seq_len, model.d_model), dtype)
+    h = jax.ShapeDtypeStruct((sequences, seq_len, model.d_model), dtype)
     kept = {}
     for policy in REMAT_POLICIES:
         layer = remat(lambda w, d, x: run_layer(eqx.combine(w, d, static), x), policy)
@@ -405,6 +414,11 @@ def layer_residual_bytes(model: DecoderConfig, seq_len: int, dtype) -> dict[str,
             kept[f"w_stash/{policy}"] = size(v.aval for v in split.stash)
 
         jax.eval_shape(measure, weights, data, h)
+    if jnp.dtype(dtype).itemsize < 4 and jax.default_backend() in WIDENS_DOT_OUTPUTS:
+        # What "dots" keeps is the matmuls' outputs and the layer's input; "none" keeps them too.
+        widened = kept["dots"] - size([h])
+        kept["dots"] += widened
+        kept["none"] += widened
     return kept
 
 
@@ -435,21 +449,44 @@ def layer_model(model: DecoderConfig, mesh: MeshConfig) -> DecoderConfig:
     return dataclasses.replace(on_mesh, context_axis=None, expert_axis=None)
 
 
+class Kept(NamedTuple):
+    """What a block keeps for its backward (`layer_residuals`), bytes: ``per_token`` and
+    ``constant`` (computed from its weights, whatever the tokens), each as ``(whole,
+    split)``: what every tp device keeps, and what tp splits (a device keeps ``split /
+    tp``)."""
+
+    per_token: tuple[float, float]
+    constant: tuple[float, float]
+
+
 @functools.lru_cache(maxsize=64)
-def layer_residuals(
-    model: DecoderConfig, seq_len: int, dtype: str
-) -> dict[str, tuple[float, float]]:
-    """Per token, the bytes a block keeps for its backward under each layer remat policy
-    (`layer_residual_bytes`), as ``(whole, split)``: what every tp device keeps, and what
-    tp splits (a device keeps ``split / tp``), from the block at its own widths and at
-    half of them (`split_widths`)."""
-    whole = layer_residual_bytes(model, seq_len, jnp.dtype(dtype))
+def layer_residuals(model: DecoderConfig, seq_len: int, dtype: str) -> dict[str, Kept]:
+    """`Kept` per layer remat policy (`layer_residual_bytes`): the per-token and constant
+    parts from one and two sequences, the whole and split parts from the block at its own
+    widths and at half of them (`split_widths`)."""
+
+    def linear(model: DecoderConfig) -> dict[str, tuple[float, float]]:
+        one, two = (
+            layer_residual_bytes(model, seq_len, jnp.dtype(dtype), sequences)
+            for sequences in (1, 2)
+        )
+        return {
+            kind: ((two[kind] - one[kind]) / seq_len, 2 * one[kind] - two[kind]) for kind in one
+        }
+
+    def whole_and_split(full: float, half: float) -> tuple[float, float]:
+        return 2 * half - full, 2 * (full - half)
+
+    full = linear(model)
     if model.n_heads < 2:
-        return {policy: (kept / seq_len, 0.0) for policy, kept in whole.items()}
-    half = layer_residual_bytes(split_widths(model), seq_len, jnp.dtype(dtype))
+        return {kind: Kept((t, 0.0), (c, 0.0)) for kind, (t, c) in full.items()}
+    half = linear(split_widths(model))
     return {
-        policy: ((2 * half[policy] - kept) / seq_len, 2 * (kept - half[policy]) / seq_len)
-        for policy, kept in whole.items()
+        kind: Kept(
+            whole_and_split(full[kind][0], half[kind][0]),
+            whole_and_split(full[kind][1], half[kind][1]),
+        )
+        for kind in full
     }
 
 
@@ -555,22 +592,28 @@ class ModelFacts:
             prefix_flops_share=model.first_dense_layers / model.n_layers,
         )
 
-    def residual_per_token(self, remat: str, config: RunConfig) -> float:
-        """Bytes a layer keeps per token for its backward under layer remat ``remat`` on
-        ``config``'s mesh: its pullback's residuals (`layer_residuals` of the layer the run
-        builds there, on a cp device's share of each sequence)."""
-        return self._per_token(remat, config)
+    def residual_bytes(self, remat: str, config: RunConfig, tokens: float) -> float:
+        """Bytes a layer keeps for its backward on ``tokens`` tokens of a device under layer
+        remat ``remat`` on ``config``'s mesh: its pullback's residuals (`layer_residuals` of
+        the layer the run builds there, on a cp device's share of each sequence)."""
+        return self._kept(remat, config, tokens)
 
-    def w_stash_per_token(self, remat: str, config: RunConfig) -> float:
-        """Bytes per token a layer's B hands its W in a split backward, likewise."""
-        return self._per_token(f"w_stash/{remat}", config)
+    def w_stash_bytes(self, remat: str, config: RunConfig, tokens: float) -> float:
+        """Bytes a layer's B hands its W in a split backward, likewise."""
+        return self._kept(f"w_stash/{remat}", config, tokens)
 
-    def _per_token(self, kind: str, config: RunConfig) -> float:
+    def _kept(self, kind: str, config: RunConfig, tokens: float) -> float:
+        """``tokens`` times the per-token part of `Kept`, plus its constant part split as
+        the step holds the layer's weights: whole over the data axes in a pipeline's
+        region, as the state splits them on one stage."""
         mesh = config.mesh
         model = layer_model(self.model, mesh)
-        kept = layer_residuals(model, config.data.seq_len // mesh.cp, self.compute_dtype)
-        whole, split = kept[kind]
-        return whole + split / mesh.tp
+        kept = layer_residuals(model, config.data.seq_len // mesh.cp, self.compute_dtype)[kind]
+        (token_whole, token_split), (constant_whole, constant_split) = kept
+        weights = state_bytes(self, config)
+        held = weights.layer if mesh.pp > 1 else weights.layer_sharded
+        constant = (constant_whole + constant_split / mesh.tp) * held / max(weights.layer_tp, 1)
+        return tokens * (token_whole + token_split / mesh.tp) + constant
 
     def expert_rows(self, config: RunConfig) -> float:
         """Bytes of the buffers a dropless MoE layer's sorted kernel fills where
@@ -596,7 +639,9 @@ class StateBytes(NamedTuple):
     dp and ep but for the experts' own weights; the outer ones over pp too): one
     ``layer``'s and the ``outer`` (not layered) ones, and among them (``*_gathered``) those
     the state splits over the data axes, which the region gathers at its boundary, and
-    (``*_reduced``) those whole over a data axis in the region, whose gradients it sums."""
+    (``*_reduced``) those whole over a data axis in the region, whose gradients it sums;
+    one layer's as the state splits them (``layer_sharded``) and split over tp only
+    (``layer_tp``)."""
 
     state: int
     trainable: int
@@ -606,6 +651,8 @@ class StateBytes(NamedTuple):
     outer_gathered: int
     layer_reduced: int
     outer_reduced: int
+    layer_sharded: int
+    layer_tp: int
 
 
 @functools.lru_cache(maxsize=4096)
@@ -620,6 +667,7 @@ def _state_bytes(facts: ModelFacts, mesh: MeshConfig, rules_key: tuple) -> State
     region = {"layer": 0, "outer": 0}
     gathered = {"layer": 0, "outer": 0}
     reduced = {"layer": 0, "outer": 0}
+    layer_sharded = layer_tp = 0
     for leaf in facts.leaves:
         spec = partition_spec(leaf.axes, leaf.shape, on_mesh, rules)
         own_experts = "experts" in leaf.names and mesh.ep > 1
@@ -640,6 +688,10 @@ def _state_bytes(facts: ModelFacts, mesh: MeshConfig, rules_key: tuple) -> State
             continue
         trainable += per_device
         kind, count = ("layer", facts.n_blocks) if leaf.layered else ("outer", 1)
+        if leaf.layered:
+            layer_sharded += elements * leaf.itemsize // (shards * count)
+            tp_shards = math.prod(sizes[axis] for axis in split_axes if axis == "tp")
+            layer_tp += elements * leaf.itemsize // (tp_shards * count)
         size = elements * leaf.itemsize // (in_region * count)
         region[kind] += size
         if any(axis in whole_over for axis in split_axes):
@@ -655,6 +707,8 @@ def _state_bytes(facts: ModelFacts, mesh: MeshConfig, rules_key: tuple) -> State
         gathered["outer"],
         reduced["layer"],
         reduced["outer"],
+        layer_sharded,
+        layer_tp,
     )
 
 
@@ -672,6 +726,7 @@ def state_bytes(facts: ModelFacts, config: RunConfig) -> StateBytes:
 MEMORY_TERMS = (
     "gradients",
     "stash",
+    "tick_stash",
     "chunk_residuals",
     "fused_residuals",
     "layer_peak",
@@ -681,12 +736,14 @@ MEMORY_TERMS = (
     "expert_rows",
     "tick_weights",
     "split_backward",
+    "program",
 )
 # Fitted 2026-11-28 over the 24 configs (`python -m pipelines.plan --calibrate`): within
 # 10% of the compiled step on 11 of them, -28% to +36% over all (README, "Plan a run").
 MEMORY_MODEL: dict[str, float] = {
     "gradients": 2.365,
     "stash": 0.399,
+    "tick_stash": 0.399,
     "chunk_residuals": 3.769,
     "fused_residuals": 1.649,
     "layer_peak": 0.961,
@@ -696,6 +753,7 @@ MEMORY_MODEL: dict[str, float] = {
     "expert_rows": 0.601,
     "tick_weights": 0.59,
     "split_backward": 1.464,
+    "program": 0.0,
 }
 
 
@@ -716,8 +774,7 @@ def memory_terms(facts: ModelFacts, plan: Plan) -> tuple[int, dict[str, float]]:
     batch = 2 * 4 * config.data.grad_accum * config.pipeline.microbatches * tokens
     schedule = plan.schedule
     chunk_layers = facts.n_blocks // (mesh.pp * schedule.repeats)
-    residual = facts.residual_per_token(plan.remat, config)
-    chunk = chunk_layers * tokens * residual
+    chunk = chunk_layers * facts.residual_bytes(plan.remat, config, tokens)
     item = tokens * facts.d_model * facts.compute_bytes if plan.remat_stages else chunk
     # The 1F1B family's last stage runs the head on each microbatch as it comes; the
     # forward schedules run it after the pipeline on all of them, pp acting as a data axis.
@@ -727,11 +784,12 @@ def memory_terms(facts: ModelFacts, plan: Plan) -> tuple[int, dict[str, float]]:
     logits_columns = min(config.loss.chunk_size, facts.vocab / (mesh.tp))
     terms = {
         "gradients": trainable,
-        "stash": _in_flight(schedule) * item,
+        "stash": _in_flight(schedule) * item if schedule.fuses_backward else 0,
+        "tick_stash": 0 if schedule.fuses_backward else _in_flight(schedule) * item,
         "chunk_residuals": 0 if schedule.fuses_backward else chunk,
         "fused_residuals": chunk if schedule.fuses_backward else 0,
         # One layer's backward: everything it computes, kept or recomputed.
-        "layer_peak": tokens * facts.residual_per_token("none", config),
+        "layer_peak": facts.residual_bytes("none", config, tokens),
         "logits": min(head_tokens, config.loss.chunk_size) * logits_columns * 4
         + head_tokens * facts.d_model * 4,
         "chunk_weights": chunk_layers * layer_weights,
@@ -749,14 +807,12 @@ def memory_terms(facts: ModelFacts, plan: Plan) -> tuple[int, dict[str, float]]:
             else 0
         ),
         "split_backward": (
-            _in_flight(schedule)
-            * chunk_layers
-            * tokens
-            * facts.w_stash_per_token(plan.remat, config)
+            _in_flight(schedule) * chunk_layers * facts.w_stash_bytes(plan.remat, config, tokens)
             if schedule.splits_backward
             else 0
         ),
     }
+    terms["program"] = 2**20
     return state + batch, {name: float(value) for name, value in terms.items()}
 
 
@@ -1031,6 +1087,22 @@ DEEPSEEK = (
     ),
 )
 TINY = ("configs/tiny.toml", ("run.steps=10", "optimizer.warmup_steps=2"))
+# At the real widths, where the weights and a layer's activations are in a run's proportions.
+LLAMA_WIDE = (
+    "configs/llama3_1b.toml",
+    (
+        "run.steps=10",
+        "optimizer.warmup_steps=2",
+        "model.n_layers=4",
+        "data.seq_len=2048",
+        "data.batch_size=8",
+        "data.grad_accum=1",
+    ),
+)
+DEEPSEEK_WIDE = (
+    "configs/deepseek_small.toml",
+    ("run.steps=10", "optimizer.warmup_steps=2", "model.n_layers=3", "data.batch_size=8"),
+)
 
 
 def _variant(base: tuple[str, tuple[str, ...]], *overrides: str) -> tuple[str, tuple[str, ...]]:
@@ -1232,6 +1304,48 @@ CALIBRATION: tuple[tuple[str, tuple[str, ...]], ...] = (
         "pipeline.schedule=zb_h1",
         "pipeline.microbatches=8",
         "data.batch_size=4",
+    ),
+    _variant(
+        LLAMA_WIDE, "mesh.dp=8", "mesh.pp=1", "pipeline.schedule=gpipe", "pipeline.microbatches=2"
+    ),
+    _variant(
+        LLAMA_WIDE, "mesh.dp=4", "mesh.pp=2", "pipeline.schedule=1f1b", "pipeline.microbatches=4"
+    ),
+    _variant(
+        LLAMA_WIDE,
+        "mesh.dp=2",
+        "mesh.pp=2",
+        "mesh.tp=2",
+        "pipeline.schedule=zb_h1",
+        "pipeline.microbatches=4",
+    ),
+    _variant(
+        LLAMA_WIDE,
+        "mesh.dp=2",
+        "mesh.pp=2",
+        "mesh.tp=2",
+        "pipeline.schedule=circular",
+        "pipeline.repeats=2",
+        "pipeline.microbatches=4",
+        "pipeline.remat_stages=false",
+    ),
+    _variant(
+        LLAMA_WIDE,
+        "mesh.dp=2",
+        "mesh.pp=1",
+        "mesh.tp=4",
+        "pipeline.schedule=gpipe",
+        "pipeline.microbatches=1",
+        "model.remat=full",
+    ),
+    _variant(
+        DEEPSEEK_WIDE,
+        "mesh.dp=2",
+        "mesh.pp=1",
+        "mesh.ep=4",
+        "pipeline.schedule=gpipe",
+        "pipeline.repeats=1",
+        "pipeline.microbatches=2",
     ),
 )
 

@@ -173,26 +173,30 @@ def run_prefix(
     documents: Documents | None = None,
 ) -> Float[Array, "microbatches batch seq embed"]:
     """The model's prefix layers on ``h`` (their aux values dropped, as the loss has no use
-    for them); inside a region manual over ``cp`` where the sequences are split, where
-    their attention exchanges the shards' keys and values."""
-    if not splits_context(mesh):
+    for them), inside a region manual over the axes that split the batch, each device
+    running its own sequences with the layers' weights whole (gathered once, their gradients
+    summed once), and over ``cp`` where the sequences are split, where their attention
+    exchanges the shards' keys and values. Left to the compiler, a batch split over dp and
+    ep together was gathered in the backward: every device ran the prefix on all of it."""
+    batch_axes = tuple(a for a in rule_axes("batch", rules) if mesh.shape.get(a, 1) > 1)
+    manual_axes = batch_axes + ((CONTEXT_AXIS,) if splits_context(mesh) else ())
+    if not manual_axes:
         return prefix(h, documents=documents)[0]
     arrays, static = eqx.partition(prefix, eqx.is_array)
-    context_axes = (CONTEXT_AXIS,)
 
     def run(arrays, h, documents):
-        # Used by every shard: their gradient is summed over cp once, here.
+        # Used by every shard: their gradient is summed over the manual axes once, here.
         weights, data = eqx.partition(arrays, eqx.is_inexact_array)
-        weights = varying_over(weights, context_axes)
+        weights = varying_over(weights, manual_axes)
         return eqx.combine(weights, data, static)(h, documents=documents)[0]
 
-    spec = manual_spec("microbatches", "batch", "seq", manual_axes=context_axes, rules=rules)
+    spec = manual_spec("microbatches", "batch", "seq", manual_axes=manual_axes, rules=rules)
     return jax.shard_map(
         run,
         mesh=mesh,
-        in_specs=(manual_spec(manual_axes=context_axes, rules=rules), spec, spec),
+        in_specs=(manual_spec(manual_axes=manual_axes, rules=rules), spec, spec),
         out_specs=spec,
-        axis_names=set(context_axes),
+        axis_names=set(manual_axes),
         check_vma=True,
     )(arrays, h, documents)
 
