@@ -131,8 +131,8 @@ def test_each_data_parallel_device_runs_its_own_sequences(row):
 
 @pytest.mark.parametrize(
     "row",
-    [0, 4, 11, 23],
-    ids=["zb_h1-dp4,pp2", "interleaved_1f1b-pp4,tp2", "1f1b-dp4,pp2-d512", "zb_h1-dcn.pp2"],
+    [0, 18, 23, 27],
+    ids=["zb_h1-dp4,pp2", "tiny-zb_h1-dp2,pp2,ep2", "zb_h1-dcn.pp2", "circular-wide-dp2,pp2,tp2"],
 )
 def test_the_memory_model_is_the_compiled_steps_within_10_percent(row):
     """`MEMORY_MODEL`'s prediction against the compiled step's memory analysis, on

@@ -471,7 +471,8 @@ def layer_residuals(model: DecoderConfig, seq_len: int, dtype: str) -> dict[str,
             for sequences in (1, 2)
         )
         return {
-            kind: ((two[kind] - one[kind]) / seq_len, 2 * one[kind] - two[kind]) for kind in one
+            kind: ((two[kind] - one[kind]) / seq_len, float(2 * one[kind] - two[kind]))
+            for kind in one
         }
 
     def whole_and_split(full: float, half: float) -> tuple[float, float]:
@@ -592,17 +593,17 @@ class ModelFacts:
             prefix_flops_share=model.first_dense_layers / model.n_layers,
         )
 
-    def residual_bytes(self, remat: str, config: RunConfig, tokens: float) -> float:
+    def residual_bytes(self, remat: str, config: RunConfig, tokens: int) -> float:
         """Bytes a layer keeps for its backward on ``tokens`` tokens of a device under layer
         remat ``remat`` on ``config``'s mesh: its pullback's residuals (`layer_residuals` of
         the layer the run builds there, on a cp device's share of each sequence)."""
         return self._kept(remat, config, tokens)
 
-    def w_stash_bytes(self, remat: str, config: RunConfig, tokens: float) -> float:
+    def w_stash_bytes(self, remat: str, config: RunConfig, tokens: int) -> float:
         """Bytes a layer's B hands its W in a split backward, likewise."""
         return self._kept(f"w_stash/{remat}", config, tokens)
 
-    def _kept(self, kind: str, config: RunConfig, tokens: float) -> float:
+    def _kept(self, kind: str, config: RunConfig, tokens: int) -> float:
         """``tokens`` times the per-token part of `Kept`, plus its constant part split as
         the step holds the layer's weights: whole over the data axes in a pipeline's
         region, as the state splits them on one stage."""
@@ -736,24 +737,22 @@ MEMORY_TERMS = (
     "expert_rows",
     "tick_weights",
     "split_backward",
-    "program",
 )
-# Fitted 2026-11-28 over the 24 configs (`python -m pipelines.plan --calibrate`): within
-# 10% of the compiled step on 11 of them, -28% to +36% over all (README, "Plan a run").
+# Fitted 2026-11-28 over the 30 configs (`python -m pipelines.plan --calibrate`): within
+# 10% of the compiled step on 17 of them, -48% to +37% over all (README, "Plan a run").
 MEMORY_MODEL: dict[str, float] = {
-    "gradients": 2.365,
-    "stash": 0.399,
-    "tick_stash": 0.399,
-    "chunk_residuals": 3.769,
-    "fused_residuals": 1.649,
-    "layer_peak": 0.961,
-    "logits": 0.36,
-    "chunk_weights": 1.037,
-    "region_weights": 1.545,
-    "expert_rows": 0.601,
-    "tick_weights": 0.59,
-    "split_backward": 1.464,
-    "program": 0.0,
+    "gradients": 2.878,
+    "stash": 0.514,
+    "tick_stash": 0.706,
+    "chunk_residuals": 2.053,
+    "fused_residuals": 1.574,
+    "layer_peak": 1.343,
+    "logits": 0.0,
+    "chunk_weights": 0.0,
+    "region_weights": 1.266,
+    "expert_rows": 0.732,
+    "tick_weights": 0.846,
+    "split_backward": 1.412,
 }
 
 
@@ -784,6 +783,8 @@ def memory_terms(facts: ModelFacts, plan: Plan) -> tuple[int, dict[str, float]]:
     logits_columns = min(config.loss.chunk_size, facts.vocab / (mesh.tp))
     terms = {
         "gradients": trainable,
+        # What waits for its backward: the 1F1B family's slots, each stage input or chunk's
+        # residuals; under autodiff of a forward schedule's tick loop, each tick's, stacked.
         "stash": _in_flight(schedule) * item if schedule.fuses_backward else 0,
         "tick_stash": 0 if schedule.fuses_backward else _in_flight(schedule) * item,
         "chunk_residuals": 0 if schedule.fuses_backward else chunk,
@@ -812,7 +813,6 @@ def memory_terms(facts: ModelFacts, plan: Plan) -> tuple[int, dict[str, float]]:
             else 0
         ),
     }
-    terms["program"] = 2**20
     return state + batch, {name: float(value) for name, value in terms.items()}
 
 
