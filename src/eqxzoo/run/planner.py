@@ -875,14 +875,18 @@ def step_flops(facts: ModelFacts, plan: Plan) -> tuple[float, float]:
     """``(model FLOPs of the step, FLOPs one device runs)``: the model's training FLOPs
     (`models.flops_per_token`), and a device's share of them with the forwards run again
     (stage remat: each stage's; ``"full"`` layer remat: each layer's, once more; both: the
-    stage's recompute stops at its last layer's input, which is all the layers keep)."""
+    stage's recompute stops at its last layer's input, which is all the layers keep), and the
+    head's logits, which the chunked loss's backward computes again block by block."""
     config, mesh = plan.config, plan.config.mesh
     model_flops = facts.flops_per_token * config.tokens_per_step
     forward = model_flops * facts.block_flops_share / 3
     chunk_layers = facts.n_blocks // (mesh.pp * plan.schedule.repeats)
     stage_again = 1.0 if plan.remat != "full" else (chunk_layers - 1) / chunk_layers
     again = (stage_again if plan.remat_stages else 0) + (1 if plan.remat == "full" else 0)
-    return model_flops, (model_flops + again * forward) / config.mesh.size
+    head_again = (
+        2 * facts.vocab * facts.d_model * config.tokens_per_step if config.loss.chunk_size else 0
+    )
+    return model_flops, (model_flops + again * forward + head_again) / config.mesh.size
 
 
 def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], float]:
