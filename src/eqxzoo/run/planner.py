@@ -739,20 +739,20 @@ MEMORY_TERMS = (
     "split_backward",
 )
 # Fitted 2026-11-28 over the 30 configs (`python -m pipelines.plan --calibrate`): within
-# 10% of the compiled step on 17 of them, -48% to +37% over all (README, "Plan a run").
+# 10% of the compiled step on 17 of them, -71% to +40% over all (README, "Plan a run").
 MEMORY_MODEL: dict[str, float] = {
-    "gradients": 2.878,
-    "stash": 0.514,
-    "tick_stash": 0.706,
-    "chunk_residuals": 2.053,
-    "fused_residuals": 1.574,
-    "layer_peak": 1.343,
+    "gradients": 2.714,
+    "stash": 0.502,
+    "tick_stash": 1.195,
+    "chunk_residuals": 1.024,
+    "fused_residuals": 1.38,
+    "layer_peak": 1.571,
     "logits": 0.0,
-    "chunk_weights": 0.0,
-    "region_weights": 1.266,
-    "expert_rows": 0.732,
-    "tick_weights": 0.846,
-    "split_backward": 1.412,
+    "chunk_weights": 0.409,
+    "region_weights": 1.102,
+    "expert_rows": 0.703,
+    "tick_weights": 0.542,
+    "split_backward": 1.421,
 }
 
 
@@ -787,7 +787,8 @@ def memory_terms(facts: ModelFacts, plan: Plan) -> tuple[int, dict[str, float]]:
         # residuals; under autodiff of a forward schedule's tick loop, each tick's, stacked.
         "stash": _in_flight(schedule) * item if schedule.fuses_backward else 0,
         "tick_stash": 0 if schedule.fuses_backward else _in_flight(schedule) * item,
-        "chunk_residuals": 0 if schedule.fuses_backward else chunk,
+        # A forward schedule's stage remat recomputes one chunk's residuals in its backward.
+        "chunk_residuals": chunk if plan.remat_stages and not schedule.fuses_backward else 0,
         "fused_residuals": chunk if schedule.fuses_backward else 0,
         # One layer's backward: everything it computes, kept or recomputed.
         "layer_peak": facts.residual_bytes("none", config, tokens),
