@@ -73,8 +73,8 @@ _GROUP_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]
 class Traffic:
     """Collectives of one kind per execution: how many, and the bytes of their buffers."""
 
-    count: int = 0
-    bytes: int = 0
+    count: int | float = 0
+    bytes: int | float = 0
 
     def __add__(self, other: "Traffic") -> "Traffic":
         return Traffic(self.count + other.count, self.bytes + other.bytes)
@@ -122,7 +122,7 @@ class Collective:
 
     kind: str
     bytes: int
-    times: int
+    times: int | float
     text: str
 
 
@@ -196,9 +196,10 @@ def _counted(
     return counted_in(entry)
 
 
-def collectives(hlo_text: str) -> list[Collective]:
+def collectives(hlo_text: str, branch_runs: BranchRuns | None = None) -> list[Collective]:
     """Every collective the program ``hlo_text`` (optimized HLO) runs, with how many times:
-    a ``while`` body's by its known trip count, a ``conditional``'s costliest branch's once."""
+    a ``while`` body's by its known trip count, a ``conditional``'s branches as
+    ``branch_runs`` says, else its costliest branch's once."""
 
     def pick(line: str, result: str, opcode: str, rest: str, _) -> Collective | None:
         kind = _kind(opcode)
@@ -209,7 +210,7 @@ def collectives(hlo_text: str) -> list[Collective]:
 
     return [
         dataclasses.replace(c, times=times)
-        for c, times in _counted(hlo_text, pick, lambda c: c.bytes)
+        for c, times in _counted(hlo_text, pick, lambda c: c.bytes, branch_runs)
     ]
 
 
@@ -304,16 +305,19 @@ class Link:
 
 
 def links(
-    hlo_text: str, axis_names: tuple[str, ...], slice_indices: np.ndarray
+    hlo_text: str,
+    axis_names: tuple[str, ...],
+    slice_indices: np.ndarray,
+    branch_runs: BranchRuns | None = None,
 ) -> dict[Link, Traffic]:
     """`collective_traffic` of the SPMD program ``hlo_text`` by `Link`: for each collective,
     the mesh axes (of a mesh with ``axis_names`` and the shape of ``slice_indices``, each
     device's slice) along which its groups' devices differ, and whether a group holds
-    devices of two slices."""
+    devices of two slices; conditionals counted as `collectives` counts them."""
     shape = slice_indices.shape
     slice_of = slice_indices.reshape(-1)
     total: dict[Link, Traffic] = {}
-    for c in collectives(hlo_text):
+    for c in collectives(hlo_text, branch_runs):
         groups = device_groups(c.text, slice_of.size)
         coordinates = [np.stack(np.unravel_index(group, shape)) for group in groups if group]
         axes = tuple(

@@ -925,8 +925,11 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
             passes * (mesh.cp - 1) * stage_layers * microbatches * shard
         )
     if mesh.ep > 1 and facts.moe_layers:
+        # Each pass but the W's exchanges a MoE layer's tokens each way; "dots" layer remat
+        # runs the dispatch again in the backward (its output is no matmul's).
+        exchanges = 2 * (passes - 1) + (1 if plan.remat == "dots" else 0)
         traffic[("all-to-all", "ep")] = (
-            2 * (passes - 1) * facts.moe_layers / mesh.pp * microbatches * mesh.ep * activation
+            exchanges * facts.moe_layers / mesh.pp * microbatches * mesh.ep * activation
         )
     if mesh.pp > 1:
         ticks = plan.schedule.ticks * config.data.grad_accum
@@ -1372,13 +1375,18 @@ class CalibrationRow:
     moe: bool
 
 
-def compiled_bytes_by_axis(compiled: Compiled, mesh: MeshConfig) -> dict[str, float]:
+def compiled_bytes_by_axis(
+    compiled: Compiled, mesh: MeshConfig, schedule: Schedule | None = None
+) -> dict[str, float]:
     """The compiled HLO's collective bytes (`eqxzoo.parallel.collectives.links`) by
-    ``"kind over axes"``, ``dp_dcn`` and ``dp_ici`` read as ``dp``."""
+    ``"kind over axes"``, ``dp_dcn`` and ``dp_ici`` read as ``dp``; with ``schedule``, each
+    pipeline conditional's branches counted as often as it runs them (`executed_branches`:
+    an expert layer's all-to-alls in F's and B's branches, not at every tick)."""
     from eqxzoo.parallel.collectives import links
 
+    runs = None if schedule is None else executed_branches(schedule)
     by_axis: dict[str, float] = {}
-    for link, traffic in links(compiled.hlo, mesh.axis_names, mesh.slice_indices()).items():
+    for link, traffic in links(compiled.hlo, mesh.axis_names, mesh.slice_indices(), runs).items():
         axes = sorted({"dp" if axis.startswith("dp") else axis for axis in link.axes})
         key = f"{link.kind} over {'+'.join(axes) or 'none'}"
         by_axis[key] = by_axis.get(key, 0.0) + traffic.bytes
@@ -1418,7 +1426,7 @@ def calibration_row(config: RunConfig, label: str) -> CalibrationRow:
         compiled=compiled.memory.total,
         compiled_temporaries=compiled.memory.temporaries,
         bytes_predicted=predicted_bytes,
-        bytes_compiled=compiled_bytes_by_axis(compiled, config.mesh),
+        bytes_compiled=compiled_bytes_by_axis(compiled, config.mesh, plan_of(config).schedule),
         flops_predicted=step_flops(facts, plan)[1],
         flops_compiled=compiled.flops,
         moe=facts.moe_layers > 0,
@@ -1837,9 +1845,10 @@ def print_calibration(say: Callable[[str], None]) -> None:
         say(line)
     say(
         "Collective bytes per device, predicted / compiled (MiB): the data axes' gathers and "
-        "gradient reductions (dp and ep together), the pipeline's sends."
+        "gradient reductions (dp and ep together), the pipeline's sends, the experts' "
+        "exchanges (XLA:CPU runs a 16-bit all-to-all in float32: twice the planner's bytes)."
     )
-    traffic = [["config", "gathers", "reductions", "sends over pp"]]
+    traffic = [["config", "gathers", "reductions", "sends over pp", "all-to-alls over ep"]]
     for row in rows:
         compiled = data_axes_traffic(row.bytes_compiled)
 
@@ -1858,6 +1867,7 @@ def print_calibration(say: Callable[[str], None]) -> None:
                 pair("all-gather over dp"),
                 f"{pair(reductions)} ({reductions.split()[0]})",
                 pair("collective-permute over pp"),
+                pair("all-to-all over ep"),
             ]
         )
     for line in table_rows(traffic):
