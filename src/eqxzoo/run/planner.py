@@ -451,7 +451,8 @@ def layer_model(model: DecoderConfig, mesh: MeshConfig) -> DecoderConfig:
 
 class Kept(NamedTuple):
     """What a block keeps for its backward (`layer_residuals`), bytes: ``per_token`` and
-    ``constant`` (computed from its weights, whatever the tokens), each as ``(whole,
+    ``constant`` (what does not grow with the sequences: mostly what the block computes from
+    its weights, such as a MoE kernel's transposed expert matrices), each as ``(whole,
     split)``: what every tp device keeps, and what tp splits (a device keeps ``split /
     tp``)."""
 
