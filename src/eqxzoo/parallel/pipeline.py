@@ -293,6 +293,11 @@ def pipeline_axes(mesh: Mesh | AbstractMesh, layers: PyTree) -> tuple[str, ...]:
     return tuple(axis for axis, used in split.items() if used and mesh.shape.get(axis, 1) > 1)
 
 
+def batch_axes(mesh: Mesh | AbstractMesh, rules: Mapping[str, MeshAxes]) -> tuple[str, ...]:
+    """The axes of more than one device the ``batch`` rule splits the sequences over."""
+    return tuple(a for a in rule_axes("batch", rules) if mesh.shape.get(a, 1) > 1)
+
+
 def auto_batch_axes(
     mesh: Mesh | AbstractMesh, layers: PyTree, rules: Mapping[str, MeshAxes]
 ) -> tuple[str, ...]:
@@ -309,9 +314,7 @@ def auto_batch_axes(
     partitioner with tp or put collective-permutes into the action branches with ep. On one
     stage the compiler splits the batch over them (the layers' inputs constrained)."""
     manual = pipeline_axes(mesh, layers)
-    return tuple(
-        a for a in rule_axes("batch", rules) if a not in manual and mesh.shape.get(a, 1) > 1
-    )
+    return tuple(a for a in batch_axes(mesh, rules) if a not in manual)
 
 
 class RegionAxes(NamedTuple):

@@ -1427,7 +1427,7 @@ def calibration_row(config: RunConfig, label: str) -> CalibrationRow:
         compiled=compiled.memory.total,
         compiled_temporaries=compiled.memory.temporaries,
         bytes_predicted=predicted_bytes,
-        bytes_compiled=compiled_bytes_by_axis(compiled, config.mesh, plan_of(config).schedule),
+        bytes_compiled=compiled_bytes_by_axis(compiled, config.mesh, plan.schedule),
         flops_predicted=step_flops(facts, plan)[1],
         flops_compiled=compiled.flops,
         moe=facts.moe_layers > 0,

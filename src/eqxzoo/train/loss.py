@@ -42,7 +42,7 @@ from eqxzoo.nn import (
 )
 from eqxzoo.parallel import activation_sharding, pipeline_value_and_grad, run_pipeline
 from eqxzoo.parallel.mesh import DP_ACROSS_SLICES
-from eqxzoo.parallel.pipeline import CONTEXT_AXIS, varying_over
+from eqxzoo.parallel.pipeline import CONTEXT_AXIS, batch_axes, varying_over
 from eqxzoo.parallel.rules import MeshAxes, manual_spec, rule_axes
 from eqxzoo.train.loss_terms import aux_terms, token_terms, weighted_aux_loss, weighted_loss
 from eqxzoo.train.settings import StepConfig
@@ -178,8 +178,7 @@ def run_prefix(
     summed once), and over ``cp`` where the sequences are split, where their attention
     exchanges the shards' keys and values. Left to the compiler, a batch split over dp and
     ep together was gathered in the backward: every device ran the prefix on all of it."""
-    batch_axes = tuple(a for a in rule_axes("batch", rules) if mesh.shape.get(a, 1) > 1)
-    manual_axes = batch_axes + ((CONTEXT_AXIS,) if splits_context(mesh) else ())
+    manual_axes = batch_axes(mesh, rules) + ((CONTEXT_AXIS,) if splits_context(mesh) else ())
     if not manual_axes:
         return prefix(h, documents=documents)[0]
     arrays, static = eqx.partition(prefix, eqx.is_array)
