@@ -273,3 +273,10 @@ def has_data_dependent_loops(tree: PyTree) -> bool:
         for layer in layers
         if isinstance(layer, MoE)
     )
+
+
+def dispatches_by_sort(tree: PyTree) -> bool:
+    """Whether a `MoE` in ``tree`` routes dropless: it sorts all its tokens, of every
+    sequence, by their experts (either of `Experts`' ``dropless_kernel``)."""
+    layers = jax.tree.leaves(tree, is_leaf=lambda node: isinstance(node, MoE))
+    return any(layer.routing_mode == "dropless" for layer in layers if isinstance(layer, MoE))

@@ -24,7 +24,7 @@ from jax.sharding import AbstractMesh, Mesh
 from jaxtyping import Array, Float, PyTree
 
 from eqxzoo.nn import Axes, Documents, apply_layers, logical_axes
-from eqxzoo.nn.moe import expert_split_axes
+from eqxzoo.nn.moe import dispatches_by_sort, expert_split_axes
 from eqxzoo.nn.stack import RematPolicy
 from eqxzoo.nn.varying import varying_axes
 from eqxzoo.parallel.mesh import check_stage_loops
@@ -114,8 +114,9 @@ def run_pipeline(
     every microbatch, shape ``(microbatches, L, ...)`` in layer order. With one stage (no
     shard_map) the stage's input and output are constrained to the ``batch`` rule of
     ``rules``, so that the compiler keeps data parallelism instead of gathering the batch to
-    match FSDP-sharded weights; on several stages the region is manual over the batch's axes
-    (`auto_batch_axes`). ``remat_stages=False`` keeps every
+    match FSDP-sharded weights; on several stages, and on one where experts dispatch
+    (`pools_one_stage`), the region is manual over the batch's axes (`auto_batch_axes`).
+    ``remat_stages=False`` keeps every
     tick's activations instead of recomputing them (faster, more memory). ``bubble_fill`` is
     what a skipped tick emits (tests fill bubbles with NaN to show nothing leaks from them).
     ``skip_bubbles=False`` computes the stage at every tick, on zeros in a bubble, and keeps
@@ -312,16 +313,27 @@ def auto_batch_axes(
     whole microbatch (the 1F1B executor's ids enter replicated, as its partitioner fails on
     batch-split ids' gathers next to tp), and constraints inside the region aborted XLA's
     partitioner with tp or put collective-permutes into the action branches with ep. On one
-    stage the compiler splits the batch over them (the layers' inputs constrained)."""
+    stage the compiler splits the batch over them (the layers' inputs constrained), and keeps
+    FSDP's weights split there, but for layers whose experts dispatch their tokens
+    (`pools_one_stage`)."""
     manual = pipeline_axes(mesh, layers)
     return tuple(a for a in batch_axes(mesh, rules) if a not in manual)
+
+
+def pools_one_stage(layers: PyTree) -> bool:
+    """Whether one stage's region is manual over the batch's axes too, as several stages'
+    are: where ``layers`` route tokens to their experts by a sort of all of them
+    (`eqxzoo.nn.moe.dispatches_by_sort`). The partitioner does not split such a sort over
+    an automatic axis of the batch: it gathered the whole batch for every dispatch (tiny
+    on dp8: 274 MiB a device; 68 MiB in a region manual over dp, its weights whole there)."""
+    return dispatches_by_sort(layers)
 
 
 class RegionAxes(NamedTuple):
     """The mesh axes of a pipeline's region: ``layers``, the `pipeline_axes` (pp, and cp and
     ep where the layers split over them); ``pooled``, the `auto_batch_axes` on several
-    stages, where the region is manual over them too; ``auto_batch``, the same on one
-    stage, which the compiler splits."""
+    stages (and on one where `pools_one_stage`), where the region is manual over them too;
+    ``auto_batch``, the same on one stage otherwise, which the compiler splits."""
 
     layers: tuple[str, ...]
     pooled: tuple[str, ...]
@@ -337,7 +349,8 @@ class RegionAxes(NamedTuple):
         pipelined: bool,
     ) -> "RegionAxes":
         batch = auto_batch_axes(mesh, layers, rules)
-        return cls(pipeline_axes(mesh, layers), *((batch, ()) if pipelined else ((), batch)))
+        pooled = pipelined or pools_one_stage(layers)
+        return cls(pipeline_axes(mesh, layers), *((batch, ()) if pooled else ((), batch)))
 
     @property
     def manual(self) -> tuple[str, ...]:
