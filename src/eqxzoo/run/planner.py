@@ -909,8 +909,9 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
     parallelism's all-reduces of each layer's outputs (two a layer each forward, one for a
     layer's own remat, which stops at what its backward reads) and of the gradient of each
     split projection's input (the partitioner reduces q's, k's and v's apart, not their
-    sum), and the vocabulary-split embedding's and head's; context parallelism's keys and
-    values round the ring, expert parallelism's all-to-alls (two each way a MoE layer), the
+    sum), and the vocabulary-split embedding's and head's; context parallelism's ring (keys,
+    values and positions, ``cp`` shifts each forward and backward, the backward's with their
+    gradients), expert parallelism's all-to-alls (two each way a MoE layer), the
     pipeline's sends (one a tick each way), and over the data axes (dp and ep, under
     ``"dp"``): on one stage FSDP's gathers of the weights (each pass) and the gradients'
     reduce-scatter, on several the region's gather of its weights and sum of their
@@ -933,10 +934,15 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
             stage_layers * per_layer + ends * activation
         )
     if mesh.cp > 1:
-        shard = tokens * facts.kv_width / mesh.tp * facts.compute_bytes
-        traffic[("collective-permute", "cp")] = (
-            passes * (mesh.cp - 1) * stage_layers * microbatches * shard
-        )
+        # The ring (`eqxzoo.nn.context`) shifts a device's keys and values with their
+        # positions ``cp`` times each forward (the stage's and the layer's remat run it
+        # again; "dots" keeps no output of it), and in the backward shifts them again with
+        # their float32 gradients, ``cp`` times.
+        keys = tokens * facts.kv_width / mesh.tp
+        positions = config.data.seq_len // mesh.cp * 4
+        forwards = 1 + plan.remat_stages + (plan.remat != "none")
+        per_layer = mesh.cp * ((forwards + 1) * (keys * facts.compute_bytes + positions) + keys * 4)
+        traffic[("collective-permute", "cp")] = stage_layers * microbatches * per_layer
     if mesh.ep > 1 and facts.moe_layers:
         # Each pass but the W's exchanges a MoE layer's tokens each way; "dots" layer remat
         # runs the dispatch again in the backward (its output is no matmul's).
@@ -1910,9 +1916,13 @@ def print_calibration(say: Callable[[str], None]) -> None:
     say(
         "Collective bytes per device, predicted / compiled (MiB): the data axes' gathers and "
         "gradient reductions (dp and ep together), the pipeline's sends, the experts' "
-        "exchanges (XLA:CPU runs a 16-bit all-to-all in float32: twice the planner's bytes)."
+        "exchanges (XLA:CPU runs a 16-bit all-to-all in float32: twice the planner's bytes), "
+        "the context ring's shifts (XLA:CPU runs each as an all-to-all of cp slots: cp times "
+        "the planner's bytes, up to twice that again in 16 bits)."
     )
-    traffic = [["config", "gathers", "reductions", "sends over pp", "all-to-alls over ep"]]
+    traffic = [
+        ["config", "gathers", "reductions", "sends over pp", "all-to-alls over ep", "ring over cp"]
+    ]
     for row in rows:
         compiled = data_axes_traffic(row.bytes_compiled)
 
@@ -1932,6 +1942,8 @@ def print_calibration(say: Callable[[str], None]) -> None:
                 f"{pair(reductions)} ({reductions.split()[0]})",
                 pair("collective-permute over pp"),
                 pair("all-to-all over ep"),
+                f"{row.bytes_predicted.get('collective-permute over cp', 0.0) / 2**20:.1f} / "
+                f"{compiled.get('all-to-all over cp', 0.0) / 2**20:.1f}",
             ]
         )
     for line in table_rows(traffic):
