@@ -137,3 +137,37 @@ def test_blocks_no_query_sees_are_never_read():
     for actual, expected in zip((dq, dk, dv, d_sinks), expected_grads):
         np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
     assert not np.asarray(dk[unseen]).any() and not np.asarray(dv[unseen]).any()
+
+
+def _loop_lengths(jaxpr) -> list[int]:
+    """The lengths of every ``scan`` in ``jaxpr`` and the jaxprs inside it."""
+    lengths = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            lengths.append(eqn.params["length"])
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, tuple | list) else (param,):
+                inner = getattr(inner, "jaxpr", inner)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    lengths += _loop_lengths(inner)
+    return sorted(lengths)
+
+
+def test_the_kernels_loops_do_not_grow_with_the_batch():
+    """The batch stays an axis of the kernel's loops (vmapped), not folded into the steps of
+    its outer loop: 8 sequences of 4 key/value heads at 1,024 tokens (32 pairs, two steps of
+    16 had it been folded) run the same loops, forward and backward, as one. Folded, a batch
+    split over devices made every device run every step: on one stage of llama3_1b on dp64
+    each device computed all 64 sequences' attention."""
+    positions = jnp.arange(1024)
+
+    def lengths(batch):
+        q, k, v, _, _ = _inputs((batch,), 1024, 4, 1024, 4)
+
+        def loss(q, k, v):
+            out = blockwise_attend(q, k, v, positions, positions, scale=SCALE, block_size=256)
+            return jnp.sum(out)
+
+        return _loop_lengths(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr)
+
+    assert lengths(8) == lengths(1)

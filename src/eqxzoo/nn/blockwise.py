@@ -64,7 +64,7 @@ def blockwise_attend(
     masked, none taken as seen throughout.
     """
 
-    def run(blocks, q, k, v):
+    def run(blocks, q, k, v, segments):
         return _blockwise(
             blocks,
             q,
@@ -74,10 +74,13 @@ def blockwise_attend(
             k_positions.astype(jnp.int32),
             jnp.asarray(window, jnp.int32),
             sinks,
-            flat_segments(q_segments, k_segments, q.shape[0]),
+            segments,
         )
 
-    return on_one_batch_axis(run, q, k, v, block_size=block_size, scale=scale, softcap=softcap)
+    segments = flat_segments(q_segments, k_segments, math.prod(q.shape[:-3]))
+    return on_one_batch_axis(
+        run, q, k, v, segments, block_size=block_size, scale=scale, softcap=softcap
+    )
 
 
 Segments = tuple[Int[Array, "b seq"], Int[Array, "b kv_seq"]]
@@ -99,21 +102,36 @@ def flat_segments(
     )
 
 
-def on_one_batch_axis(run, q, k, v, *, block_size: int, scale: float, softcap: float | None):
-    """``run(blocks, q, k, v)`` with the leading batch axes of ``q``, ``k`` and ``v``
-    flattened into one and the `_Blocks` chosen for their shapes; its output
-    ``(lead, seq, heads, v_head_dim)`` reshaped back to the batch axes."""
+def on_one_batch_axis(
+    run, q, k, v, segments, *, block_size: int, scale: float, softcap: float | None
+):
+    """``run(blocks, q, k, v, segments)`` on each sequence of the leading batch axes of
+    ``q``, ``k`` and ``v`` (and of ``segments``: a pytree of ``(lead, ...)`` arrays, or
+    None), as a batch of one, vmapped over the sequences, the `_Blocks` chosen for one
+    sequence's shapes; its output ``(1, seq, heads, v_head_dim)`` reshaped back to the batch
+    axes.
+
+    The batch stays an axis of every array in the kernel's loops, which a compiler that
+    splits the batch over devices keeps split. Folded into the loops' steps (pairs of a
+    sequence and a key/value head), it made every device run every step: on one stage of
+    llama3_1b on dp64, each device computed the attention of all 64 sequences (the step's
+    matrix FLOPs 1.67x the kernel's own, 2.6 GiB more memory)."""
     *batch, seq, n_heads, head_dim = q.shape
     kv_seq, n_kv_heads, v_head_dim = k.shape[-3], k.shape[-2], v.shape[-1]
     lead = math.prod(batch)
     blocks = _Blocks.choose(
-        block_size, seq, kv_seq, lead * n_kv_heads, n_heads // n_kv_heads, scale, softcap
+        block_size, seq, kv_seq, n_kv_heads, n_heads // n_kv_heads, scale, softcap
     )
-    out = run(
-        blocks,
+
+    def one(q, k, v, segments):
+        segments = jax.tree.map(lambda s: s[None], segments)
+        return run(blocks, q[None], k[None], v[None], segments)[0]
+
+    out = jax.vmap(one)(
         q.reshape(lead, seq, n_heads, head_dim),
         k.reshape(lead, kv_seq, n_kv_heads, head_dim),
         v.reshape(lead, kv_seq, n_kv_heads, v_head_dim),
+        segments,
     )
     return out.reshape(*batch, seq, n_heads, v_head_dim)
 

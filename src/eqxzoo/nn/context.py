@@ -25,6 +25,7 @@ empties are skipped inside each step, whole steps included.
 
 import dataclasses
 import functools
+import math
 from typing import Literal
 
 import jax
@@ -150,7 +151,7 @@ def context_attend(
             f'context parallel strategy must be "ring" or "all_gather", got {strategy!r}'
         )
 
-    def run(blocks, q, k, v):
+    def run(blocks, q, k, v, segments):
         return _ring(
             blocks,
             axis_name,
@@ -160,10 +161,14 @@ def context_attend(
             positions.astype(jnp.int32),
             jnp.asarray(window, jnp.int32),
             sinks,
-            None if segments is None else segments.reshape(q.shape[0], -1).astype(jnp.int32),
+            segments,
         )
 
-    return on_one_batch_axis(run, q, k, v, block_size=block_size, scale=scale, softcap=softcap)
+    lead = math.prod(q.shape[:-3])
+    flat = None if segments is None else segments.reshape(lead, -1).astype(jnp.int32)
+    return on_one_batch_axis(
+        run, q, k, v, flat, block_size=block_size, scale=scale, softcap=softcap
+    )
 
 
 def _shift(tree, axis_name: str):
