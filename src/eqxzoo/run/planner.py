@@ -748,22 +748,22 @@ MEMORY_TERMS = (
     "tick_weights",
     "split_backward",
 )
-# Fitted 2026-11-29 over the 30 configs (`python -m pipelines.plan --calibrate`): within
-# 10% of the compiled step on 22 of them, -38% to +24% over all; each predicted by the model
-# fitted to the other 29, 10 of them (README, "Plan a run").
+# Fitted 2026-11-29 over the 36 configs (`python -m pipelines.plan --calibrate`): within
+# 10% of the compiled step on 28 of them, -36% to +37% over all; each predicted by the model
+# fitted to the other 35, 16 of them (README, "Plan a run").
 MEMORY_MODEL: dict[str, float] = {
-    "gradients": 2.832,
-    "stash": 0.505,
-    "tick_stash": 0.882,
-    "chunk_residuals": 1.357,
-    "fused_residuals": 1.634,
-    "layer_peak": 0.838,
-    "logits": 0.456,
-    "chunk_weights": 0.0,
-    "region_weights": 1.415,
-    "expert_rows": 0.799,
-    "tick_weights": 1.318,
-    "split_backward": 1.363,
+    "gradients": 3.082,
+    "stash": 0.495,
+    "tick_stash": 0.941,
+    "chunk_residuals": 1.402,
+    "fused_residuals": 1.662,
+    "layer_peak": 0.892,
+    "logits": 0.395,
+    "chunk_weights": 0.037,
+    "region_weights": 1.218,
+    "expert_rows": 0.79,
+    "tick_weights": 1.02,
+    "split_backward": 1.388,
 }
 
 
@@ -793,11 +793,13 @@ def memory_terms(facts: ModelFacts, plan: Plan) -> tuple[int, dict[str, float]]:
     )
     logits_columns = min(config.loss.chunk_size, facts.vocab / (mesh.tp))
     terms = {
-        "gradients": trainable,
+        # Accumulated over several steps (G), a step's gradients and their running sum.
+        "gradients": trainable * (2 if config.data.grad_accum > 1 else 1),
         # What waits for its backward: the 1F1B family's slots, each stage input or chunk's
-        # residuals; under autodiff of a forward schedule's tick loop, each tick's, stacked.
+        # residuals; under autodiff of a forward schedule's tick loop, each tick's, stacked
+        # (`_stacked_ticks`).
         "stash": _in_flight(schedule) * item if schedule.fuses_backward else 0,
-        "tick_stash": 0 if schedule.fuses_backward else _in_flight(schedule) * item,
+        "tick_stash": 0 if schedule.fuses_backward else _stacked_ticks(schedule) * item,
         # A forward schedule's stage remat recomputes one chunk's residuals in its backward.
         "chunk_residuals": chunk if plan.remat_stages and not schedule.fuses_backward else 0,
         "fused_residuals": chunk if schedule.fuses_backward else 0,
@@ -814,11 +816,16 @@ def memory_terms(facts: ModelFacts, plan: Plan) -> tuple[int, dict[str, float]]:
             else 0
         ),
         "expert_rows": facts.expert_rows(config),
-        # Autodiff of a forward schedule's tick loop keeps each tick's stage weights, as
-        # the stage's conditional outputs its residuals (with stage remat, the stage only).
+        # Autodiff of a forward schedule's tick loop keeps each tick's stage weights where
+        # the region holds them whole (on several stages its conditional outputs them as
+        # residuals; with stage remat, the stage only): DeepSeek-small on one stage of dp16
+        # over 8 microbatches compiled to 39 GiB where the model had 11 without them.
         "tick_weights": (
             _in_flight(schedule) * facts.n_blocks // mesh.pp * layer_weights
-            if not schedule.fuses_backward and not plan.remat_stages and mesh.pp > 1
+            if not schedule.fuses_backward
+            and not plan.remat_stages
+            and facts.pooled(mesh)
+            and schedule.forward_only.ticks > 1
             else 0
         ),
         "split_backward": (
@@ -835,6 +842,15 @@ def _in_flight(schedule: Schedule) -> int:
     """The items a stage stashes at once: the 1F1B family's slots; under autodiff of a
     forward schedule's tick loop, a tick's each (a bubble's zeros too)."""
     return schedule.in_flight() if schedule.fuses_backward else schedule.forward_only.ticks
+
+
+@functools.lru_cache(maxsize=4096)
+def _stacked_ticks(schedule: Schedule) -> int:
+    """The items autodiff of a forward schedule's tick loop holds: each tick's, stacked, and
+    one more (a tick's, beside the stack, as it is written in or read back); one tick runs
+    without a loop, and holds its own."""
+    ticks = schedule.forward_only.ticks
+    return ticks + 1 if ticks > 1 else 1
 
 
 @functools.lru_cache(maxsize=4096)
@@ -938,10 +954,11 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
         # positions ``cp`` times each forward (the stage's and the layer's remat run it
         # again; "dots" keeps no output of it), and in the backward shifts them again with
         # their float32 gradients, ``cp`` times.
-        keys = tokens * facts.kv_width / mesh.tp
+        keys_values = tokens * facts.kv_width / mesh.tp
         positions = config.data.seq_len // mesh.cp * 4
         forwards = 1 + plan.remat_stages + (plan.remat != "none")
-        per_layer = mesh.cp * ((forwards + 1) * (keys * facts.compute_bytes + positions) + keys * 4)
+        shifted = (forwards + 1) * (keys_values * facts.compute_bytes + positions)
+        per_layer = mesh.cp * (shifted + keys_values * 4)
         traffic[("collective-permute", "cp")] = stage_layers * microbatches * per_layer
     if mesh.ep > 1 and facts.moe_layers:
         # Each pass but the W's exchanges a MoE layer's tokens each way; "dots" layer remat
@@ -1129,6 +1146,16 @@ LLAMA_WIDE = (
 DEEPSEEK_WIDE = (
     "configs/deepseek_small.toml",
     ("run.steps=10", "optimizer.warmup_steps=2", "model.n_layers=3", "data.batch_size=8"),
+)
+
+# At the configs' own depths and sequence lengths too, as the planner's tables price them.
+LLAMA_FULL = (
+    "configs/llama3_1b.toml",
+    ("run.steps=10", "optimizer.warmup_steps=2", "data.batch_size=8", "data.grad_accum=1"),
+)
+DEEPSEEK_FULL = (
+    "configs/deepseek_small.toml",
+    ("run.steps=10", "optimizer.warmup_steps=2", "data.grad_accum=1", "mesh.ep=1"),
 )
 
 
@@ -1374,6 +1401,60 @@ CALIBRATION: tuple[tuple[str, tuple[str, ...]], ...] = (
         "pipeline.repeats=1",
         "pipeline.microbatches=2",
     ),
+    # One stage as the search prices it (no stage remat), at the real widths.
+    _variant(
+        LLAMA_WIDE,
+        "mesh.dp=8",
+        "mesh.pp=1",
+        "pipeline.schedule=gpipe",
+        "pipeline.microbatches=1",
+        "pipeline.remat_stages=false",
+    ),
+    _variant(
+        LLAMA_WIDE,
+        "mesh.dp=8",
+        "mesh.pp=1",
+        "pipeline.schedule=gpipe",
+        "pipeline.microbatches=2",
+        "pipeline.remat_stages=false",
+        "model.remat=none",
+    ),
+    _variant(
+        DEEPSEEK_WIDE,
+        "mesh.dp=8",
+        "mesh.pp=1",
+        "mesh.ep=1",
+        "pipeline.schedule=gpipe",
+        "pipeline.repeats=1",
+        "pipeline.microbatches=1",
+        "pipeline.remat_stages=false",
+    ),
+    _variant(
+        LLAMA_FULL,
+        "mesh.dp=8",
+        "mesh.pp=1",
+        "pipeline.schedule=gpipe",
+        "pipeline.microbatches=1",
+        "pipeline.remat_stages=false",
+    ),
+    _variant(
+        LLAMA_FULL,
+        "mesh.dp=8",
+        "mesh.pp=1",
+        "pipeline.schedule=gpipe",
+        "pipeline.microbatches=2",
+        "pipeline.remat_stages=false",
+    ),
+    _variant(
+        DEEPSEEK_FULL,
+        "mesh.dp=8",
+        "mesh.pp=1",
+        "pipeline.schedule=gpipe",
+        "pipeline.repeats=1",
+        "pipeline.microbatches=1",
+        "data.batch_size=64",
+        "pipeline.remat_stages=false",
+    ),
 )
 
 
@@ -1462,7 +1543,7 @@ def fit_memory_model(rows: list[CalibrationRow]) -> dict[str, float]:
     relative errors past `FIT_TOLERANCE` (each counted only beyond it, and linearly), then,
     among the weights that reach that, the sum of the errors (two linear programs). Least
     squares spent the weights on the few configs the terms explain worst (squaring their
-    errors) and left 18 of the 30 within 10%; this fit leaves 22."""
+    errors) and left 23 of the 36 within 10%; this fit leaves 28."""
     from scipy.optimize import linprog
 
     scale = np.array([row.compiled for row in rows], float)
@@ -1471,7 +1552,7 @@ def fit_memory_model(rows: list[CalibrationRow]) -> dict[str, float]:
     n_rows, n_terms = matrix.shape
     # Variables: the weights, each row's |error| a_i and its excess e_i >= a_i - tolerance.
     eye, zeros = np.eye(n_rows), np.zeros((n_rows, n_rows))
-    bounds = np.vstack(
+    constraints = np.vstack(
         [
             np.hstack([matrix, -eye, zeros]),
             np.hstack([-matrix, -eye, zeros]),
@@ -1481,10 +1562,10 @@ def fit_memory_model(rows: list[CalibrationRow]) -> dict[str, float]:
     limits = np.concatenate([target, -target, np.full(n_rows, FIT_TOLERANCE)])
     excess = np.concatenate([np.zeros(n_terms + n_rows), np.ones(n_rows)])
     errors = np.concatenate([np.zeros(n_terms), np.ones(n_rows), np.zeros(n_rows)])
-    least = linprog(excess, A_ub=bounds, b_ub=limits, bounds=(0, None)).fun
+    least = linprog(excess, A_ub=constraints, b_ub=limits, bounds=(0, None)).fun
     solved = linprog(
         errors,
-        A_ub=np.vstack([bounds, excess]),
+        A_ub=np.vstack([constraints, excess]),
         b_ub=np.append(limits, least + 1e-9 * n_rows),
         bounds=(0, None),
     )
