@@ -253,30 +253,30 @@ class MoE(eqx.Module):
         return jax.lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
 
 
+def moe_layers(tree: PyTree) -> list[MoE]:
+    """The `MoE` layers in ``tree`` (stacked ones once each)."""
+    found = jax.tree.leaves(tree, is_leaf=lambda node: isinstance(node, MoE))
+    return [layer for layer in found if isinstance(layer, MoE)]
+
+
 def expert_split_axes(tree: PyTree) -> frozenset[str]:
     """The mesh axes the `MoE` layers of ``tree`` split their experts over
     (`eqxzoo.nn.ExpertSplit`)."""
-    layers = jax.tree.leaves(tree, is_leaf=lambda node: isinstance(node, MoE))
     return frozenset(
-        layer.expert_split.axis_name
-        for layer in layers
-        if isinstance(layer, MoE) and layer.expert_split is not None
+        layer.expert_split.axis_name for layer in moe_layers(tree) if layer.expert_split is not None
     )
 
 
 def has_data_dependent_loops(tree: PyTree) -> bool:
     """Whether a `MoE` in ``tree`` runs its dropless experts slotted, whose overflow is a loop
     of as many iterations as the routing overflows (`Experts`' ``dropless_kernel``)."""
-    layers = jax.tree.leaves(tree, is_leaf=lambda node: isinstance(node, MoE))
     return any(
         layer.routing_mode == "dropless" and layer.experts.dropless_kernel == "slotted"
-        for layer in layers
-        if isinstance(layer, MoE)
+        for layer in moe_layers(tree)
     )
 
 
 def dispatches_by_sort(tree: PyTree) -> bool:
     """Whether a `MoE` in ``tree`` routes dropless: it sorts all its tokens, of every
     sequence, by their experts (either of `Experts`' ``dropless_kernel``)."""
-    layers = jax.tree.leaves(tree, is_leaf=lambda node: isinstance(node, MoE))
-    return any(layer.routing_mode == "dropless" for layer in layers if isinstance(layer, MoE))
+    return any(layer.routing_mode == "dropless" for layer in moe_layers(tree))
