@@ -748,7 +748,8 @@ MEMORY_TERMS = (
     "tick_weights",
     "split_backward",
 )
-# Fitted 2026-11-29 over the 36 configs (`python -m pipelines.plan --calibrate`): within
+# Fitted 2026-11-29 by `fit_memory_model` to the 36 configs' compiled MiB as `python -m
+# pipelines.plan --calibrate` prints them (its own refit differs in the third digit): within
 # 10% of the compiled step on 28 of them, -36% to +37% over all; each predicted by the model
 # fitted to the other 35, 16 of them (README, "Plan a run").
 MEMORY_MODEL: dict[str, float] = {
