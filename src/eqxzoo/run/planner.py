@@ -1156,12 +1156,28 @@ LLAMA_FULL = (
 )
 DEEPSEEK_FULL = (
     "configs/deepseek_small.toml",
-    ("run.steps=10", "optimizer.warmup_steps=2", "data.grad_accum=1", "mesh.ep=1"),
+    ("run.steps=10", "optimizer.warmup_steps=2", "data.grad_accum=1"),
 )
 
 
 def _variant(base: tuple[str, tuple[str, ...]], *overrides: str) -> tuple[str, tuple[str, ...]]:
     return base[0], (*base[1], *overrides)
+
+
+def _one_stage_dp8(
+    base: tuple[str, tuple[str, ...]], *overrides: str
+) -> tuple[str, tuple[str, ...]]:
+    """``base`` as the search prices one stage: GPipe over dp8, no stage remat."""
+    return _variant(
+        base,
+        "mesh.dp=8",
+        "mesh.pp=1",
+        "mesh.ep=1",
+        "pipeline.schedule=gpipe",
+        "pipeline.repeats=1",
+        "pipeline.remat_stages=false",
+        *overrides,
+    )
 
 
 CALIBRATION: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -1403,59 +1419,12 @@ CALIBRATION: tuple[tuple[str, tuple[str, ...]], ...] = (
         "pipeline.microbatches=2",
     ),
     # One stage as the search prices it (no stage remat), at the real widths.
-    _variant(
-        LLAMA_WIDE,
-        "mesh.dp=8",
-        "mesh.pp=1",
-        "pipeline.schedule=gpipe",
-        "pipeline.microbatches=1",
-        "pipeline.remat_stages=false",
-    ),
-    _variant(
-        LLAMA_WIDE,
-        "mesh.dp=8",
-        "mesh.pp=1",
-        "pipeline.schedule=gpipe",
-        "pipeline.microbatches=2",
-        "pipeline.remat_stages=false",
-        "model.remat=none",
-    ),
-    _variant(
-        DEEPSEEK_WIDE,
-        "mesh.dp=8",
-        "mesh.pp=1",
-        "mesh.ep=1",
-        "pipeline.schedule=gpipe",
-        "pipeline.repeats=1",
-        "pipeline.microbatches=1",
-        "pipeline.remat_stages=false",
-    ),
-    _variant(
-        LLAMA_FULL,
-        "mesh.dp=8",
-        "mesh.pp=1",
-        "pipeline.schedule=gpipe",
-        "pipeline.microbatches=1",
-        "pipeline.remat_stages=false",
-    ),
-    _variant(
-        LLAMA_FULL,
-        "mesh.dp=8",
-        "mesh.pp=1",
-        "pipeline.schedule=gpipe",
-        "pipeline.microbatches=2",
-        "pipeline.remat_stages=false",
-    ),
-    _variant(
-        DEEPSEEK_FULL,
-        "mesh.dp=8",
-        "mesh.pp=1",
-        "pipeline.schedule=gpipe",
-        "pipeline.repeats=1",
-        "pipeline.microbatches=1",
-        "data.batch_size=64",
-        "pipeline.remat_stages=false",
-    ),
+    _one_stage_dp8(LLAMA_WIDE, "pipeline.microbatches=1"),
+    _one_stage_dp8(LLAMA_WIDE, "pipeline.microbatches=2", "model.remat=none"),
+    _one_stage_dp8(DEEPSEEK_WIDE, "pipeline.microbatches=1"),
+    _one_stage_dp8(LLAMA_FULL, "pipeline.microbatches=1"),
+    _one_stage_dp8(LLAMA_FULL, "pipeline.microbatches=2"),
+    _one_stage_dp8(DEEPSEEK_FULL, "pipeline.microbatches=1", "data.batch_size=64"),
 )
 
 
