@@ -652,7 +652,7 @@ class StateBytes(NamedTuple):
     the state splits over the data axes, which the region gathers at its boundary, and
     (``*_reduced``) those whole over a data axis in the region, whose gradients it sums;
     one layer's as the state splits them (``layer_sharded``) and split over tp only
-    (``layer_tp``)."""
+    (``layer_tp``); of ``layer``, the experts' own weights (``layer_experts``)."""
 
     state: int
     trainable: int
@@ -664,6 +664,7 @@ class StateBytes(NamedTuple):
     outer_reduced: int
     layer_sharded: int
     layer_tp: int
+    layer_experts: int
 
 
 @functools.lru_cache(maxsize=4096)
@@ -678,7 +679,7 @@ def _state_bytes(facts: ModelFacts, mesh: MeshConfig, rules_key: tuple) -> State
     region = {"layer": 0, "outer": 0}
     gathered = {"layer": 0, "outer": 0}
     reduced = {"layer": 0, "outer": 0}
-    layer_sharded = layer_tp = 0
+    layer_sharded = layer_tp = layer_experts = 0
     for leaf in facts.leaves:
         spec = partition_spec(leaf.axes, leaf.shape, on_mesh, rules)
         own_experts = "experts" in leaf.names and mesh.ep > 1
@@ -705,6 +706,8 @@ def _state_bytes(facts: ModelFacts, mesh: MeshConfig, rules_key: tuple) -> State
             layer_tp += elements * leaf.itemsize // (tp_shards * count)
         size = elements * leaf.itemsize // (in_region * count)
         region[kind] += size
+        if leaf.layered and "experts" in leaf.names:
+            layer_experts += size
         if any(axis in whole_over for axis in split_axes):
             gathered[kind] += size
         if any(sizes[axis] > 1 for axis in whole_over):
@@ -720,6 +723,7 @@ def _state_bytes(facts: ModelFacts, mesh: MeshConfig, rules_key: tuple) -> State
         reduced["outer"],
         layer_sharded,
         layer_tp,
+        layer_experts,
     )
 
 
@@ -746,25 +750,27 @@ MEMORY_TERMS = (
     "region_weights",
     "expert_rows",
     "tick_weights",
+    "tick_expert_weights",
     "split_backward",
 )
-# Fitted 2026-11-29 by `fit_memory_model` to the 36 configs' compiled MiB as `python -m
+# Fitted 2026-11-29 by `fit_memory_model` to the 38 configs' compiled MiB as `python -m
 # pipelines.plan --calibrate` prints them (its own refit differs in the third digit): within
-# 10% of the compiled step on 28 of them, -36% to +37% over all; each predicted by the model
-# fitted to the other 35, 16 of them (README, "Plan a run").
+# 10% of the compiled step on 29 of them, -36% to +29% over all; each predicted by the model
+# fitted to the other 37, 15 of them (README, "Plan a run").
 MEMORY_MODEL: dict[str, float] = {
     "gradients": 3.082,
-    "stash": 0.495,
-    "tick_stash": 0.941,
-    "chunk_residuals": 1.402,
-    "fused_residuals": 1.662,
-    "layer_peak": 0.892,
-    "logits": 0.395,
-    "chunk_weights": 0.037,
-    "region_weights": 1.218,
-    "expert_rows": 0.79,
-    "tick_weights": 1.02,
-    "split_backward": 1.388,
+    "stash": 0.494,
+    "tick_stash": 0.927,
+    "chunk_residuals": 1.406,
+    "fused_residuals": 1.661,
+    "layer_peak": 0.9,
+    "logits": 0.39,
+    "chunk_weights": 0.046,
+    "region_weights": 1.208,
+    "expert_rows": 0.791,
+    "tick_weights": 1.021,
+    "tick_expert_weights": 1.169,
+    "split_backward": 1.39,
 }
 
 
@@ -793,6 +799,14 @@ def memory_terms(facts: ModelFacts, plan: Plan) -> tuple[int, dict[str, float]]:
         tokens if schedule.fuses_backward else config.pipeline.microbatches * tokens / mesh.pp
     )
     logits_columns = min(config.loss.chunk_size, facts.vocab / (mesh.tp))
+    ticks_kept = (
+        _in_flight(schedule) * chunk_layers
+        if not schedule.fuses_backward
+        and not plan.remat_stages
+        and facts.pooled(mesh)
+        and schedule.forward_only.ticks > 1
+        else 0
+    )
     terms = {
         # Accumulated over several steps (G), a step's gradients and their running sum.
         "gradients": trainable * (2 if config.data.grad_accum > 1 else 1),
@@ -817,18 +831,18 @@ def memory_terms(facts: ModelFacts, plan: Plan) -> tuple[int, dict[str, float]]:
             else 0
         ),
         "expert_rows": facts.expert_rows(config),
-        # Autodiff of a forward schedule's tick loop keeps each tick's stage weights where
-        # the region holds them whole (on several stages its conditional outputs them as
-        # residuals; with stage remat, the stage only): DeepSeek-small on one stage of dp16
-        # over 8 microbatches compiled to 39 GiB where the model had 11 without them.
-        "tick_weights": (
-            _in_flight(schedule) * facts.n_blocks // mesh.pp * layer_weights
-            if not schedule.fuses_backward
-            and not plan.remat_stages
-            and facts.pooled(mesh)
-            and schedule.forward_only.ticks > 1
-            else 0
-        ),
+        # Autodiff of a forward schedule's tick loop keeps the weights each tick's chunk ran
+        # with where the region holds them whole (on several stages its conditional outputs
+        # them as residuals; with stage remat, the stage only): DeepSeek-small on one stage
+        # of dp16 over 8 microbatches compiled to 39 GiB where the model had 11 without them.
+        # A circular stage runs one of its R chunks a tick, and keeps that chunk's: llama3_1b
+        # circular R4 on pp4 stacks one layer's weights a tick, not its stage's four.
+        # The experts' weights apart: their kernels keep them in float32 and the compute
+        # dtype both, where a dense layer keeps most of its weights in the compute dtype
+        # only (DeepSeek-small on one stage keeps 1.2x its chunk's float32 weights a tick,
+        # llama3_1b 0.7-0.8x).
+        "tick_weights": ticks_kept * (layer_weights - weights.layer_experts),
+        "tick_expert_weights": ticks_kept * weights.layer_experts,
         "split_backward": (
             _in_flight(schedule) * chunk_layers * facts.w_stash_bytes(plan.remat, config, tokens)
             if schedule.splits_backward
@@ -1425,6 +1439,17 @@ CALIBRATION: tuple[tuple[str, tuple[str, ...]], ...] = (
     _one_stage_dp8(LLAMA_FULL, "pipeline.microbatches=1"),
     _one_stage_dp8(LLAMA_FULL, "pipeline.microbatches=2"),
     _one_stage_dp8(DEEPSEEK_FULL, "pipeline.microbatches=1", "data.batch_size=64"),
+    _one_stage_dp8(DEEPSEEK_WIDE, "pipeline.microbatches=2"),
+    # Circular over four repeats without stage remat: each tick keeps one chunk's weights.
+    _variant(
+        LLAMA_FULL,
+        "mesh.dp=4",
+        "mesh.pp=2",
+        "pipeline.schedule=circular",
+        "pipeline.repeats=4",
+        "pipeline.microbatches=2",
+        "pipeline.remat_stages=false",
+    ),
 )
 
 
@@ -1513,7 +1538,7 @@ def fit_memory_model(rows: list[CalibrationRow]) -> dict[str, float]:
     relative errors past `FIT_TOLERANCE` (each counted only beyond it, and linearly), then,
     among the weights that reach that, the sum of the errors (two linear programs). Least
     squares spent the weights on the few configs the terms explain worst (squaring their
-    errors) and left 23 of the 36 within 10%; this fit leaves 28."""
+    errors) and left 27 of the 38 within 10%; this fit leaves 29."""
     from scipy.optimize import linprog
 
     scale = np.array([row.compiled for row in rows], float)
