@@ -191,6 +191,7 @@ def fused_cross_entropy(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     token_chunk_size: int = DEFAULT_TOKEN_CHUNK_SIZE,
     vocab_shards: int = 1,
+    token_shards: int = 1,
 ) -> tuple[Float[Array, "*batch seq"], Float[Array, "*batch seq"]]:
     """``(cross_entropy, log_sum_exp)`` per token of the logits ``h @ unembedding`` (then
     ``softcap * tanh(logits / softcap)`` if ``softcap`` is set: Gemma 2's final soft-cap),
@@ -209,8 +210,13 @@ def fused_cross_entropy(
     ``d_h`` and the weight gradient in the backward). ``vocab_shards`` is the number of
     devices ``unembedding``'s vocab axis is sharded over (e.g. ``tp``, times ``pp`` where
     the head runs outside the pipeline): every chunk then takes columns from every device's
-    block and nothing vocab-sized crosses devices. Results do not depend on it;
-    communication does.
+    block and nothing vocab-sized crosses devices. ``token_shards`` is the number of
+    devices the leading token axis is split over in contiguous blocks (the batch's ``dp x
+    ep``): the backward sums the weight gradient per shard inside its loops and across the
+    shards once a vocabulary chunk, where one sum for all made the partitioner reduce every
+    block's partial over the devices (once per token chunk, ``n`` times the gradient). A
+    leading axis it does not divide is taken as one shard. Results do not depend on either
+    beyond rounding; communication does.
 
     Matmuls accumulate in fp32 (`_matmul_dtype`); log-sum-exp and softmax are fp32; the
     logits' gradient is rounded to the inputs' dtype, as autodiff of bf16 logits would, and
@@ -221,8 +227,10 @@ def fused_cross_entropy(
     vocab = unembedding.shape[0 if vocab_major else 1]
     chunks = vocab_chunks(vocab, chunk_size, vocab_shards, vocab_major)
     n_token_chunks = token_chunks(targets.shape, token_chunk_size)
+    leading = targets.shape[0] // (n_token_chunks if targets.ndim == 1 else 1)
+    shards = token_shards if leading % token_shards == 0 else 1
     with jax.named_scope("fused_cross_entropy"):
-        return _cross_entropy(softcap, chunks, n_token_chunks, h, unembedding, targets)
+        return _cross_entropy(softcap, chunks, n_token_chunks, shards, h, unembedding, targets)
 
 
 def _split_tokens(x: Array, n_batch: int, n_token_chunks: int) -> Array:
@@ -230,6 +238,11 @@ def _split_tokens(x: Array, n_batch: int, n_token_chunks: int) -> Array:
     n_token_chunks, n_token_chunks)``: token chunk ``k`` is index ``k`` of axis ``n_batch``."""
     axis = n_batch - 1
     return x.reshape(*x.shape[:axis], -1, n_token_chunks, *x.shape[axis + 1 :])
+
+
+def _by_shard(x: Array, axis: int, shards: int) -> Array:
+    """``x`` with axis ``axis`` viewed as ``(shards, size / shards)``."""
+    return x.reshape(*x.shape[:axis], shards, -1, *x.shape[axis + 1 :])
 
 
 def _take(x: Array, index: Int[Array, ""], axis: int) -> Array:
@@ -331,12 +344,15 @@ def _backward(
     softcap: float | None,
     chunks: VocabChunks,
     n_token_chunks: int,
+    token_shards: int,
 ) -> tuple[Float[Array, "*batch embed"], Unembedding]:
     """``(d_h, d_unembedding)`` block by block: ``d_logits = softmax * (d_ce + d_lse) -
     onehot(target) * d_ce`` (times the soft-cap's derivative 1 - (capped / softcap)^2).
 
     Vocabulary chunks are the outer loop: a chunk's ``h^T @ d_logits`` sums over the token
-    chunks in fp32 and is written once into the weight gradient. ``d_h`` accumulates
+    chunks in fp32, one partial sum per token shard (batched over the shards: each device
+    sums its own tokens), and is summed over the shards and written once into the weight
+    gradient. ``d_h`` accumulates
     ``d_logits @ columns^T`` in fp32, one partial sum per block, summed after the last chunk
     (with a single accumulator GSPMD all-reduced a ``(tokens, embed)`` partial over the
     shards at every chunk). ``h`` is transposed to embed-major once, outside the loops:
@@ -345,7 +361,9 @@ def _backward(
     compute_dtype = jnp.result_type(h, unembedding)
     matmul_dtype = _matmul_dtype(h, unembedding)
     n_batch = targets.ndim
-    token_axes = tuple(range(n_batch))
+    # A token block's axes once its leading axis is split into (shards, tokens): the token
+    # axes of h (embed-major: embed, shards, tokens) and of d_logits (shards, tokens, ...).
+    h_tokens, d_logits_tokens = tuple(range(2, n_batch + 2)), tuple(range(1, n_batch + 1))
     weight_bits = _bits(unembedding)
     h_split = _split_tokens(h, n_batch, n_token_chunks).astype(matmul_dtype)
     h_embed_major = jnp.moveaxis(h_split, -1, 0)
@@ -382,16 +400,19 @@ def _backward(
                 (((n_batch + 1,), (2,)), ((n_batch,), (1,))),
                 preferred_element_type=jnp.float32,
             )
+            # Token shard s, then its tokens: the shards a batch axis of the matmul.
             d_columns += jax.lax.dot_general(
-                _take(h_embed_major, token_chunk, n_batch + 1),
-                d_logits,
-                ((tuple(a + 1 for a in token_axes), token_axes), ((), ())),
+                _by_shard(_take(h_embed_major, token_chunk, n_batch + 1), 1, token_shards),
+                _by_shard(d_logits, 0, token_shards),
+                ((h_tokens, d_logits_tokens), ((1,), (0,))),
                 preferred_element_type=jnp.float32,
             )
             return (_put(d_h_by_block, token_chunk, n_batch + 1, d_h_chunk), d_columns), None
 
-        start = (d_h_by_block, varying_like(jnp.zeros(columns.shape, jnp.float32), d_h_by_block))
+        by_shard = jnp.zeros((token_shards, *columns.shape), jnp.float32)
+        start = (d_h_by_block, varying_like(by_shard, d_h_by_block))
         (d_h_by_block, d_columns), _ = jax.lax.scan(token_step, start, jnp.arange(n_token_chunks))
+        d_columns = jnp.sum(d_columns, axis=0)
         d_unembedding = chunks.add(d_unembedding, chunk, d_columns, unembedding.dtype)
         return (d_h_by_block, d_unembedding), None
 
@@ -405,11 +426,12 @@ def _backward(
     return d_h, _from_bits(d_unembedding, unembedding.dtype).reshape(unembedding.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _cross_entropy(
     softcap: float | None,
     chunks: VocabChunks,
     n_token_chunks: int,
+    token_shards: int,
     h: Float[Array, "*batch embed"],
     unembedding: Unembedding,
     targets: Int[Array, "*batch"],
@@ -417,15 +439,23 @@ def _cross_entropy(
     return _forward(h, unembedding, targets, softcap, chunks, n_token_chunks)
 
 
-def _cross_entropy_forward(softcap, chunks, n_token_chunks, h, unembedding, targets):
+def _cross_entropy_forward(softcap, chunks, n_token_chunks, token_shards, h, unembedding, targets):
     outputs = _forward(h, unembedding, targets, softcap, chunks, n_token_chunks)
     return outputs, (h, unembedding, targets, outputs[1])
 
 
-def _cross_entropy_backward(softcap, chunks, n_token_chunks, residuals, cotangents):
+def _cross_entropy_backward(softcap, chunks, n_token_chunks, token_shards, residuals, cotangents):
     h, unembedding, targets, log_sum_exp = residuals
     d_h, d_unembedding = _backward(
-        h, unembedding, targets, log_sum_exp, *cotangents, softcap, chunks, n_token_chunks
+        h,
+        unembedding,
+        targets,
+        log_sum_exp,
+        *cotangents,
+        softcap,
+        chunks,
+        n_token_chunks,
+        token_shards,
     )
     return d_h, d_unembedding, None
 
