@@ -2,6 +2,7 @@
 bf16 close to fp32, on a vocab-sharded mesh without gathering the weight, and never holding
 a ``(tokens, vocab)`` array."""
 
+import functools
 import re
 
 import jax
@@ -173,32 +174,47 @@ def test_vocab_sharded_weight_is_never_gathered(mesh_shape, weight_axes, vocab, 
     assert_trees_close(actual, expected, rtol=1e-5)
 
 
-def _all_reduced_bytes(hlo: str) -> float:
-    """Bytes the compiled program all-reduces, each loop iteration counted."""
-    return sum(c.bytes * c.times for c in collectives(hlo) if c.kind == "all-reduce")
+def _collective_bytes(hlo: str) -> dict[str, float]:
+    """Bytes the compiled program moves by each collective kind, each loop iteration counted."""
+    total: dict[str, float] = {}
+    for c in collectives(hlo):
+        total[c.kind] = total.get(c.kind, 0) + c.bytes * c.times
+    return total
 
 
-@pytest.mark.parametrize("shape", [(64,), (4, 16)], ids=["flat", "batch-seq"])
+@pytest.mark.parametrize(
+    "shape, fsdp",
+    [((64,), False), ((4, 16), False), ((64,), True)],
+    ids=["flat", "batch-seq", "fsdp"],
+)
 def test_the_weight_gradient_is_summed_over_the_token_shards_once_a_chunk(
-    shape, assert_trees_close
+    shape, fsdp, assert_trees_close
 ):
-    """Tokens split over dp4, the weight whole: each device sums its own tokens' share of a
-    vocabulary chunk's gradient over the token chunks, and the devices sum theirs once a
-    chunk, the weight's float32 gradient all-reduced once in all (16 x 256 x 4 bytes, and a
-    few per-token sums). One accumulator for all the shards made the partitioner sum every
-    block's partial over dp: 8 token chunks, 8 times the gradient. 64 tokens in 8 chunks of
-    8, flat or as 4 sequences of 16 (the chunks along the sequence); 256 ids in 8 chunks of
-    32."""
+    """Tokens split over dp4: each device sums its own tokens' share of a vocabulary chunk's
+    gradient over the token chunks, and the devices sum theirs once a chunk, the weight's
+    float32 gradient all-reduced once in all (16 x 256 x 4 bytes, and a few per-token sums).
+    One accumulator for all the shards made the partitioner sum every block's partial over
+    dp: 8 token chunks, 8 times the gradient. With the weight split over dp on its model
+    dimension (FSDP) and `gather_columns` gathering each chunk as it is read, the weight
+    crosses once in the forward and once in the backward (without it, once a token chunk:
+    6 times). 64 tokens in 8 chunks of 8, flat or as 4 sequences of 16 (the chunks along the
+    sequence); 256 ids in 8 chunks of 32."""
     mesh = jax.make_mesh((4,), ("dp",), axis_types=(AxisType.Auto,))
     h, unembedding, targets = _inputs(256, tokens=64)
     h, targets = h.reshape(*shape, EMBED), targets.reshape(shape)
     by_tokens = NamedSharding(mesh, P("dp"))
     h, targets = jax.device_put(h, by_tokens), jax.device_put(targets, by_tokens)
     options = dict(chunk_size=32, token_chunk_size=8, token_shards=4)
+    if fsdp:
+        unembedding = jax.device_put(unembedding, by_tokens)
+        options["gather_columns"] = functools.partial(
+            jax.lax.with_sharding_constraint, shardings=NamedSharding(mesh, P())
+        )
     step = jax.jit(jax.value_and_grad(lambda h, w, t: _fused_loss(h, w, t, **options), (0, 1)))
-    hlo = step.lower(h, unembedding, targets).compile().as_text()
-    weight_gradient = unembedding.size * 4
-    assert weight_gradient <= _all_reduced_bytes(hlo) < 1.1 * weight_gradient
+    moved = _collective_bytes(step.lower(h, unembedding, targets).compile().as_text())
+    weight = unembedding.size * 4
+    assert weight <= moved["all-reduce"] < 1.1 * weight
+    assert moved.get("all-gather", 0) == (2 * weight if fsdp else 0)
     expected = _loss_and_grads(_plain_loss, h.reshape(64, EMBED), unembedding, targets.reshape(64))
     loss, (d_h, d_unembedding) = step(h, unembedding, targets)
     assert_trees_close((loss, (d_h.reshape(64, EMBED), d_unembedding)), expected, rtol=1e-5)

@@ -18,6 +18,7 @@ sharding too, but every chunk's read touches every cache line of the weight.
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,7 @@ class VocabChunks:
     before it, and its columns already seen are masked out (logits at -inf, gradient 0)
     rather than the weight being copied into a padded buffer. ``vocab_major``: the weight
     is ``(vocab, embed)`` (a tied embedding table) rather than ``(embed, vocab)``.
+    ``gather``: applied to each chunk's columns as read (`read`; None: as they are).
     """
 
     vocab: int
@@ -56,6 +58,7 @@ class VocabChunks:
     n_chunks: int
     shard_width: int
     vocab_major: bool = False
+    gather: Callable[[Array], Array] | None = None
 
     @property
     def block(self) -> int:
@@ -99,7 +102,8 @@ class VocabChunks:
             self.blocks(weight_bits), self.start(chunk), self.shard_width, axis=self.block_axis
         )
         columns = _from_bits(columns, dtype)
-        return jnp.moveaxis(columns, -1, 0) if self.vocab_major else columns
+        columns = jnp.moveaxis(columns, -1, 0) if self.vocab_major else columns
+        return columns if self.gather is None else self.gather(columns)
 
     def add(
         self,
@@ -192,6 +196,7 @@ def fused_cross_entropy(
     token_chunk_size: int = DEFAULT_TOKEN_CHUNK_SIZE,
     vocab_shards: int = 1,
     token_shards: int = 1,
+    gather_columns: Callable[[Array], Array] | None = None,
 ) -> tuple[Float[Array, "*batch seq"], Float[Array, "*batch seq"]]:
     """``(cross_entropy, log_sum_exp)`` per token of the logits ``h @ unembedding`` (then
     ``softcap * tanh(logits / softcap)`` if ``softcap`` is set: Gemma 2's final soft-cap),
@@ -215,8 +220,11 @@ def fused_cross_entropy(
     ep``): the backward sums the weight gradient per shard inside its loops and across the
     shards once a vocabulary chunk, where one sum for all made the partitioner reduce every
     block's partial over the devices (once per token chunk, ``n`` times the gradient). A
-    leading axis it does not divide is taken as one shard. Results do not depend on either
-    beyond rounding; communication does.
+    leading axis it does not divide is taken as one shard. ``gather_columns`` is applied
+    to each chunk's ``(embed, shards, shard_width)`` columns as they are read, in the
+    forward and the backward: a caller whose weight is split on its model dimension (FSDP)
+    gathers them there, one chunk at a time. Results do not depend on these beyond
+    rounding; communication does.
 
     Matmuls accumulate in fp32 (`_matmul_dtype`); log-sum-exp and softmax are fp32; the
     logits' gradient is rounded to the inputs' dtype, as autodiff of bf16 logits would, and
@@ -225,7 +233,9 @@ def fused_cross_entropy(
     vocab)`` array.
     """
     vocab = unembedding.shape[0 if vocab_major else 1]
-    chunks = vocab_chunks(vocab, chunk_size, vocab_shards, vocab_major)
+    chunks = dataclasses.replace(
+        vocab_chunks(vocab, chunk_size, vocab_shards, vocab_major), gather=gather_columns
+    )
     n_token_chunks = token_chunks(targets.shape, token_chunk_size)
     leading = targets.shape[0] // (n_token_chunks if targets.ndim == 1 else 1)
     shards = token_shards if leading % token_shards == 0 else 1

@@ -755,21 +755,21 @@ MEMORY_TERMS = (
 )
 # Fitted 2026-11-29 by `fit_memory_model` to the 38 configs' compiled MiB as `python -m
 # pipelines.plan --calibrate` prints them (its own refit differs in the third digit): within
-# 10% of the compiled step on 29 of them, -36% to +29% over all; each predicted by the model
+# 10% of the compiled step on 28 of them, -36% to +29% over all; each predicted by the model
 # fitted to the other 37, 15 of them (README, "Plan a run").
 MEMORY_MODEL: dict[str, float] = {
-    "gradients": 3.082,
-    "stash": 0.494,
-    "tick_stash": 0.927,
-    "chunk_residuals": 1.406,
-    "fused_residuals": 1.661,
-    "layer_peak": 0.9,
-    "logits": 0.39,
-    "chunk_weights": 0.046,
-    "region_weights": 1.208,
-    "expert_rows": 0.791,
-    "tick_weights": 1.021,
-    "tick_expert_weights": 1.169,
+    "gradients": 3.062,
+    "stash": 0.489,
+    "tick_stash": 0.931,
+    "chunk_residuals": 1.348,
+    "fused_residuals": 1.66,
+    "layer_peak": 0.949,
+    "logits": 0.334,
+    "chunk_weights": 0.039,
+    "region_weights": 1.217,
+    "expert_rows": 0.789,
+    "tick_weights": 1.072,
+    "tick_expert_weights": 1.148,
     "split_backward": 1.39,
 }
 
@@ -1538,7 +1538,7 @@ def fit_memory_model(rows: list[CalibrationRow]) -> dict[str, float]:
     relative errors past `FIT_TOLERANCE` (each counted only beyond it, and linearly), then,
     among the weights that reach that, the sum of the errors (two linear programs). Least
     squares spent the weights on the few configs the terms explain worst (squaring their
-    errors) and left 27 of the 38 within 10%; this fit leaves 29."""
+    errors) and left 27 of the 38 within 10%; this fit leaves 28."""
     from scipy.optimize import linprog
 
     scale = np.array([row.compiled for row in rows], float)

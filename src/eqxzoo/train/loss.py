@@ -20,14 +20,15 @@ every token, `batch_documents`): every loss takes them as ``documents`` and hand
 the embedding (learned positions) and to every layer of the prefix and the pipeline.
 """
 
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PyTree
 
 from eqxzoo.nn import (
@@ -276,10 +277,10 @@ def token_cross_entropy(
     features, projection, vocab_major, softcap = model.head_inputs(h)
     n_vocab = projection.shape[0 if vocab_major else 1]
     n_shards = 1 if mesh is None else vocab_shards(n_vocab, mesh, config.rules, manual_pp)
-    token_shards = 1
+    token_shards, gather = 1, None
     if mesh is not None and not manual_pp:
-        projection = whole_model_dimension(projection, vocab_major, mesh, config.rules)
         token_shards = math.prod(mesh.shape[axis] for axis in rule_axes("batch", config.rules))
+        gather = gathered_columns(n_vocab, mesh, config.rules)
 
     def per_token(features, projection, targets):
         # The tokens are flattened batch-major: with the batch split over dp the flat axis
@@ -297,6 +298,7 @@ def token_cross_entropy(
             chunk_size=config.loss.chunk_size,
             vocab_shards=n_shards,
             token_shards=token_shards,
+            gather_columns=gather,
         )
         per_token = [p.reshape(batch_major.shape) for p in parts]
         return tuple(jnp.moveaxis(p, 0, -2) if batched else p for p in per_token)
@@ -304,21 +306,18 @@ def token_cross_entropy(
     return per_token(features, projection, targets)
 
 
-def whole_model_dimension(
-    projection: Float[Array, "embed vocab"] | Float[Array, "vocab embed"],
-    vocab_major: bool,
-    mesh: Mesh | AbstractMesh,
-    rules: Mapping[str, MeshAxes],
-) -> Float[Array, "embed vocab"] | Float[Array, "vocab embed"]:
-    """The head's projection gathered over the axes FSDP splits its model dimension over
-    (its vocabulary split as the rules split it): once, before the fused loss's loops. Left
-    to the partitioner, the loss's backward met the tokens split over dp and the columns
-    split over dp on the contracted model dimension, and summed each block's logits over dp
-    at every (vocabulary chunk, token chunk): 32 GiB a step for llama3_1b's 128k vocabulary
-    on dp2 x pp2 x tp2, where the weight is 0.25 GiB."""
-    axes = Axes(("vocab", "embed") if vocab_major else ("embed", "vocab"))
-    spec = partition_spec(axes, projection.shape, mesh, {**rules, "embed": None})
-    return jax.lax.with_sharding_constraint(projection, NamedSharding(mesh, spec))
+def gathered_columns(
+    n_vocab: int, mesh: Mesh | AbstractMesh, rules: Mapping[str, MeshAxes]
+) -> Callable[[Array], Array]:
+    """What the fused loss applies to each vocabulary chunk's ``(embed, shards, width)``
+    columns outside the pipeline's region: the model dimension gathered over FSDP's axes,
+    the vocabulary split as the rules split it, one chunk at a time. Left to the
+    partitioner, the tokens split over dp met the columns split over dp on the contracted
+    model dimension, and it summed each block's logits over dp at every (vocabulary chunk,
+    token chunk): 32 GiB a step for llama3_1b's 128k vocabulary on dp2 x pp2 x tp2."""
+    spec = partition_spec(Axes(("embed", "vocab")), (1, n_vocab), mesh, {**rules, "embed": None})
+    sharding = NamedSharding(mesh, PartitionSpec(None, spec[1], None))
+    return functools.partial(jax.lax.with_sharding_constraint, shardings=sharding)
 
 
 def vocab_shards(
