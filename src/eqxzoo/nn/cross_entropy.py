@@ -361,11 +361,10 @@ def _backward(
 
     Vocabulary chunks are the outer loop: a chunk's ``h^T @ d_logits`` sums over the token
     chunks in fp32, one partial sum per token shard (batched over the shards: each device
-    sums its own tokens), and is summed over the shards and written once into the weight
-    gradient. ``d_h`` accumulates
-    ``d_logits @ columns^T`` in fp32, one partial sum per block, summed after the last chunk
-    (with a single accumulator GSPMD all-reduced a ``(tokens, embed)`` partial over the
-    shards at every chunk). ``h`` is transposed to embed-major once, outside the loops:
+    sums its own tokens), then over the shards, and is written once into the weight
+    gradient. ``d_h`` accumulates ``d_logits @ columns^T`` in fp32, one partial sum per
+    block, summed after the last chunk (with a single accumulator GSPMD all-reduced a
+    ``(tokens, embed)`` partial over the shards at every chunk). ``h`` is transposed to embed-major once, outside the loops:
     XLA:CPU ran ``h^T @ d_logits`` at half speed contracting ``h``'s leading axis.
     """
     compute_dtype = jnp.result_type(h, unembedding)

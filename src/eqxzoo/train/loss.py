@@ -28,7 +28,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jaxtyping import Array, Float, Int, PyTree
 
 from eqxzoo.nn import (
@@ -270,7 +270,8 @@ def token_cross_entropy(
     blocks' output ``h``: fused over vocabulary chunks of ``config.loss.chunk_size`` from
     the model's `head_inputs`, or from the plain logits when it is 0. ``mesh`` (with
     ``manual_pp`` inside a region manual over ``pp``) tells how the vocabulary is sharded
-    (`vocab_shards`)."""
+    (`vocab_shards`) and, outside the region, how the tokens are (the batch's axes: the
+    loss's ``token_shards``) and how the columns are gathered (`gathered_columns`)."""
     targets = jnp.maximum(targets, 0)  # ignored targets' values are masked out by the caller
     if not config.loss.chunk_size:
         return plain_cross_entropy(model.head(h).astype(config.precision.output), targets)
@@ -280,7 +281,7 @@ def token_cross_entropy(
     token_shards, gather = 1, None
     if mesh is not None and not manual_pp:
         token_shards = math.prod(mesh.shape[axis] for axis in rule_axes("batch", config.rules))
-        gather = gathered_columns(n_vocab, mesh, config.rules)
+        gather = gathered_columns(n_shards, mesh, config.rules)
 
     def per_token(features, projection, targets):
         # The tokens are flattened batch-major: with the batch split over dp the flat axis
@@ -307,17 +308,17 @@ def token_cross_entropy(
 
 
 def gathered_columns(
-    n_vocab: int, mesh: Mesh | AbstractMesh, rules: Mapping[str, MeshAxes]
+    n_shards: int, mesh: Mesh | AbstractMesh, rules: Mapping[str, MeshAxes]
 ) -> Callable[[Array], Array]:
     """What the fused loss applies to each vocabulary chunk's ``(embed, shards, width)``
     columns outside the pipeline's region: the model dimension gathered over FSDP's axes,
-    the vocabulary split as the rules split it, one chunk at a time. Left to the
-    partitioner, the tokens split over dp met the columns split over dp on the contracted
-    model dimension, and it summed each block's logits over dp at every (vocabulary chunk,
-    token chunk): 32 GiB a step for llama3_1b's 128k vocabulary on dp2 x pp2 x tp2."""
-    spec = partition_spec(Axes(("embed", "vocab")), (1, n_vocab), mesh, {**rules, "embed": None})
-    sharding = NamedSharding(mesh, PartitionSpec(None, spec[1], None))
-    return functools.partial(jax.lax.with_sharding_constraint, shardings=sharding)
+    the ``n_shards`` vocabulary blocks split as the rules split the vocabulary, one chunk
+    at a time. Left to the partitioner, the tokens split over dp met the columns split over
+    dp on the contracted model dimension, and it summed each block's logits over dp at
+    every (vocabulary chunk, token chunk): 32 GiB a step for llama3_1b's 128k vocabulary on
+    dp2 x pp2 x tp2."""
+    spec = partition_spec(Axes((None, "vocab", None)), (1, n_shards, 1), mesh, rules)
+    return functools.partial(jax.lax.with_sharding_constraint, shardings=NamedSharding(mesh, spec))
 
 
 def vocab_shards(
