@@ -682,7 +682,8 @@ def _state_bytes(facts: ModelFacts, mesh: MeshConfig, rules_key: tuple) -> State
     layer_sharded = layer_tp = layer_experts = 0
     for leaf in facts.leaves:
         spec = partition_spec(leaf.axes, leaf.shape, on_mesh, rules)
-        own_experts = "experts" in leaf.names and mesh.ep > 1
+        experts = "experts" in leaf.names
+        own_experts = experts and mesh.ep > 1
         whole_over = {a for a in data_axes if not (a == "ep" and own_experts)}
         split_axes = [
             axis for part in spec for axis in ((part,) if isinstance(part, str) else part or ())
@@ -706,7 +707,7 @@ def _state_bytes(facts: ModelFacts, mesh: MeshConfig, rules_key: tuple) -> State
             layer_tp += elements * leaf.itemsize // (tp_shards * count)
         size = elements * leaf.itemsize // (in_region * count)
         region[kind] += size
-        if leaf.layered and "experts" in leaf.names:
+        if leaf.layered and experts:
             layer_experts += size
         if any(axis in whole_over for axis in split_axes):
             gathered[kind] += size

@@ -280,7 +280,7 @@ def token_cross_entropy(
     n_shards = 1 if mesh is None else vocab_shards(n_vocab, mesh, config.rules, manual_pp)
     token_shards, gather = 1, None
     if mesh is not None and not manual_pp:
-        token_shards = math.prod(mesh.shape[axis] for axis in rule_axes("batch", config.rules))
+        token_shards = math.prod(mesh.shape[axis] for axis in batch_axes(mesh, config.rules))
         gather = gathered_columns(n_shards, mesh, config.rules)
 
     def per_token(features, projection, targets):
