@@ -48,8 +48,9 @@ def test_slices_put_dp_or_pp_across_them():
 
 
 def test_the_pipeline_sends_and_data_traffic_are_those_of_the_compiled_step():
-    """The 1F1B family sends one activation up and one cotangent down a tick: the planner's
-    bytes over pp are the compiled HLO's collective-permutes over pp, to the byte. Its region
+    """The 1F1B family sends one activation up and one cotangent down a tick, on two stages
+    in one collective-permute, in float32 (`transport_dtype`) where the layers compute in
+    bfloat16: the planner's bytes over pp are the compiled HLO's, to the byte. Its region
     gathers the stage's and the outer weights over dp once and sums their gradients once:
     the compiled gathers and reductions over dp within 3% (per tick, as they were while dp
     was the compiler's, they are 2.5x and 25x as many)."""
@@ -133,7 +134,11 @@ def test_a_pipelined_steps_flops_count_each_branch_as_often_as_the_schedule_runs
     layers rematerialised whole) and with interleaved 1F1B's own actions (a conditional each,
     the head's inside F): the compiled step's matrix FLOPs per device, each pipeline branch
     counted as often as the table runs it (`executed_branches`), are the model's within 10%,
-    where every tick counted at its dearest branches is 1.15x to 6x over."""
+    where every tick counted at its dearest branches is 1.15x to 6x over. The sends over pp
+    are the compiled collective-permutes to the byte: interleaved 1F1B's up and down the
+    ring a tick (one shift on two stages), circular's up a tick and its transpose down,
+    and the last stage's outputs to every stage and back (counted as two sends a tick,
+    circular read 0.73x)."""
     from eqxzoo.parallel.collectives import matmul_flops
 
     path, overrides = planner.CALIBRATION[row]
@@ -143,6 +148,10 @@ def test_a_pipelined_steps_flops_count_each_branch_as_often_as_the_schedule_runs
     predicted = planner.step_flops(facts, plan)[1]
     assert 0.9 < compiled.flops / predicted < 1.1, (compiled.flops, predicted)
     assert matmul_flops(compiled.hlo) / predicted > 1.15
+    sends = planner.collective_bytes(facts, plan)[("collective-permute", "pp")]
+    assert (
+        sends == planner.compiled_bytes_by_axis(compiled, config.mesh)["collective-permute over pp"]
+    )
 
 
 def test_the_chunked_losss_head_recompute_is_counted():

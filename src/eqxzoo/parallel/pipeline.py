@@ -88,6 +88,13 @@ def staged_axes(axes: PyTree[Axes]) -> PyTree[Axes]:
     return jax.tree.map(restage, axes, is_leaf=lambda x: isinstance(x, Axes))
 
 
+def transport_dtype(compute_dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype activations and their cotangents cross stages in: float32 where the compute
+    dtype is narrower (XLA:CPU fails to compile the pipeline's bfloat16 collectives, "Invalid
+    binary instruction opcode copy"), which the planner prices."""
+    return jnp.promote_types(compute_dtype, jnp.float32)
+
+
 def run_pipeline(
     layers: PyTree,
     microbatches: Float[Array, "microbatches batch seq embed"],
@@ -134,12 +141,10 @@ def run_pipeline(
     region = RegionAxes.of(mesh, layers, rules, pipelined=pipelined)
     manual_axes = region.manual
     manual = bool(manual_axes)
-    # Activations cross stages in float32: XLA:CPU fails to compile the pipeline's
-    # bfloat16 collectives ("Invalid binary instruction opcode copy"); layers still compute
-    # in the microbatches' dtype.
+    # Layers still compute in the microbatches' dtype.
     compute_dtype = microbatches.dtype
-    if pipelined and jnp.dtype(compute_dtype).itemsize < 4:
-        microbatches = microbatches.astype(jnp.float32)
+    if pipelined:
+        microbatches = microbatches.astype(transport_dtype(compute_dtype))
     params, static = eqx.partition(layers, eqx.is_array)
     params = restage_layers(params, placed_by, schedule)
     schedule_table = schedule.table()

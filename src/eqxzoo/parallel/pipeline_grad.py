@@ -64,6 +64,7 @@ from eqxzoo.parallel.pipeline import (
     batch_split,
     in_layer_order,
     stage_specs,
+    transport_dtype,
     varying_over,
 )
 from eqxzoo.parallel.rules import (
@@ -81,6 +82,7 @@ from eqxzoo.parallel.schedule import (
     FROM_BELOW,
     RECOMPUTE,
     SOURCES,
+    ActionTable,
     B,
     F,
     Schedule,
@@ -93,6 +95,33 @@ FirstFn = Callable[
 LastFn = Callable[
     [PyTree, Float[Array, "batch seq embed"], Int[Array, "batch seq"]], Float[Array, "*parts"]
 ]
+
+
+def arrival_sources(table: ActionTable) -> dict[str, list[int]]:
+    """The sources (`eqxzoo.parallel.schedule.SOURCES`) something arrives from, per stash
+    buffer (``"input"``, ``"grad"``)."""
+    return {
+        name: [s for s in SOURCES if (column[s] >= 0).any()]
+        for name, column in (("input", table.arrive_input), ("grad", table.arrive_grad))
+    }
+
+
+def sends_per_tick(schedule: Schedule) -> int:
+    """The collective-permutes over ``pp`` a tick of ``schedule`` (a 1F1B-family one, stage
+    remat as it runs) sends: one per distinct `ring_shifts`."""
+    arrivals = arrival_sources(schedule.actions())
+    sources = set(arrivals["input"]) | set(arrivals["grad"])
+    return len(set(ring_shifts(schedule.stages, sorted(sources)).values()))
+
+
+def ring_shifts(n_stages: int, sources: Sequence[int]) -> dict[int, tuple[tuple[int, int], ...]]:
+    """The ``(stage, stage it sends to)`` pairs that carry what arrives from each of
+    ``sources`` (`FROM_BELOW`: up the ring; `FROM_ABOVE`: down it; `FROM_SELF` needs none):
+    on two stages both ways are one shift (sent once a tick)."""
+    up = tuple((stage, (stage + 1) % n_stages) for stage in range(n_stages))
+    down = tuple((stage, (stage - 1) % n_stages) for stage in range(n_stages))
+    by_source = {FROM_BELOW: up, FROM_ABOVE: down}
+    return {source: by_source[source] for source in sources if source in by_source}
 
 
 def pipeline_value_and_grad(
@@ -146,14 +175,9 @@ def pipeline_value_and_grad(
     data_axes = region.data
 
     virtual_stages = jnp.asarray(schedule.virtual_stages)
-    # The sources (`eqxzoo.parallel.schedule.SOURCES`) something arrives from, per buffer.
-    arrivals = {
-        name: [s for s in SOURCES if (column[s] >= 0).any()]
-        for name, column in (("input", table.arrive_input), ("grad", table.arrive_grad))
-    }
+    arrivals = arrival_sources(table)
     sources = sorted(set(arrivals["input"]) | set(arrivals["grad"]))
-    forward_shift = [(stage, (stage + 1) % n_stages) for stage in range(n_stages)]
-    backward_shift = [(stage, (stage - 1) % n_stages) for stage in range(n_stages)]
+    shifts = ring_shifts(n_stages, sources)
     columns = {
         name: jnp.asarray(getattr(table, name))
         for name in ("action", "microbatch", "repeat", "slot")
@@ -235,9 +259,7 @@ def pipeline_value_and_grad(
             name: jax.ShapeDtypeStruct(shape.shape[1:], shape.dtype)
             for name, shape in aux_shapes.items()
         }
-        transport_dtype = (
-            jnp.promote_types(h_shape.dtype, jnp.float32) if pipelined else h_shape.dtype
-        )
+        transport = transport_dtype(h_shape.dtype) if pipelined else h_shape.dtype
 
         def pooled(totals):
             """A microbatch's aux totals over all its sequences (each device holds its own;
@@ -560,16 +582,15 @@ def pipeline_value_and_grad(
             first_slot = jnp.where((kind == F) & is_first, slot, -1)
             stash = stash._replace(inputs=_write(stash.inputs, first_slot, first_input))
             # A stage sends one thing a tick (an F's activation, a B's cotangent) to the
-            # stage below or above (or keeps it, on a V's turn): around the ring both ways,
-            # in float32 (XLA:CPU fails to compile bfloat16 collectives).
-            message = (send.astype(transport_dtype), send_totals)
-            shifts = {FROM_BELOW: forward_shift, FROM_ABOVE: backward_shift}
+            # stage below or above (or keeps it, on a V's turn): around the ring both ways
+            # (one way on two stages), in `transport_dtype`.
+            message = (send.astype(transport), send_totals)
+            sent_by_shift = {
+                pairs: jax.lax.ppermute(message, "pp", pairs) if pipelined else message
+                for pairs in dict.fromkeys(shifts.values())
+            }
             received = {
-                source: (
-                    jax.lax.ppermute(message, "pp", shifts[source])
-                    if pipelined and source in shifts
-                    else message
-                )
+                source: sent_by_shift[shifts[source]] if source in shifts else message
                 for source in sources
             }
             return TickCarry(received=received, stash=stash), None
@@ -579,7 +600,7 @@ def pipeline_value_and_grad(
         init = varying(
             TickCarry(
                 received={
-                    source: (jnp.zeros(h_shape.shape, transport_dtype), zeros_like(total_shapes))
+                    source: (jnp.zeros(h_shape.shape, transport), zeros_like(total_shapes))
                     for source in sources
                 },
                 stash=Stash(

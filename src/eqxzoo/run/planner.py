@@ -46,7 +46,8 @@ from eqxzoo.nn.grouped import resolve_implementation
 from eqxzoo.nn.mlp import GATED
 from eqxzoo.optim import trainable_mask
 from eqxzoo.parallel.mesh import MESH_AXES, DcnConfig, MeshConfig
-from eqxzoo.parallel.pipeline import pools_one_stage
+from eqxzoo.parallel.pipeline import pools_one_stage, transport_dtype
+from eqxzoo.parallel.pipeline_grad import sends_per_tick
 from eqxzoo.parallel.rules import partition_spec
 from eqxzoo.parallel.schedule import SCHEDULES, Costs, Schedule, ScheduleError
 from eqxzoo.run.config import (
@@ -499,7 +500,9 @@ class ModelFacts:
     (`StateLeaf`), the model as a run builds it on one device (``model``; what its layers
     keep, `layer_residuals`, is measured per mesh), per-token widths of a layer's
     activations (elements; ``tp_input_width``: the inputs of a layer's tp-split projections,
-    whose gradients each reduce over tp) and the FLOPs of a training token."""
+    whose gradients each reduce over tp), the bytes of an element computed and of one sent
+    between stages (`eqxzoo.parallel.pipeline.transport_dtype`) and the FLOPs of a training
+    token."""
 
     leaves: tuple[StateLeaf, ...]
     model: DecoderConfig
@@ -509,6 +512,7 @@ class ModelFacts:
     n_layers: int
     vocab: int
     compute_bytes: int
+    transport_bytes: int
     kv_width: int
     tp_input_width: int
     attention_layers: int
@@ -584,6 +588,7 @@ class ModelFacts:
             n_layers=model.n_layers,
             vocab=model.vocab_size,
             compute_bytes=jnp.dtype(config.precision.compute).itemsize,
+            transport_bytes=transport_dtype(jnp.dtype(config.precision.compute)).itemsize,
             kv_width=kv_width,
             tp_input_width=attention_inputs + mlp_inputs,
             attention_layers=model.n_layers,
@@ -984,8 +989,17 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
             exchanges * facts.moe_layers / mesh.pp * microbatches * mesh.ep * activation
         )
     if mesh.pp > 1:
+        # Activations and their cotangents cross stages in `transport_dtype`. The 1F1B
+        # family sends a tick's through each of its ring's shifts (one on two stages); a
+        # forward schedule's tick sends up the ring, its transpose down, and the last
+        # stage's outputs go to every stage for the loss (their cotangents back).
+        sent = activation // facts.compute_bytes * facts.transport_bytes
         ticks = plan.schedule.ticks * config.data.grad_accum
-        traffic[("collective-permute", "pp")] = 2 * ticks * activation
+        if plan.schedule.fuses_backward:
+            sends = ticks * sends_per_tick(plan.schedule)
+        else:
+            sends = 2 * ticks + 2 * microbatches
+        traffic[("collective-permute", "pp")] = sends * sent
     weights = state_bytes(facts, config)
     trainable, layer_weights = weights.trainable, weights.layer
     data = mesh.dp * mesh.ep
