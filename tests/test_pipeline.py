@@ -522,6 +522,29 @@ def test_expert_parallel_training_equals_one_device(
     )
 
 
+ONE_STAGE_CASES = [
+    dict(zip(FACTORS, case, strict=True))
+    for case in (
+        ("llama", "zb_h1", "dp2,tp2", "M=2P+1", "chunked-z-pooled"),
+        ("gemma2", "1f1b", "dp2,tp2", "M=P", "plain"),
+        ("mixtral", "1f1b", "dp2,tp2,ep2", "M=2P+1", "chunked-z-pooled"),
+    )
+]
+
+
+@pytest.mark.parametrize("case", ONE_STAGE_CASES, ids=case_id)
+def test_the_fused_executors_on_one_stage_equal_one_device(
+    case, tiny_config, random_batch, assert_trees_close
+):
+    """The 1F1B family's executors on one stage (the grid runs GPipe there; a run and the
+    planner accept them): dense, with no region (its chunked loss the partitioner's over
+    the batch's split, `eqxzoo.train.loss.gathered_columns`), and MoE, in a region manual
+    over dp and ep: the loss, aux values and gradients of one device (fp32, 1e-5). Without
+    a region nothing varies over a manual axis, and the executor took every cotangent for
+    a constant's: every layer's gradient was zero."""
+    assert_equals_one_device(loss_and_grads(tiny_config, random_batch, case), assert_trees_close)
+
+
 def test_a_pooled_load_balance_loss_is_refused_where_a_split_backward_meets_slices():
     mesh_axes = HYBRID_MESHES["dp2,pp2,tp2/dcn.dp2"].axis_names
     pooled = LossConfig(load_balance_pooling="microbatch")

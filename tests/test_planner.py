@@ -188,6 +188,27 @@ def test_each_data_parallel_device_runs_its_own_sequences(row):
     assert 0.9 < compiled.flops / predicted < 1.1, (compiled.flops, predicted)
 
 
+def test_the_fused_executors_loss_on_one_stage_moves_the_head_once_a_pass():
+    """ZB-H1 on one stage of dp8, dense: the executor has no region, and its chunked loss
+    is the partitioner's, as outside a pipeline (`eqxzoo.train.loss.gathered_columns`):
+    a microbatch's loss gathers the head's columns over dp in its forward and again in its
+    backward, and sums their gradient over dp once. Run as inside a region, the loss
+    all-reduced 4x the head's gradient a microbatch (64 MiB a step against 16)."""
+    from eqxzoo.parallel.collectives import collectives
+
+    path, overrides = planner.CALIBRATION[5]
+    config = load_config(ROOT / path, [*overrides, "precision.compute=float32"])
+    compiled = planner.compile_plan(config)
+    moved: dict[str, float] = {}
+    runs = planner.executed_branches(planner.plan_of(config).schedule)
+    for c in collectives(compiled.hlo, runs):
+        if "fused_cross_entropy" in c.text:
+            moved[c.kind] = moved.get(c.kind, 0) + c.bytes * c.times
+    head = config.model.vocab_size * config.model.d_model * 4
+    microbatches = config.pipeline.microbatches
+    assert moved == {"all-gather": 2 * microbatches * head, "all-reduce": microbatches * head}
+
+
 def test_experts_on_one_stage_dispatch_each_devices_own_tokens():
     """tiny (a dropless MoE) on one stage over dp8: its region is manual over dp
     (`eqxzoo.parallel.pipeline.pools_one_stage`), so each device sorts its own tokens'

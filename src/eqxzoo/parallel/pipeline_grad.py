@@ -268,12 +268,13 @@ def pipeline_value_and_grad(
 
         def fit_cotangent(outputs, cotangent):
             """``cotangent`` for ``outputs``: in their dtypes, varying over the manual axes
-            where they do (`varying_as`; zero for an output that does not vary: a
-            constant)."""
+            where they do (`varying_as`; inside a region, zero for an output that does not
+            vary: a constant). Without a region (one stage of a dense model) nothing varies,
+            and every cotangent is kept: zeroing them had left every layer's gradient zero."""
             return jax.tree.map(
                 lambda output, value: (
                     varying_as(value.astype(output.dtype), output)
-                    if varying_axes(output)
+                    if varying_axes(output) or not manual
                     else jnp.zeros(output.shape, output.dtype)
                 ),
                 outputs,

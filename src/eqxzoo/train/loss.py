@@ -44,7 +44,7 @@ from eqxzoo.nn import (
 )
 from eqxzoo.parallel import activation_sharding, pipeline_value_and_grad, run_pipeline
 from eqxzoo.parallel.mesh import DP_ACROSS_SLICES
-from eqxzoo.parallel.pipeline import CONTEXT_AXIS, batch_axes, varying_over
+from eqxzoo.parallel.pipeline import CONTEXT_AXIS, RegionAxes, batch_axes, varying_over
 from eqxzoo.parallel.rules import MeshAxes, manual_spec, partition_spec, rule_axes
 from eqxzoo.train.loss_terms import aux_terms, token_terms, weighted_aux_loss, weighted_loss
 from eqxzoo.train.settings import StepConfig
@@ -399,9 +399,17 @@ def pipelined_loss_and_grad(
             h, _ = outer.prefix(h, documents=documents)
         return h
 
+    # On one stage of a dense model the executor has no region (`RegionAxes`): its loss is
+    # the partitioner's, as outside a pipeline.
+    in_region = bool(
+        RegionAxes.of(
+            mesh, model.blocks.layers, config.rules, pipelined=config.schedule.stages > 1
+        ).manual
+    )
+
     def last(outer, h, targets):
         token_losses, log_normalizers = token_cross_entropy(
-            outer, h, targets, config, mesh, manual_pp=True
+            outer, h, targets, config, mesh, manual_pp=in_region
         )
         weights = target_mask(targets)
         return jnp.stack(
