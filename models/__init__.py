@@ -17,7 +17,13 @@ from models.config import (
     MoEConfig,
     RopeScaling,
 )
-from models.costs import ParameterCounts, flops_per_token, parameter_counts
+from models.costs import (
+    ParameterCounts,
+    attention_flops_per_key,
+    attention_flops_per_token,
+    flops_per_token,
+    parameter_counts,
+)
 from models.decoder import DecoderBlock, DecoderLM, KVCache
 from models.deepseek_v2 import DeepseekV2Config
 from models.deepseek_v3 import DeepseekV3Config
@@ -72,6 +78,8 @@ __all__ = [
     "config_from_table",
     "decode_step",
     "families",
+    "attention_flops_per_key",
+    "attention_flops_per_token",
     "flops_per_token",
     "family_of",
     "generate",

@@ -52,16 +52,39 @@ def parameter_counts(config: DecoderConfig) -> ParameterCounts:
 
 def flops_per_token(config: DecoderConfig, seq_len: int) -> float:
     """Training FLOPs per token: ``6 N`` over the active matmul parameters (the output head
-    included, tied or not; the input embedding lookup excluded) plus ``6 L H (d_qk + d_v) T``
-    for attention scores and values (PaLM's MFU convention, ``12 L H d_head T`` where queries
-    and values have one head size; latent attention's differ)."""
+    included, tied or not; the input embedding lookup excluded) plus attention's scores and
+    values over the keys each query sees (`attention_flops_per_token`)."""
     counts = parameter_counts(config)
     head = config.vocab_size * config.d_model if config.tie_embeddings else 0
     matmul_params = counts.active - counts.embedding + head
+    return float(6 * matmul_params + attention_flops_per_token(config, seq_len))
+
+
+def attention_flops_per_token(config: DecoderConfig, seq_len: int) -> float:
+    """Attention's training FLOPs per token, ``6 H (d_qk + d_v)`` times the keys a query sees
+    on average, summed over the layers: ``(T + 1) / 2`` of a causal sequence of ``T``, fewer
+    in a sliding window. PaLM's convention counts all ``T`` keys, which a kernel that skips
+    the hidden blocks does not compute (its MFU can pass 100% on long sequences)."""
+    windows = config.layer_windows or (0,) * config.n_layers
+    keys = sum(visible_keys(seq_len, window) for window in windows)
+    return attention_flops_per_key(config) * keys
+
+
+def attention_flops_per_key(config: DecoderConfig) -> float:
+    """One layer's training FLOPs for one query and one key, ``6 H (d_qk + d_v)``: its
+    score's and its value's share of the forward's two matmuls (2 FLOPs a multiply-add)
+    and of the backward's four (latent attention's query and value heads differ)."""
     latent = config.latent_attention
     if latent is None:
         qk_dim = v_dim = config.attention_head_dim
     else:
         qk_dim, v_dim = latent.qk_nope_head_dim + latent.qk_rope_head_dim, latent.v_head_dim
-    attention = 6 * config.n_layers * config.n_heads * (qk_dim + v_dim) * seq_len
-    return float(6 * matmul_params + attention)
+    return float(6 * config.n_heads * (qk_dim + v_dim))
+
+
+def visible_keys(seq_len: int, window: int = 0) -> float:
+    """The keys a query of a causal sequence of ``seq_len`` sees on average, within
+    ``window`` of it (0: all before it): ``min(q + 1, window)`` for the query at ``q``."""
+    if window == 0 or window >= seq_len:
+        return (seq_len + 1) / 2
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len

@@ -154,6 +154,40 @@ def test_a_pipelined_steps_flops_count_each_branch_as_often_as_the_schedule_runs
     )
 
 
+@pytest.mark.parametrize("remat", ["dots", "none", "full"])
+def test_causal_attention_and_remat_are_counted_as_the_step_runs_them(remat):
+    """At 4,096 tokens (16 key blocks) the blockwise kernel computes the block pairs that
+    may hold a visible key, 0.53 of the scores, in loops whose length is data: counted at
+    the trips its block plan gives for the run's positions (`attention_loop_trips`), the
+    compiled step's matrix FLOPs per device are the model's within 1%, its backward's five
+    matmuls a pair and ``dots`` remat's second forward counted. PaLM's count of attention
+    (every score) read 0.86 (``dots``) and 0.77 (``none``); the loops counted once, 0.55 to
+    0.58. With stage remat over a scan of two ``"full"`` layers the stage's recompute runs
+    both (counted as the first only: 1.07), and a layer's own skips its last projection."""
+    from eqxzoo.parallel.collectives import matmul_flops
+
+    path, overrides = planner.CALIBRATION[5]
+    config = load_config(
+        ROOT / path,
+        [
+            *overrides,
+            "data.seq_len=4096",
+            "model.n_layers=2",
+            "model.vocab_size=2048",
+            "pipeline.microbatches=1",
+            f"model.remat={remat}",
+            "precision.compute=float32",
+        ],
+    )
+    facts, plan = planner.ModelFacts.of(config), planner.plan_of(config)
+    assert planner.attention_share(config.model, 4096) == pytest.approx(0.53125)
+    compiled = planner.compile_plan(config)
+    predicted = planner.step_flops(facts, plan)[1]
+    assert compiled.flops == pytest.approx(predicted, rel=0.01)
+    once = matmul_flops(compiled.hlo, planner.executed_branches(plan.schedule))
+    assert once / predicted < 0.9
+
+
 def test_the_chunked_losss_head_recompute_is_counted():
     """At llama3_1b's own widths (a 128k vocabulary: the head is a sixth of a 4-layer
     model's FLOPs) on dp8: the compiled step's matrix FLOPs per device are the model's

@@ -18,10 +18,12 @@ matmuls in a layout XLA:CPU runs fast (a transposed left operand ran at half spe
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Shaped
 
 from eqxzoo.nn.rows import row_max
@@ -173,6 +175,91 @@ class _Blocks(NamedTuple):
 SCORES_PER_STEP = 2**20
 """At most this many float32 scores (4 MiB) in one step of the blockwise kernel's outer loop
 (`_Blocks.choose`): up to 16 pairs of 256 x 256 blocks."""
+
+
+LOOP_SCOPES = (
+    "key_blocks_seen_whole",
+    "key_blocks_masked",
+    "query_blocks_seen_whole",
+    "query_blocks_masked",
+)
+"""The named scopes of the kernel's four loops of data-dependent length: a query block's
+over the key blocks it sees whole and over those it sees in part (the forward pass), a key
+block's over its query blocks likewise (the backward pass)."""
+
+
+class BlockCounts(NamedTuple):
+    """What the kernel computes over some calls of it (`block_counts`): its query and key
+    blocks, the block pairs it visits of them (all, and those seen whole, without a mask),
+    and the scores a dense kernel would compute over the same calls."""
+
+    q_block: int
+    k_block: int
+    n_q: int
+    n_k: int
+    seen_whole: int
+    visited: int
+    scores: int
+
+    @property
+    def share(self) -> float:
+        """The share of the dense kernel's scores the kernel computes (padding included):
+        what its matmuls are of the dense kernel's."""
+        return self.visited * self.q_block * self.k_block / self.scores
+
+    def loop_trips(self, segmented: bool = False) -> dict[str, float]:
+        """The mean trip count of each of the `LOOP_SCOPES` loops, which a static count of
+        the compiled program cannot know (with packed documents, ``segmented``, every
+        visited pair is masked)."""
+        whole = 0 if segmented else self.seen_whole
+        return dict(
+            zip(
+                LOOP_SCOPES,
+                (
+                    whole / self.n_q,
+                    (self.visited - whole) / self.n_q,
+                    whole / self.n_k,
+                    (self.visited - whole) / self.n_k,
+                ),
+                strict=True,
+            )
+        )
+
+
+def block_counts(
+    calls: Sequence[tuple[np.ndarray, np.ndarray]],
+    *,
+    groups: int,
+    window: int = 0,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> BlockCounts:
+    """`BlockCounts` of the kernel's ``calls``, each its query and key positions (alike in
+    length), queries coming ``groups`` to a key/value head, from its own blocks and plan:
+    one call of ``0 .. seq - 1`` both for causal self-attention, a context split's calls
+    for each pair of shards it attends (`eqxzoo.nn.context.context_calls`)."""
+    q_len, k_len = len(calls[0][0]), len(calls[0][1])
+    blocks = _Blocks.choose(block_size, q_len, k_len, 1, groups, 1.0, None)
+    totals = np.zeros(4, np.int64)
+    for q_positions, k_positions in calls:
+        plan = _plan(
+            jnp.asarray(q_positions), jnp.asarray(k_positions), window, blocks, by_key=False
+        )
+        totals += (
+            len(plan.n_full),
+            plan.k_positions.shape[0],
+            plan.n_full.sum(),
+            plan.n_visited.sum(),
+        )
+    n_q, n_k, seen_whole, visited = (int(t) for t in totals)
+    return BlockCounts(
+        q_block=blocks.q_block,
+        k_block=blocks.k_block,
+        n_q=n_q,
+        n_k=n_k,
+        seen_whole=seen_whole,
+        visited=visited,
+        scores=len(calls) * q_len * k_len,
+    )
 
 
 class _Plan(NamedTuple):
@@ -355,12 +442,14 @@ def _forward(blocks, q, k, v, q_positions, k_positions, window, sinks, segments=
                 pv = _dot(probs.astype(v.dtype), v_step[j], "crs,csd->crd")
                 return new_max, running_sum, rescale[..., None] * acc + pv
 
-            state = jax.lax.fori_loop(
-                0, n_full, functools.partial(key_block, masked=False), (max0, sum0, acc0)
-            )
-            running_max, running_sum, acc = jax.lax.fori_loop(
-                n_full, n_visited, functools.partial(key_block, masked=True), state
-            )
+            with jax.named_scope(LOOP_SCOPES[0]):
+                state = jax.lax.fori_loop(
+                    0, n_full, functools.partial(key_block, masked=False), (max0, sum0, acc0)
+                )
+            with jax.named_scope(LOOP_SCOPES[1]):
+                running_max, running_sum, acc = jax.lax.fori_loop(
+                    n_full, n_visited, functools.partial(key_block, masked=True), state
+                )
             seen = running_sum > 0
             out = acc / jnp.where(seen, running_sum, 1.0)[..., None]
             lse = jnp.where(seen, running_max + jnp.log(running_sum), jnp.inf)
@@ -457,12 +546,14 @@ def _blockwise_bwd(blocks, residuals, d_out):
 
             dk0 = varying_like(jnp.zeros(k_block.shape, jnp.float32), *sources)
             dv0 = varying_like(jnp.zeros(v_block.shape, jnp.float32), *sources)
-            state = jax.lax.fori_loop(
-                0, n_full, functools.partial(query_block, masked=False), (dq_t, dk0, dv0)
-            )
-            dq_t, dk, dv = jax.lax.fori_loop(
-                n_full, n_visited, functools.partial(query_block, masked=True), state
-            )
+            with jax.named_scope(LOOP_SCOPES[2]):
+                state = jax.lax.fori_loop(
+                    0, n_full, functools.partial(query_block, masked=False), (dq_t, dk0, dv0)
+                )
+            with jax.named_scope(LOOP_SCOPES[3]):
+                dq_t, dk, dv = jax.lax.fori_loop(
+                    n_full, n_visited, functools.partial(query_block, masked=True), state
+                )
             return dq_t, (dk.astype(k.dtype), dv.astype(v.dtype))
 
         dq_t0 = varying_like(jnp.zeros(jnp.swapaxes(q_step, -1, -2).shape, jnp.float32), *sources)

@@ -59,6 +59,18 @@ def balanced_order(seq: int, shards: int) -> np.ndarray:
 ContextStrategy = Literal["ring", "all_gather"]
 
 
+def context_calls(
+    seq: int, shards: int, strategy: ContextStrategy
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The query and key positions of each blockwise call a sequence of ``seq`` split over
+    ``shards`` runs, over all its devices: the ring's each pair of shards, the all-gather's
+    each shard against the whole (`eqxzoo.nn.blockwise.block_counts` counts them)."""
+    order = balanced_order(seq, shards).reshape(shards, -1)
+    if strategy == "all_gather":
+        return [(queries, order.reshape(-1)) for queries in order]
+    return [(queries, keys) for queries in order for keys in order]
+
+
 @dataclasses.dataclass(frozen=True)
 class ContextSplit:
     """Where a layer's sequence is split: over the mesh axis ``axis_name``, in the

@@ -57,6 +57,7 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.+?) ([a-z][\w\-]*)\((.*
 _SHAPE = re.compile(r"\b(pred|[su](?:8|16|32|64)|bf16|f(?:16|32|64))\[([\d,]*)\]")
 _DEFINED = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_LOOP_SCOPE = re.compile(r'op_name="[^"]*/(\w+)/while"')
 _CALLED = re.compile(r"\b(?:body|to_apply|calls)=%?([\w.\-]+)")
 _BRANCHES = re.compile(
     r"(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+))"
@@ -137,13 +138,15 @@ def _counted(
     pick: Callable[[str, str, str, str, Mapping[str, str]], Picked | None],
     weight: Callable[[Picked], float],
     branch_runs: BranchRuns | None = None,
+    loop_trips: Mapping[str, float] | None = None,
 ) -> list[tuple[Picked, int | float]]:
     """What ``pick(line, result, opcode, rest, results)`` keeps of the instructions of the
     program ``hlo_text`` (optimized HLO) that one execution runs, each with how many times
-    it runs: a ``while`` body's by its known trip count, a ``conditional``'s branches as
-    ``branch_runs`` says, else its costliest branch's (by the ``weight`` of what it runs)
-    once. ``results`` maps the names of the instructions of the same computation to their
-    result shapes."""
+    it runs: a ``while`` body's by its known trip count (one whose length is data, by
+    ``loop_trips`` of the named scope it was made in, else once), a ``conditional``'s
+    branches as ``branch_runs`` says, else its costliest branch's (by the ``weight`` of what
+    it runs) once. ``results`` maps the names of the instructions of the same computation
+    to their result shapes."""
     computations, entry = _parse(hlo_text)
     memo: dict[str, list[tuple[Picked, int | float]]] = {}
 
@@ -186,8 +189,13 @@ def _counted(
                     )
                 )
                 continue
-            trip = _TRIP_COUNT.search(rest)
-            repeats = int(trip.group(1)) if opcode == "while" and trip else 1
+            repeats: int | float = 1
+            if opcode == "while":
+                trip, scope = _TRIP_COUNT.search(rest), _LOOP_SCOPE.search(rest)
+                if trip:
+                    repeats = int(trip.group(1))
+                elif scope and loop_trips and scope.group(1) in loop_trips:
+                    repeats = loop_trips[scope.group(1)]
             for called in _CALLED.findall(rest):
                 found.extend((item, times * repeats) for item, times in counted_in(called))
         memo[name] = found
@@ -219,12 +227,18 @@ def _dims(shape: str) -> list[int]:
     return [int(d) for d in found.group(2).split(",") if d] if found else []
 
 
-def matmul_flops(hlo_text: str, branch_runs: BranchRuns | None = None) -> float:
+def matmul_flops(
+    hlo_text: str,
+    branch_runs: BranchRuns | None = None,
+    loop_trips: Mapping[str, float] | None = None,
+) -> float:
     """The FLOPs of the ``dot`` instructions the program ``hlo_text`` (optimized HLO) runs,
     ``2 x`` the result's elements ``x`` the contracted size each, counted as `collectives`
     counts (a loop's body each iteration, a conditional's dearest branch once, or its
-    branches as ``branch_runs`` says): XLA's own cost analysis counts a loop's body once,
-    whatever its trip count."""
+    branches as ``branch_runs`` says) and a loop of data-dependent length (the blockwise
+    attention's: `eqxzoo.nn.blockwise.LOOP_SCOPES`) as often as ``loop_trips`` (by the
+    named scope it was made in) says it runs, else once: XLA's own cost analysis counts a
+    loop's body once, whatever its trip count."""
 
     def pick(line: str, result: str, opcode: str, rest: str, results) -> float | None:
         if opcode != "dot":
@@ -240,7 +254,8 @@ def matmul_flops(hlo_text: str, branch_runs: BranchRuns | None = None) -> float:
         )
         return 2.0 * math.prod(_dims(result)) * contracted
 
-    return sum(flops * times for flops, times in _counted(hlo_text, pick, lambda f: f, branch_runs))
+    counted = _counted(hlo_text, pick, lambda f: f, branch_runs, loop_trips)
+    return sum(flops * times for flops, times in counted)
 
 
 def collective_traffic(hlo_text: str) -> dict[str, Traffic]:

@@ -42,6 +42,8 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 from eqxzoo.nn import Axes
+from eqxzoo.nn.blockwise import BlockCounts, block_counts
+from eqxzoo.nn.context import context_calls
 from eqxzoo.nn.grouped import resolve_implementation
 from eqxzoo.nn.mlp import GATED
 from eqxzoo.optim import trainable_mask
@@ -62,7 +64,14 @@ from eqxzoo.train.memory import StepMemory
 from eqxzoo.train.report import PEAK_FLOPS
 from eqxzoo.train.state import _state_shape_and_axes
 from eqxzoo.typed_config import refuse
-from models import DecoderConfig, flops_per_token, model_factory, parameter_counts
+from models import (
+    DecoderConfig,
+    attention_flops_per_key,
+    attention_flops_per_token,
+    flops_per_token,
+    model_factory,
+    parameter_counts,
+)
 
 GIB = 2**30
 GB = 1e9
@@ -501,8 +510,10 @@ class ModelFacts:
     keep, `layer_residuals`, is measured per mesh), per-token widths of a layer's
     activations (elements; ``tp_input_width``: the inputs of a layer's tp-split projections,
     whose gradients each reduce over tp), the bytes of an element computed and of one sent
-    between stages (`eqxzoo.parallel.pipeline.transport_dtype`) and the FLOPs of a training
-    token."""
+    between stages (`eqxzoo.parallel.pipeline.transport_dtype`), the FLOPs of a training
+    token (and of its attention: over the keys it sees, and over all of them, as the dense
+    kernel computes it) and the share of the blocks' matmul weights in their last
+    projection (the MLP's down, the experts' active ones)."""
 
     leaves: tuple[StateLeaf, ...]
     model: DecoderConfig
@@ -522,6 +533,9 @@ class ModelFacts:
     expert_hidden: int
     block_flops_share: float
     flops_per_token: float
+    attention_flops_per_token: float
+    scores_flops_per_token: float
+    last_projection_share: float
     prefix_flops_share: float
     pools_one_stage: bool
 
@@ -579,6 +593,11 @@ class ModelFacts:
         head = model.vocab_size * d
         block_params = counts.active - counts.embedding - (0 if model.tie_embeddings else head)
         share = 6 * block_params / (6 * (block_params + head))
+        if moe is None:
+            down = model.n_layers * model.mlp_dim
+        else:
+            routed = moe.top_k * moe.expert_mlp_dim + moe.shared_mlp_dim
+            down = model.first_dense_layers * model.mlp_dim + model.n_blocks * routed
         return cls(
             leaves=tuple(leaves),
             model=one_device.adapted_model,
@@ -598,6 +617,11 @@ class ModelFacts:
             expert_hidden=expert_hidden,
             block_flops_share=share,
             flops_per_token=tokens_flops,
+            attention_flops_per_token=attention_flops_per_token(model, config.data.seq_len),
+            scores_flops_per_token=(
+                attention_flops_per_key(model) * model.n_layers * config.data.seq_len
+            ),
+            last_projection_share=down * d / block_params,
             prefix_flops_share=model.first_dense_layers / model.n_layers,
             pools_one_stage=pools_one_stage(shapes.model),
         )
@@ -924,20 +948,35 @@ WIRE_FACTOR: dict[str, Callable[[int], float]] = {
 
 def step_flops(facts: ModelFacts, plan: Plan) -> tuple[float, float]:
     """``(model FLOPs of the step, FLOPs one device runs)``: the model's training FLOPs
-    (`models.flops_per_token`), and a device's share of them with the forwards run again
-    (stage remat: each stage's; ``"full"`` layer remat: each layer's, once more; both: the
-    stage's recompute stops at its last layer's input, which is all the layers keep), and the
-    head's logits, which the chunked loss's backward computes again block by block."""
+    (`models.flops_per_token`, attention over the keys each query sees), and a device's
+    share of what the step runs: the blocks' forwards run again (stage remat: each stage's,
+    which with ``"full"`` layer remat is the layers' inputs only: none of a one-layer chunk,
+    all of a scan over several, whose last layer's is not dead code there; ``"full"``: each
+    layer's own, but its last projection's, whose output its backward does not read), the
+    head's logits, which the chunked loss's backward computes again block by block, and
+    attention as its kernel runs it. The blockwise kernel computes the block pairs that may
+    hold a visible key (`attention_share` of the scores, about half when causal), its
+    backward five matmuls a pair where autodiff of the dense kernel runs four; ``"dots"``
+    layer remat runs either kernel's forward again (it saves no batched matmul's output,
+    nor one inside a loop)."""
     config, mesh = plan.config, plan.config.mesh
-    model_flops = facts.flops_per_token * config.tokens_per_step
-    forward = model_flops * facts.block_flops_share / 3
+    tokens = config.tokens_per_step
+    model_flops = facts.flops_per_token * tokens
+    rest = model_flops - facts.attention_flops_per_token * tokens
     chunk_layers = facts.n_blocks // (mesh.pp * plan.schedule.repeats)
-    stage_again = 1.0 if plan.remat != "full" else (chunk_layers - 1) / chunk_layers
-    again = (stage_again if plan.remat_stages else 0) + (1 if plan.remat == "full" else 0)
-    head_again = (
-        2 * facts.vocab * facts.d_model * config.tokens_per_step if config.loss.chunk_size else 0
-    )
-    return model_flops, (model_flops + again * forward + head_again) / config.mesh.size
+    full = plan.remat == "full"
+    stage_again = float(plan.remat_stages and (not full or chunk_layers > 1))
+    again = stage_again + (1 - facts.last_projection_share if full else 0)
+    # Every score's FLOPs are 12 units: the forward's two matmuls (4), the backward's four
+    # (8; the blockwise kernel's five, 10, recompute the scores).
+    share = attention_share(facts.model, config.data.seq_len, mesh.cp)
+    share, backward = (1.0, 8) if share is None else (share, 10)
+    forwards = 1 + stage_again + (1 if plan.remat in ("full", "dots") else 0)
+    scores = facts.scores_flops_per_token * tokens
+    attention_run = share * scores / 12 * (4 * forwards + backward)
+    head_again = 2 * facts.vocab * facts.d_model * tokens if config.loss.chunk_size else 0
+    device = rest * (1 + again * facts.block_flops_share / 3) + attention_run + head_again
+    return model_flops, device / config.mesh.size
 
 
 def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], float]:
@@ -1094,9 +1133,60 @@ def compile_plan(config: RunConfig) -> Compiled:
     return Compiled(
         memory=StepMemory.of(compiled),
         hlo=hlo,
-        flops=matmul_flops(hlo, executed_branches(plan_of(config).schedule)),
+        flops=matmul_flops(
+            hlo, executed_branches(plan_of(config).schedule), attention_loop_trips(config)
+        ),
         skips_bubbles=config.mesh.pp == 1 or not permutes_in_branches(hlo),
     )
+
+
+def attention_loop_trips(config: RunConfig) -> dict[str, float] | None:
+    """How often each loop of the blockwise attention runs (`BlockCounts.loop_trips`: its
+    block plan over the run's positions, ``0 .. seq - 1``, as cp splits them), where the
+    layers attend alike; None where they do not (layers of different windows) or the
+    kernel has no loops."""
+    from eqxzoo.run.provenance import batches_carry_documents
+
+    model = config.model
+    windows = set(model.layer_windows or (0,))
+    if len(windows) > 1:
+        return None
+    blocks = attention_blocks(model, config.data.seq_len, windows.pop(), config.mesh.cp)
+    return None if blocks is None else blocks.loop_trips(batches_carry_documents(config))
+
+
+def attention_blocks(
+    model: DecoderConfig, seq: int, window: int, shards: int = 1
+) -> BlockCounts | None:
+    """`BlockCounts` of ``model``'s attention over ``seq`` tokens with ``window``, each
+    sequence split over ``shards`` (cp: always blockwise, `eqxzoo.nn.context`), or None
+    where the kernel is dense (chosen, or every key in one block: `choose_kernel`)."""
+    if shards == 1 and (model.attention_kernel == "dense" or seq <= model.attention_block_size):
+        return None
+    groups = 1 if model.latent_attention is not None else model.n_heads // model.kv_heads
+    strategy = model.context_parallel if shards > 1 else None
+    return _block_counts(seq, shards, strategy, groups, window, model.attention_block_size)
+
+
+def attention_share(model: DecoderConfig, seq: int, shards: int = 1) -> float | None:
+    """The share of its scores ``model``'s attention kernel computes over ``seq`` tokens
+    split over ``shards``, the mean over its layers (`BlockCounts.share`), or None for the
+    dense kernel (all of them)."""
+    if attention_blocks(model, seq, 0, shards) is None:
+        return None
+    windows = model.layer_windows or (0,)
+    return float(
+        np.mean([attention_blocks(model, seq, window, shards).share for window in windows])
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _block_counts(
+    seq: int, shards: int, strategy: str | None, groups: int, window: int, block_size: int
+) -> BlockCounts:
+    positions = np.arange(seq)
+    calls = [(positions, positions)] if strategy is None else context_calls(seq, shards, strategy)
+    return block_counts(calls, groups=groups, window=window, block_size=block_size)
 
 
 def executed_branches(schedule: Schedule) -> Callable[[str], list[float] | None]:
@@ -1985,10 +2075,12 @@ def print_calibration(say: Callable[[str], None]) -> None:
         f"{min(held_out):+.1%} to {max(held_out):+.1%}"
     )
     say(
-        "FLOPs per device: predicted (the model's, remat recompute included) and the compiled "
-        "step's matrix FLOPs, a pipeline's conditionals counted as often as its schedule runs "
-        "their branches (`executed_branches`). Not like for like with MoE layers: a dropless "
-        "MoE on CPU computes every expert's rows."
+        "FLOPs per device: predicted (the model's, remat recompute included, attention as its "
+        "kernel runs it) and the compiled step's matrix FLOPs, a pipeline's conditionals "
+        "counted as often as its schedule runs their branches (`executed_branches`), the "
+        "blockwise attention's loops as often as its block plan runs them "
+        "(`attention_loop_trips`; a context ring's once). Not like for like with MoE layers: "
+        "a dropless MoE on CPU computes every expert's rows."
     )
     flops = [["config", "predicted GFLOP", "compiled GFLOP", "compiled / predicted", "like"]]
     for row in rows:
