@@ -60,6 +60,7 @@ from eqxzoo.run.config import (
     run_model_config,
     step_config,
 )
+from eqxzoo.train.loss import vocab_shards
 from eqxzoo.train.memory import StepMemory
 from eqxzoo.train.report import PEAK_FLOPS
 from eqxzoo.train.state import _state_shape_and_axes
@@ -681,7 +682,10 @@ class StateBytes(NamedTuple):
     the state splits over the data axes, which the region gathers at its boundary, and
     (``*_reduced``) those whole over a data axis in the region, whose gradients it sums;
     one layer's as the state splits them (``layer_sharded``) and split over tp only
-    (``layer_tp``); of ``layer``, the experts' own weights (``layer_experts``)."""
+    (``layer_tp``); of ``layer``, the experts' own weights (``layer_experts``); of
+    ``outer_gathered`` and ``outer_reduced``, the head's (the tied embedding, where it is
+    the head: ``head_gathered``, ``head_reduced``) and an untied embedding's
+    (``embedding_gathered``, ``embedding_reduced``)."""
 
     state: int
     trainable: int
@@ -694,6 +698,10 @@ class StateBytes(NamedTuple):
     layer_sharded: int
     layer_tp: int
     layer_experts: int
+    head_gathered: int
+    head_reduced: int
+    embedding_gathered: int
+    embedding_reduced: int
 
 
 @functools.lru_cache(maxsize=4096)
@@ -709,6 +717,8 @@ def _state_bytes(facts: ModelFacts, mesh: MeshConfig, rules_key: tuple) -> State
     gathered = {"layer": 0, "outer": 0}
     reduced = {"layer": 0, "outer": 0}
     layer_sharded = layer_tp = layer_experts = 0
+    head_gathered = head_reduced = embedding_gathered = embedding_reduced = 0
+    tied = facts.model.tie_embeddings
     for leaf in facts.leaves:
         spec = partition_spec(leaf.axes, leaf.shape, on_mesh, rules)
         experts = "experts" in leaf.names
@@ -738,10 +748,17 @@ def _state_bytes(facts: ModelFacts, mesh: MeshConfig, rules_key: tuple) -> State
         region[kind] += size
         if leaf.layered and experts:
             layer_experts += size
+        table = not leaf.layered and "vocab" in leaf.names
+        head = table and (tied or leaf.names[-1] == "vocab")
+        embedding = table and not head
         if any(axis in whole_over for axis in split_axes):
             gathered[kind] += size
+            head_gathered += size if head else 0
+            embedding_gathered += size if embedding else 0
         if any(sizes[axis] > 1 for axis in whole_over):
             reduced[kind] += size
+            head_reduced += size if head else 0
+            embedding_reduced += size if embedding else 0
     return StateBytes(
         state,
         trainable,
@@ -754,6 +771,10 @@ def _state_bytes(facts: ModelFacts, mesh: MeshConfig, rules_key: tuple) -> State
         layer_sharded,
         layer_tp,
         layer_experts,
+        head_gathered,
+        head_reduced,
+        embedding_gathered,
+        embedding_reduced,
     )
 
 
@@ -1046,18 +1067,41 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
         # Each accumulation step gathers the stage's and the outer weights whole over the
         # data axes once (the region its stage's, and the 1F1B family's the outer ones it
         # runs inside; the forward schedules' embedding and head run outside, gathered
-        # there), and sums their gradients so once (the forward schedules' outer ones are
-        # not modelled: the partitioner reduces those several times).
-        outer = plan.schedule.fuses_backward
+        # there), and sums their gradients so once. Outside the region the head's
+        # vocabulary is split over pp too (`eqxzoo.train.loss.vocab_shards`): a device sums
+        # its columns' gradient only; and the partitioner looks an untied embedding's rows
+        # up where they are (all-to-alls of the tokens), neither gathering the table nor
+        # summing its gradient.
         layers = facts.n_blocks // mesh.pp
         gathered = layers * weights.layer_gathered + weights.outer_gathered
-        reduced = layers * weights.layer_reduced + outer * weights.outer_reduced
+        reduced = layers * weights.layer_reduced + weights.outer_reduced
+        if not plan.schedule.fuses_backward:
+            rules = config.sharding.rules_on(mesh.axis_names)
+            on_mesh = abstract_mesh(mesh)
+            outside = vocab_shards(facts.vocab, on_mesh, rules)
+            inside = vocab_shards(facts.vocab, on_mesh, rules, manual_pp=True)
+            reduced -= (1 - inside / outside) * weights.head_reduced + weights.embedding_reduced
+            gathered -= weights.embedding_gathered
         traffic[("all-gather", "dp")] = config.data.grad_accum * gathered
         traffic[("all-reduce", "dp")] = config.data.grad_accum * reduced
     elif data > 1:
-        gathered = stage_layers * layer_weights
-        traffic[("all-gather", "dp")] = (passes - 1) * microbatches * gathered
-        traffic[("reduce-scatter", "dp")] = trainable * data
+        # FSDP on one stage: each pass gathers a layer's weights as it runs it, and each
+        # run of the loss the head's columns in its forward and again in its backward (the
+        # 1F1B family's a microbatch's, a forward schedule's the step's). The gradients
+        # are reduce-scattered as they are made: the 1F1B family's each microbatch, a
+        # forward schedule's layers at each tick of its loop, its outer ones once.
+        whole = trainable * data
+        layers_whole = facts.n_blocks * weights.layer_tp
+        if plan.schedule.fuses_backward:
+            losses, reduced = microbatches, microbatches * whole
+        else:
+            accumulated = config.data.grad_accum
+            ticks = config.pipeline.microbatches
+            losses = accumulated
+            reduced = accumulated * (ticks * layers_whole + whole - layers_whole)
+        gathered = (passes - 1) * microbatches * stage_layers * layer_weights
+        traffic[("all-gather", "dp")] = gathered + 2 * losses * weights.head_gathered
+        traffic[("reduce-scatter", "dp")] = reduced
     return {key: float(size) for key, size in traffic.items()}
 
 
@@ -2098,7 +2142,9 @@ def print_calibration(say: Callable[[str], None]) -> None:
         say(line)
     say(
         "Collective bytes per device, predicted / compiled (MiB): the data axes' gathers and "
-        "gradient reductions (dp and ep together), the pipeline's sends, the experts' "
+        "gradient reductions (dp and ep together; the reductions' kinds together, the compiled "
+        "ones named: XLA:CPU runs FSDP's reduce-scatters on one stage as all-reduces of the "
+        "same buffers), the pipeline's sends, the experts' "
         "exchanges (XLA:CPU runs a 16-bit all-to-all in float32: twice the planner's bytes), "
         "the context ring's shifts (XLA:CPU runs each as an all-to-all of cp slots: cp times "
         "the planner's bytes, up to twice that again in 16 bits)."
@@ -2115,14 +2161,17 @@ def print_calibration(say: Callable[[str], None]) -> None:
                 f"{compiled.get(key, 0.0) / 2**20:.1f}"
             )
 
-        reductions = "all-reduce over dp"
-        if "reduce-scatter over dp" in row.bytes_predicted:
-            reductions = "reduce-scatter over dp"
+        kinds = ("all-reduce over dp", "reduce-scatter over dp")
+        summed = [
+            sum(table.get(kind, 0.0) for kind in kinds) / 2**20
+            for table in (row.bytes_predicted, compiled)
+        ]
+        compiled_kinds = [kind.split()[0] for kind in kinds if compiled.get(kind)]
         traffic.append(
             [
                 row.label,
                 pair("all-gather over dp"),
-                f"{pair(reductions)} ({reductions.split()[0]})",
+                f"{summed[0]:.1f} / {summed[1]:.1f} ({', '.join(compiled_kinds) or 'none'})",
                 pair("collective-permute over pp"),
                 pair("all-to-all over ep"),
                 f"{row.bytes_predicted.get('collective-permute over cp', 0.0) / 2**20:.1f} / "
