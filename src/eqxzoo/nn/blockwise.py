@@ -18,12 +18,10 @@ matmuls in a layout XLA:CPU runs fast (a transposed left operand ran at half spe
 
 import functools
 import math
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Shaped
 
 from eqxzoo.nn.rows import row_max
@@ -227,38 +225,32 @@ class BlockCounts(NamedTuple):
 
 
 def block_counts(
-    calls: Sequence[tuple[np.ndarray, np.ndarray]],
+    q_positions: Int[ArrayLike, "calls seq"],
+    k_positions: Int[ArrayLike, "calls kv_seq"],
     *,
     groups: int,
     window: int = 0,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> BlockCounts:
-    """`BlockCounts` of the kernel's ``calls``, each its query and key positions (alike in
-    length), queries coming ``groups`` to a key/value head, from its own blocks and plan:
-    one call of ``0 .. seq - 1`` both for causal self-attention, a context split's calls
-    for each pair of shards it attends (`eqxzoo.nn.context.context_calls`)."""
-    q_len, k_len = len(calls[0][0]), len(calls[0][1])
+    """`BlockCounts` of the kernel's calls on the rows of ``q_positions`` and
+    ``k_positions`` (each call's query and key positions), queries coming ``groups`` to a
+    key/value head, from its own blocks and plan: one call of ``0 .. seq - 1`` both for
+    causal self-attention, a context split's calls for each pair of shards it attends
+    (`eqxzoo.nn.context.context_calls`)."""
+    q_positions, k_positions = jnp.asarray(q_positions), jnp.asarray(k_positions)
+    (calls, q_len), k_len = q_positions.shape, k_positions.shape[1]
     blocks = _Blocks.choose(block_size, q_len, k_len, 1, groups, 1.0, None)
-    totals = np.zeros(4, np.int64)
-    for q_positions, k_positions in calls:
-        plan = _plan(
-            jnp.asarray(q_positions), jnp.asarray(k_positions), window, blocks, by_key=False
-        )
-        totals += (
-            len(plan.n_full),
-            plan.k_positions.shape[0],
-            plan.n_full.sum(),
-            plan.n_visited.sum(),
-        )
-    n_q, n_k, seen_whole, visited = (int(t) for t in totals)
+    plans = jax.vmap(lambda q, k: _plan(q, k, window, blocks, by_key=False))(
+        q_positions, k_positions
+    )
     return BlockCounts(
         q_block=blocks.q_block,
         k_block=blocks.k_block,
-        n_q=n_q,
-        n_k=n_k,
-        seen_whole=seen_whole,
-        visited=visited,
-        scores=len(calls) * q_len * k_len,
+        n_q=calls * plans.q_positions.shape[1],
+        n_k=calls * plans.k_positions.shape[1],
+        seen_whole=int(plans.n_full.sum()),
+        visited=int(plans.n_visited.sum()),
+        scores=calls * q_len * k_len,
     )
 
 

@@ -61,14 +61,15 @@ ContextStrategy = Literal["ring", "all_gather"]
 
 def context_calls(
     seq: int, shards: int, strategy: ContextStrategy
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The query and key positions of each blockwise call a sequence of ``seq`` split over
-    ``shards`` runs, over all its devices: the ring's each pair of shards, the all-gather's
-    each shard against the whole (`eqxzoo.nn.blockwise.block_counts` counts them)."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """The query and key positions ``(calls, ...)`` of each blockwise call a sequence of
+    ``seq`` split over ``shards`` runs, over all its devices: the ring's each pair of
+    shards, the all-gather's each shard against the whole
+    (`eqxzoo.nn.blockwise.block_counts` counts them)."""
     order = balanced_order(seq, shards).reshape(shards, -1)
     if strategy == "all_gather":
-        return [(queries, order.reshape(-1)) for queries in order]
-    return [(queries, keys) for queries in order for keys in order]
+        return order, np.broadcast_to(order.reshape(1, -1), (shards, seq))
+    return np.repeat(order, shards, axis=0), np.tile(order, (shards, 1))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1228,9 +1228,13 @@ def attention_share(model: DecoderConfig, seq: int, shards: int = 1) -> float | 
 def _block_counts(
     seq: int, shards: int, strategy: str | None, groups: int, window: int, block_size: int
 ) -> BlockCounts:
-    positions = np.arange(seq)
-    calls = [(positions, positions)] if strategy is None else context_calls(seq, shards, strategy)
-    return block_counts(calls, groups=groups, window=window, block_size=block_size)
+    if strategy is None:
+        q_positions = k_positions = np.arange(seq)[None]
+    else:
+        q_positions, k_positions = context_calls(seq, shards, strategy)
+    return block_counts(
+        q_positions, k_positions, groups=groups, window=window, block_size=block_size
+    )
 
 
 def executed_branches(schedule: Schedule) -> Callable[[str], list[float] | None]:
