@@ -47,21 +47,31 @@ def test_slices_put_dp_or_pp_across_them():
         list(planner.meshes(base, 8, 3))
 
 
-def test_the_pipeline_sends_and_data_traffic_are_those_of_the_compiled_step():
+@pytest.mark.parametrize("accumulated", [1, 2])
+def test_the_pipeline_sends_and_data_traffic_are_those_of_the_compiled_step(accumulated):
     """The 1F1B family sends one activation up and one cotangent down a tick, on two stages
     in one collective-permute, in float32 (`transport_dtype`) where the layers compute in
     bfloat16: the planner's bytes over pp are the compiled HLO's, to the byte. Its region
     gathers the stage's and the outer weights over dp once and sums their gradients once:
     the compiled gathers and reductions over dp within 3% (per tick, as they were while dp
-    was the compiler's, they are 2.5x and 25x as many)."""
-    config = calibration_config(1)
+    was the compiler's, they are 2.5x and 25x as many). Over two accumulation steps the
+    gradients are summed each step and the weights gathered once, out of the accumulation
+    loop (counted each step, 1.9x the compiled gathers), within 5%: some 0.5 MiB of small
+    arrays are gathered again each step."""
+    path, overrides = planner.CALIBRATION[1]
+    config = load_config(ROOT / path, [*overrides, f"data.grad_accum={accumulated}"])
     facts = planner.ModelFacts.of(config)
     compiled = planner.compile_plan(config)
     predicted = planner.collective_bytes(facts, planner.plan_of(config))
     measured = planner.compiled_bytes_by_axis(compiled, config.mesh)
     assert predicted[("collective-permute", "pp")] == measured["collective-permute over pp"]
-    for kind in ("all-gather", "all-reduce"):
-        assert predicted[(kind, "dp")] == pytest.approx(measured[f"{kind} over dp"], rel=0.03)
+    assert predicted[("all-reduce", "dp")] == pytest.approx(
+        measured["all-reduce over dp"], rel=0.03
+    )
+    gathered = measured["all-gather over dp"]
+    assert predicted[("all-gather", "dp")] == pytest.approx(
+        gathered, rel=0.03 if accumulated == 1 else 0.05
+    )
     exact, _ = planner.memory_terms(facts, planner.plan_of(config))
     assert exact == compiled.memory.arguments
 

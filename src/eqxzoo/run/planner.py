@@ -1064,8 +1064,8 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
     trainable, layer_weights = weights.trainable, weights.layer
     data = mesh.dp * mesh.ep
     if data > 1 and facts.pooled(mesh):
-        # Each accumulation step gathers the stage's and the outer weights whole over the
-        # data axes once (the region its stage's, and the 1F1B family's the outer ones it
+        # A step gathers the stage's and the outer weights whole over the data axes once
+        # (the region its stage's, and the 1F1B family's the outer ones it
         # runs inside; the forward schedules' embedding and head run outside, gathered
         # there), and sums their gradients so once. Outside the region the head's
         # vocabulary is split over pp too (`eqxzoo.train.loss.vocab_shards`): a device sums
@@ -1082,7 +1082,10 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
             inside = vocab_shards(facts.vocab, on_mesh, rules, manual_pp=True)
             reduced -= (1 - inside / outside) * weights.head_reduced + weights.embedding_reduced
             gathered -= weights.embedding_gathered
-        traffic[("all-gather", "dp")] = config.data.grad_accum * gathered
+        # The weights do not change between accumulation steps: XLA gathers them once a
+        # step, out of the accumulation loop (GPipe and ZB-H1 at G 2 gathered half the
+        # bytes of one gather a step each).
+        traffic[("all-gather", "dp")] = gathered
         traffic[("all-reduce", "dp")] = config.data.grad_accum * reduced
     elif data > 1:
         # FSDP on one stage: each pass gathers a layer's weights as it runs it, and each
