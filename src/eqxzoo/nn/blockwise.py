@@ -186,6 +186,17 @@ over the key blocks it sees whole and over those it sees in part (the forward pa
 block's over its query blocks likewise (the backward pass)."""
 
 
+def _visit(step, n_full, n_visited, state, scopes: tuple[str, ...]):
+    """``step(n, state, masked=...)`` over the ``order`` entries a block sees whole
+    (``0 .. n_full``, unmasked) and then over those it sees in part (``.. n_visited``), each
+    loop in its named scope of `LOOP_SCOPES` (``scopes``: the two)."""
+    whole, part = scopes
+    with jax.named_scope(whole):
+        state = jax.lax.fori_loop(0, n_full, functools.partial(step, masked=False), state)
+    with jax.named_scope(part):
+        return jax.lax.fori_loop(n_full, n_visited, functools.partial(step, masked=True), state)
+
+
 class BlockCounts(NamedTuple):
     """What the kernel computes over some calls of it (`block_counts`): its query and key
     blocks, the block pairs it visits of them (all, and those seen whole, without a mask),
@@ -434,14 +445,9 @@ def _forward(blocks, q, k, v, q_positions, k_positions, window, sinks, segments=
                 pv = _dot(probs.astype(v.dtype), v_step[j], "crs,csd->crd")
                 return new_max, running_sum, rescale[..., None] * acc + pv
 
-            with jax.named_scope(LOOP_SCOPES[0]):
-                state = jax.lax.fori_loop(
-                    0, n_full, functools.partial(key_block, masked=False), (max0, sum0, acc0)
-                )
-            with jax.named_scope(LOOP_SCOPES[1]):
-                running_max, running_sum, acc = jax.lax.fori_loop(
-                    n_full, n_visited, functools.partial(key_block, masked=True), state
-                )
+            running_max, running_sum, acc = _visit(
+                key_block, n_full, n_visited, (max0, sum0, acc0), LOOP_SCOPES[:2]
+            )
             seen = running_sum > 0
             out = acc / jnp.where(seen, running_sum, 1.0)[..., None]
             lse = jnp.where(seen, running_max + jnp.log(running_sum), jnp.inf)
@@ -538,14 +544,7 @@ def _blockwise_bwd(blocks, residuals, d_out):
 
             dk0 = varying_like(jnp.zeros(k_block.shape, jnp.float32), *sources)
             dv0 = varying_like(jnp.zeros(v_block.shape, jnp.float32), *sources)
-            with jax.named_scope(LOOP_SCOPES[2]):
-                state = jax.lax.fori_loop(
-                    0, n_full, functools.partial(query_block, masked=False), (dq_t, dk0, dv0)
-                )
-            with jax.named_scope(LOOP_SCOPES[3]):
-                dq_t, dk, dv = jax.lax.fori_loop(
-                    n_full, n_visited, functools.partial(query_block, masked=True), state
-                )
+            dq_t, dk, dv = _visit(query_block, n_full, n_visited, (dq_t, dk0, dv0), LOOP_SCOPES[2:])
             return dq_t, (dk.astype(k.dtype), dv.astype(v.dtype))
 
         dq_t0 = varying_like(jnp.zeros(jnp.swapaxes(q_step, -1, -2).shape, jnp.float32), *sources)

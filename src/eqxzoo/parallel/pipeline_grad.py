@@ -106,12 +106,16 @@ def arrival_sources(table: ActionTable) -> dict[str, list[int]]:
     }
 
 
+def received_from(arrivals: dict[str, list[int]]) -> list[int]:
+    """The sources anything arrives from (`arrival_sources`, over both buffers), sorted."""
+    return sorted(set(arrivals["input"]) | set(arrivals["grad"]))
+
+
 def sends_per_tick(schedule: Schedule) -> int:
     """The collective-permutes over ``pp`` a tick of ``schedule`` (a 1F1B-family one, stage
     remat as it runs) sends: one per distinct `ring_shifts`."""
-    arrivals = arrival_sources(schedule.actions())
-    sources = set(arrivals["input"]) | set(arrivals["grad"])
-    return len(set(ring_shifts(schedule.stages, sorted(sources)).values()))
+    sources = received_from(arrival_sources(schedule.actions()))
+    return len(set(ring_shifts(schedule.stages, sources).values()))
 
 
 def ring_shifts(n_stages: int, sources: Sequence[int]) -> dict[int, tuple[tuple[int, int], ...]]:
@@ -176,7 +180,7 @@ def pipeline_value_and_grad(
 
     virtual_stages = jnp.asarray(schedule.virtual_stages)
     arrivals = arrival_sources(table)
-    sources = sorted(set(arrivals["input"]) | set(arrivals["grad"]))
+    sources = received_from(arrivals)
     shifts = ring_shifts(n_stages, sources)
     columns = {
         name: jnp.asarray(getattr(table, name))

@@ -1099,9 +1099,9 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
             losses, reduced = microbatches, microbatches * whole
         else:
             accumulated = config.data.grad_accum
-            ticks = config.pipeline.microbatches
             losses = accumulated
-            reduced = accumulated * (ticks * layers_whole + whole - layers_whole)
+            per_step = config.pipeline.microbatches  # the tick loop's length on one stage
+            reduced = accumulated * (per_step * layers_whole + whole - layers_whole)
         gathered = (passes - 1) * microbatches * stage_layers * layer_weights
         traffic[("all-gather", "dp")] = gathered + 2 * losses * weights.head_gathered
         traffic[("reduce-scatter", "dp")] = reduced
