@@ -305,18 +305,22 @@ def test_experts_on_one_stage_dispatch_each_devices_own_tokens():
 
 @pytest.mark.parametrize(
     "row",
-    [0, 18, 23, 26, 37],
+    [0, 18, 23, 26, 37, 31, 38],
     ids=[
         "zb_h1-dp4,pp2",
         "tiny-zb_h1-dp2,pp2,ep2",
         "zb_h1-dcn.pp2",
         "zb_h1-wide-dp2,pp2,tp2",
         "circular-R4-full-dp4,pp2",
+        "none-wide-dp8",
+        "deepseek-none-wide-dp8",
     ],
 )
 def test_the_memory_model_is_the_compiled_steps_within_10_percent(row):
     """`MEMORY_MODEL`'s prediction against the compiled step's memory analysis, on
-    calibration configs it is fitted to within 10% (README, "Plan a run", has them all)."""
+    calibration configs it is fitted to within 10% (README, "Plan a run", has them all).
+    The two without layer remat read -21% and -24% while their layers' residuals counted
+    only the matmuls' outputs at the 4 bytes XLA:CPU keeps (`WIDENS_COMPUTE`)."""
     config = calibration_config(row)
     facts, plan = planner.ModelFacts.of(config), planner.plan_of(config)
     compiled = planner.compile_plan(config)
@@ -359,6 +363,8 @@ def test_unknown_accelerators_and_meshes_are_refused_in_one_line():
 
 
 def test_the_best_plan_written_runs_its_dry_run_and_fits(tmp_path):
+    """The plan `--out` writes runs. The search's counts add up: a plan over the memory
+    (some of tiny's at 0.1 GiB) is priced, then refused, and counted once."""
     best = tmp_path / "best.toml"
     common = [sys.executable, "-m"]
     planned = subprocess.run(
@@ -369,7 +375,7 @@ def test_the_best_plan_written_runs_its_dry_run_and_fits(tmp_path):
             "--devices",
             "8",
             "--device-memory",
-            "0.5",
+            "0.1",
             "--accelerator",
             "A100",
             "--top",
@@ -386,7 +392,13 @@ def test_the_best_plan_written_runs_its_dry_run_and_fits(tmp_path):
     )
     assert planned.returncode == 0, planned.stdout + planned.stderr
     out = planned.stdout
-    assert "searched" in out and "refused" in out
+    counts = re.search(
+        r"searched ([\d,]+) plans: ([\d,]+) refused by the run's rules, ([\d,]+) priced, "
+        r"([\d,]+) of them over the memory",
+        out,
+    )
+    searched, by_rules, priced, over = (int(n.replace(",", "")) for n in counts.groups())
+    assert searched == by_rules + priced and 0 < over < priced
     assert "--explain {'dp': 2, 'pp': 2, 'tp': 2}" in out
     assert "predicted" in out and f"wrote the best plan to {best}" in out
     dry = subprocess.run(

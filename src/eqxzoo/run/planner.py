@@ -378,9 +378,11 @@ class StateLeaf:
         return "stages" in self.names
 
 
-# Backends whose compiled step computes a 16-bit matmul in float32 and keeps its output so
-# (XLA:CPU: a layer's compiled "dots" residuals are twice what JAX traces in bfloat16).
-WIDENS_DOT_OUTPUTS = ("cpu",)
+# Backends whose compiled step computes a 16-bit layer in float32 and keeps what it computes
+# so: XLA:CPU keeps a layer's matmul outputs ("dots" residuals twice what JAX traces in
+# bfloat16), and, without remat, its elementwise intermediates too (llama3_1b's "none" stash
+# 1.28x, DeepSeek-small's 1.55x the bfloat16 trace with its matmul outputs widened).
+WIDENS_COMPUTE = ("cpu",)
 
 
 def layer_residual_bytes(
@@ -390,8 +392,8 @@ def layer_residual_bytes(
     backward on ``sequences`` sequences of ``seq_len`` tokens in ``dtype``, on abstract
     shapes: under each layer remat policy, the residuals of its pullback as JAX traces it
     (its weights not counted, `eqxzoo.parallel.backward_split.PullbackResiduals`; what it
-    computes from them is), the matmuls' outputs in float32 where the backend keeps them so
-    (`WIDENS_DOT_OUTPUTS`), and (``"w_stash/" + policy``) what a split backward's B hands
+    computes from them is), in float32 what the backend computes and keeps so
+    (`WIDENS_COMPUTE`), and (``"w_stash/" + policy``) what a split backward's B hands
     its W (`BackwardSplit`)."""
     from eqxzoo.nn.stack import remat, run_layer
     from eqxzoo.parallel.backward_split import BackwardSplit, PullbackResiduals
@@ -408,29 +410,33 @@ def layer_residual_bytes(
     def size(leaves) -> int:
         return sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in leaves)
 
-    one = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape[1:], dtype if floating(s) else s.dtype), blocks
-    )
-    weights, rest = eqx.partition(one, floating)
-    data, static = eqx.partition(rest, integer)
-    h = jax.ShapeDtypeStruct((sequences, seq_len, model.d_model), dtype)
-    kept = {}
-    for policy in REMAT_POLICIES:
-        layer = remat(lambda w, d, x: run_layer(eqx.combine(w, d, static), x), policy)
+    def traced(dtype, policies) -> dict[str, int]:
+        one = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape[1:], dtype if floating(s) else s.dtype), blocks
+        )
+        weights, rest = eqx.partition(one, floating)
+        data, static = eqx.partition(rest, integer)
+        h = jax.ShapeDtypeStruct((sequences, seq_len, model.d_model), dtype)
+        kept = {}
+        for policy in policies:
+            layer = remat(lambda w, d, x: run_layer(eqx.combine(w, d, static), x), policy)
 
-        def measure(w, d, x, layer=layer, policy=policy):
-            outputs, pullback = jax.vjp(lambda w, x: layer(w, d, x), w, x)
-            cotangent = jax.tree.map(jnp.zeros_like, outputs)
-            split = BackwardSplit.of_pullback(pullback, w, x, cotangent)[0]
-            kept[policy] = size(PullbackResiduals.of_pullback(pullback, w).shapes)
-            kept[f"w_stash/{policy}"] = size(v.aval for v in split.stash)
+            def measure(w, d, x, layer=layer, policy=policy):
+                outputs, pullback = jax.vjp(lambda w, x: layer(w, d, x), w, x)
+                cotangent = jax.tree.map(jnp.zeros_like, outputs)
+                split = BackwardSplit.of_pullback(pullback, w, x, cotangent)[0]
+                kept[policy] = size(PullbackResiduals.of_pullback(pullback, w).shapes)
+                kept[f"w_stash/{policy}"] = size(v.aval for v in split.stash)
 
-        jax.eval_shape(measure, weights, data, h)
-    if jnp.dtype(dtype).itemsize < 4 and jax.default_backend() in WIDENS_DOT_OUTPUTS:
-        # What "dots" keeps is the matmuls' outputs and the layer's input; "none" keeps them too.
-        widened = kept["dots"] - size([h])
-        kept["dots"] += widened
-        kept["none"] += widened
+            jax.eval_shape(measure, weights, data, h)
+        return kept
+
+    kept = traced(dtype, REMAT_POLICIES)
+    if jnp.dtype(dtype).itemsize < 4 and jax.default_backend() in WIDENS_COMPUTE:
+        # What "dots" keeps is the matmuls' outputs and the layer's input (in ``dtype``).
+        layer_input = sequences * seq_len * model.d_model * jnp.dtype(dtype).itemsize
+        kept["dots"] += kept["dots"] - layer_input
+        kept["none"] = traced(jnp.float32, ("none",))["none"] - layer_input
     return kept
 
 
@@ -804,24 +810,24 @@ MEMORY_TERMS = (
     "tick_expert_weights",
     "split_backward",
 )
-# Fitted 2026-11-29 by `fit_memory_model` to the 38 configs' compiled MiB as `python -m
-# pipelines.plan --calibrate` prints them (its own refit differs in the third digit): within
-# 10% of the compiled step on 28 of them, -36% to +29% over all; each predicted by the model
-# fitted to the other 37, 15 of them (README, "Plan a run").
+# Fitted 2026-11-29 by `fit_memory_model` to the 43 configs' compiled MiB as `python -m
+# pipelines.plan --calibrate` prints them: within 10% of the compiled step on 33 of them,
+# -26% to +28% over all; each predicted by the model fitted to the other 42, 21 of them
+# (README, "Plan a run").
 MEMORY_MODEL: dict[str, float] = {
-    "gradients": 3.062,
-    "stash": 0.489,
-    "tick_stash": 0.931,
-    "chunk_residuals": 1.348,
-    "fused_residuals": 1.66,
-    "layer_peak": 0.949,
-    "logits": 0.334,
-    "chunk_weights": 0.039,
-    "region_weights": 1.217,
-    "expert_rows": 0.789,
-    "tick_weights": 1.072,
-    "tick_expert_weights": 1.148,
-    "split_backward": 1.39,
+    "gradients": 1.867,
+    "stash": 0.435,
+    "tick_stash": 0.912,
+    "chunk_residuals": 1.135,
+    "fused_residuals": 1.631,
+    "layer_peak": 1.089,
+    "logits": 0.522,
+    "chunk_weights": 0.203,
+    "region_weights": 1.061,
+    "expert_rows": 0.911,
+    "tick_weights": 1.017,
+    "tick_expert_weights": 0.807,
+    "split_backward": 1.406,
 }
 
 
@@ -1606,6 +1612,43 @@ CALIBRATION: tuple[tuple[str, tuple[str, ...]], ...] = (
         "pipeline.microbatches=2",
         "pipeline.remat_stages=false",
     ),
+    # No layer remat on one stage, as the search ranks it first where it fits.
+    _one_stage_dp8(DEEPSEEK_WIDE, "pipeline.microbatches=1", "model.remat=none"),
+    _one_stage_dp8(LLAMA_FULL, "pipeline.microbatches=2", "model.remat=none"),
+    # Circular on four stages over short sequences, the ticks' weights as large as their
+    # activations (a 1,024-device search's plans), over dp, cp and dp alone.
+    _variant(
+        LLAMA_FULL,
+        "mesh.dp=2",
+        "mesh.pp=4",
+        "pipeline.schedule=circular",
+        "pipeline.repeats=4",
+        "pipeline.microbatches=4",
+        "pipeline.remat_stages=false",
+        "data.seq_len=1024",
+    ),
+    _variant(
+        LLAMA_FULL,
+        "mesh.dp=1",
+        "mesh.pp=4",
+        "mesh.cp=2",
+        "pipeline.schedule=circular",
+        "pipeline.repeats=4",
+        "pipeline.microbatches=4",
+        "pipeline.remat_stages=false",
+        "data.seq_len=2048",
+        "data.batch_size=4",
+    ),
+    _variant(
+        LLAMA_FULL,
+        "mesh.dp=1",
+        "mesh.pp=2",
+        "mesh.cp=4",
+        "pipeline.schedule=circular",
+        "pipeline.repeats=4",
+        "pipeline.microbatches=2",
+        "pipeline.remat_stages=false",
+    ),
 )
 
 
@@ -1748,11 +1791,13 @@ class Scored:
 @dataclasses.dataclass
 class Search:
     """What `search` found: the best plans that fit (fastest first, at most ``keep``), how
-    many plans it priced, and the refusals: each reason's count, and every refused plan
-    whose mesh ``explain`` names."""
+    many plans it priced and how many of those need more than the device's memory, and the
+    refusals (the run's rules' and the memory's): each reason's count, and every refused
+    plan whose mesh ``explain`` names."""
 
     ranked: list[Scored]
     priced: int
+    over_memory: int
     refused: dict[str, int]
     explained: list[Refused]
     explained_fits: list[Scored]
@@ -1786,7 +1831,7 @@ def search(
     refused: dict[str, int] = {}
     explained: list[Refused] = []
     explained_fits: list[Scored] = []
-    priced = seen_meshes = 0
+    priced = over_memory = seen_meshes = 0
     last_mesh = None
     for candidate in candidates(base, devices, slices):
         mesh = candidate.config.mesh if isinstance(candidate, Plan) else candidate.mesh
@@ -1804,6 +1849,7 @@ def search(
         priced += 1
         memory = predicted_memory(facts, candidate)
         if memory > limit:
+            over_memory += 1
             reason = (
                 f"memory: needs {memory / GIB:.1f} GiB per device (predicted), over the "
                 f"{memory_gib:g} GiB"
@@ -1822,7 +1868,7 @@ def search(
             heapq.heapreplace(heap, entry)
     ranked = [entry[-1] for entry in sorted(heap, key=lambda entry: entry[:3], reverse=True)]
     explained_fits.sort(key=lambda scored: scored.time.total)
-    return Search(ranked, priced, refused, explained, explained_fits)
+    return Search(ranked, priced, over_memory, refused, explained, explained_fits)
 
 
 def measured_costs(base: RunConfig) -> tuple[Costs, str]:
@@ -1980,10 +2026,11 @@ def plan_run(
         on_mesh=bar.update,
     )
     bar.close()
-    refused = sum(found.refused.values())
+    by_rules = sum(found.refused.values()) - found.over_memory
     say(
-        f"searched {found.priced + refused:,} plans: {found.priced:,} priced, "
-        f"{refused:,} refused; the most common reasons:"
+        f"searched {by_rules + found.priced:,} plans: {by_rules:,} refused by the run's rules, "
+        f"{found.priced:,} priced, {found.over_memory:,} of them over the memory; the most "
+        "common reasons:"
     )
     for reason, count in sorted(found.refused.items(), key=lambda item: -item[1])[:6]:
         say(f"  {count:>9,}  {reason}")
