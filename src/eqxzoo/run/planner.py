@@ -686,7 +686,7 @@ class StateBytes(NamedTuple):
     dp and ep but for the experts' own weights; the outer ones over pp too): one
     ``layer``'s and the ``outer`` (not layered) ones, and among them (``*_gathered``) those
     the state splits over the data axes, which the region gathers at its boundary, and
-    (``*_reduced``) those whole over a data axis in the region, whose gradients it sums;
+    (``*_reduced``) those whole over a data axis or cp in the region, whose gradients it sums;
     one layer's as the state splits them (``layer_sharded``) and split over tp only
     (``layer_tp``); of ``layer``, the experts' own weights (``layer_experts``); of
     ``outer_gathered`` and ``outer_reduced``, the head's (the tied embedding, where it is
@@ -761,7 +761,9 @@ def _state_bytes(facts: ModelFacts, mesh: MeshConfig, rules_key: tuple) -> State
             gathered[kind] += size
             head_gathered += size if head else 0
             embedding_gathered += size if embedding else 0
-        if any(sizes[axis] > 1 for axis in whole_over):
+        # No weight is split over cp, whose devices hold different tokens: each sums its
+        # gradients with the others there too.
+        if any(sizes[axis] > 1 for axis in (*whole_over, "cp")):
             reduced[kind] += size
             head_reduced += size if head else 0
             embedding_reduced += size if embedding else 0
@@ -1069,11 +1071,11 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
     weights = state_bytes(facts, config)
     trainable, layer_weights = weights.trainable, weights.layer
     data = mesh.dp * mesh.ep
-    if data > 1 and facts.pooled(mesh):
+    if data * mesh.cp > 1 and facts.pooled(mesh):
         # A step gathers the stage's and the outer weights whole over the data axes once
         # (the region its stage's, and the 1F1B family's the outer ones it
         # runs inside; the forward schedules' embedding and head run outside, gathered
-        # there), and sums their gradients so once. Outside the region the head's
+        # there), and sums their gradients over those axes and cp once. Outside the region the head's
         # vocabulary is split over pp too (`eqxzoo.train.loss.vocab_shards`): a device sums
         # its columns' gradient only; and the partitioner looks an untied embedding's rows
         # up where they are (all-to-alls of the tokens), neither gathering the table nor
@@ -1111,6 +1113,10 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
         gathered = (passes - 1) * microbatches * stage_layers * layer_weights
         traffic[("all-gather", "dp")] = gathered + 2 * losses * weights.head_gathered
         traffic[("reduce-scatter", "dp")] = reduced
+    elif mesh.cp > 1:
+        # One stage split over cp alone holds every weight whole on each device, and sums
+        # the gradients over cp once an accumulation step (the ticks' sums are one).
+        traffic[("all-reduce", "dp")] = config.data.grad_accum * trainable
     return {key: float(size) for key, size in traffic.items()}
 
 
@@ -1125,7 +1131,9 @@ def step_time(facts: ModelFacts, plan: Plan, accelerator: Accelerator, costs: Co
     exposed = {"ici": 0.0, "dcn": 0.0}
     overlapped = {"ici": 0.0, "dcn": 0.0}
     for (kind, axis), size in collective_bytes(facts, plan).items():
-        group = {"dp": mesh.dp * mesh.ep}.get(axis, getattr(mesh, axis, 1))
+        # The gradients' sums over the data axes span cp too (`collective_bytes`).
+        data = mesh.dp * mesh.ep * (mesh.cp if kind == "all-reduce" else 1)
+        group = data if axis == "dp" else getattr(mesh, axis, 1)
         across = {"dp": mesh.dcn.dp, "pp": mesh.dcn.pp}.get(axis, 1) > 1
         link = "dcn" if across else "ici"
         bandwidth = (accelerator.dcn_gbps if across else accelerator.ici_gbps) * GB
