@@ -300,3 +300,31 @@ def test_the_loss_of_each_token_is_its_own_whatever_the_leading_axes(tiny_config
         alone = token_cross_entropy(model, h[m, b], targets[m, b], step)
         for part, one in zip(whole, alone, strict=True):
             np.testing.assert_allclose(part[m, b], one, rtol=1e-6)
+
+
+def test_a_context_split_keeps_each_devices_tokens_in_the_loss(tiny_config):
+    """`token_cross_entropy` over ``(microbatches, batch, seq)`` tokens, the batch split over
+    dp2 and the sequence over cp4 (`TokenOrder`): each device computes its own tokens'
+    logits, 1/8 of the matmul FLOPs one device runs, and each token's loss and log-sum-exp
+    are as on one device. Flattened batch-major (the microbatches between the batch and the
+    sequence), the partitioner gathered the sequence over cp: 1/2 of one device's FLOPs."""
+    from eqxzoo.parallel.collectives import matmul_flops
+    from eqxzoo.parallel.mesh import MESH_AXES
+
+    config = tiny_config("llama", n_layers=1)
+    model = models.DecoderLM(config, key=jax.random.key(0))
+    step = StepConfig(schedule=Schedule("gpipe", 1, 1, 1))
+    mesh = jax.make_mesh((2, 1, 1, 1, 4), MESH_AXES, axis_types=(AxisType.Auto,) * 5)
+    h = jax.random.normal(jax.random.key(1), (3, 4, 32, config.d_model))
+    targets = jax.random.randint(jax.random.key(2), (3, 4, 32), 0, config.vocab_size)
+    split = (
+        jax.device_put(h, NamedSharding(mesh, P(None, "dp", "cp", None))),
+        jax.device_put(targets, NamedSharding(mesh, P(None, "dp", "cp"))),
+    )
+    on_mesh = jax.jit(lambda h, t: token_cross_entropy(model, h, t, step, mesh))
+    alone = jax.jit(lambda h, t: token_cross_entropy(model, h, t, step))
+    for part, one in zip(on_mesh(*split), alone(h, targets), strict=True):
+        np.testing.assert_allclose(part, one, rtol=1e-6)
+    device = matmul_flops(on_mesh.lower(*split).compile().as_text())
+    whole = matmul_flops(alone.lower(h, targets).compile().as_text())
+    assert device == pytest.approx(whole / 8, rel=0.01)

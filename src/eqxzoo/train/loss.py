@@ -20,6 +20,7 @@ every token, `batch_documents`): every loss takes them as ``documents`` and hand
 the embedding (learned positions) and to every layer of the prefix and the pipeline.
 """
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping
@@ -28,7 +29,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PyTree
 
 from eqxzoo.nn import (
@@ -278,33 +279,76 @@ def token_cross_entropy(
     features, projection, vocab_major, softcap = model.head_inputs(h)
     n_vocab = projection.shape[0 if vocab_major else 1]
     n_shards = 1 if mesh is None else vocab_shards(n_vocab, mesh, config.rules, manual_pp)
-    token_shards, gather = 1, None
+    order, gather = TokenOrder(), None
     if mesh is not None and not manual_pp:
-        token_shards = math.prod(mesh.shape[axis] for axis in batch_axes(mesh, config.rules))
+        order = TokenOrder.on(mesh, config.rules, targets.shape)
         gather = gathered_columns(n_shards, mesh, config.rules)
+    parts = fused_cross_entropy(
+        order.flat(features, 1),
+        projection,
+        order.flat(targets, 0),
+        vocab_major=vocab_major,
+        softcap=softcap,
+        chunk_size=config.loss.chunk_size,
+        vocab_shards=n_shards,
+        token_shards=order.shards,
+        gather_columns=gather,
+    )
+    return tuple(order.unflat(part, targets.shape) for part in parts)
 
-    def per_token(features, projection, targets):
-        # The tokens are flattened batch-major: with the batch split over dp the flat axis
-        # stays split the same way (microbatch-major, the partitioner gathered them).
-        batched = targets.ndim >= 2
-        batch_major = jnp.moveaxis(targets, -2, 0) if batched else targets
-        parts = fused_cross_entropy(
-            (jnp.moveaxis(features, -3, 0) if batched else features).reshape(
-                -1, features.shape[-1]
-            ),
-            projection,
-            batch_major.reshape(-1),
-            vocab_major=vocab_major,
-            softcap=softcap,
-            chunk_size=config.loss.chunk_size,
-            vocab_shards=n_shards,
-            token_shards=token_shards,
-            gather_columns=gather,
-        )
-        per_token = [p.reshape(batch_major.shape) for p in parts]
-        return tuple(jnp.moveaxis(p, 0, -2) if batched else p for p in per_token)
 
-    return per_token(features, projection, targets)
+@dataclasses.dataclass(frozen=True)
+class TokenOrder:
+    """The order the fused loss takes ``(*microbatches, batch, seq)`` tokens in, flat: each
+    device's own tokens one contiguous block, the flat axis split over ``axes`` (the
+    batch's, then cp) as the tokens were. The batch first, then the sequence's ``context``
+    blocks, then the rest. Batch-major alone put the microbatches between the batch and
+    the sequence, a split the flat axis cannot keep: the partitioner gathered a context
+    split's tokens, and every device computed the logits of all of them (4x the loss's
+    FLOPs on cp4). ``shards`` devices hold a block each (the fused loss's
+    ``token_shards``); ``mesh`` None: left to the partitioner."""
+
+    context: int = 1
+    axes: tuple[str, ...] = ()
+    shards: int = 1
+    mesh: Mesh | AbstractMesh | None = None
+
+    @classmethod
+    def on(
+        cls, mesh: Mesh | AbstractMesh, rules: Mapping[str, MeshAxes], shape: tuple[int, ...]
+    ) -> "TokenOrder":
+        """The order for tokens of ``shape`` split as ``rules`` split a batch on ``mesh``."""
+        axes = batch_axes(mesh, rules)
+        context = mesh.shape.get(CONTEXT_AXIS, 1)
+        if len(shape) < 2 or shape[-1] % context:
+            context = 1
+        if context > 1:
+            axes = (*axes, CONTEXT_AXIS)
+        return cls(context, axes, math.prod(mesh.shape[axis] for axis in axes), mesh)
+
+    def flat(self, x: Array, trailing: int) -> Array:
+        """``x`` (``(*lead, batch, seq, *trailing)``, or ``(seq, *trailing)``) with its
+        tokens flattened in this order: ``(tokens, *trailing)``."""
+        if x.ndim - trailing < 2:
+            return x
+        seq_axis = x.ndim - trailing - 1
+        split = x.reshape(*x.shape[:seq_axis], self.context, -1, *x.shape[seq_axis + 1 :])
+        ordered = jnp.moveaxis(split, (seq_axis - 1, seq_axis), (0, 1))
+        flat = ordered.reshape(-1, *x.shape[seq_axis + 1 :])
+        if self.mesh is None or self.context == 1:
+            return flat
+        spec = PartitionSpec(self.axes, *(None,) * trailing)
+        return jax.lax.with_sharding_constraint(flat, NamedSharding(self.mesh, spec))
+
+    def unflat(self, flat: Array, shape: tuple[int, ...]) -> Array:
+        """Per-token values ``flat`` (``(tokens,)``, in this order) back in ``shape``
+        (``(*lead, batch, seq)``)."""
+        if len(shape) < 2:
+            return flat.reshape(shape)
+        seq_axis = len(shape) - 1
+        ordered = (shape[-2], self.context, *shape[:-2], shape[-1] // self.context)
+        split = jnp.moveaxis(flat.reshape(ordered), (0, 1), (seq_axis - 1, seq_axis))
+        return split.reshape(shape)
 
 
 def gathered_columns(
