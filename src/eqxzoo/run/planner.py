@@ -1071,6 +1071,13 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
     weights = state_bytes(facts, config)
     trainable, layer_weights = weights.trainable, weights.layer
     data = mesh.dp * mesh.ep
+    rules = config.sharding.rules_on(mesh.axis_names)
+    on_mesh = abstract_mesh(mesh)
+    # Outside the region the vocabulary is split over pp too
+    # (`eqxzoo.train.loss.vocab_shards`): a device sums only its share of the table there.
+    outside_share = vocab_shards(facts.vocab, on_mesh, rules, manual_pp=True) / vocab_shards(
+        facts.vocab, on_mesh, rules
+    )
     if data * mesh.cp > 1 and facts.pooled(mesh):
         # A step gathers the stage's and the outer weights whole over the data axes once
         # (the region its stage's, and the 1F1B family's the outer ones it
@@ -1084,11 +1091,7 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
         gathered = layers * weights.layer_gathered + weights.outer_gathered
         reduced = layers * weights.layer_reduced + weights.outer_reduced
         if not plan.schedule.fuses_backward:
-            rules = config.sharding.rules_on(mesh.axis_names)
-            on_mesh = abstract_mesh(mesh)
-            outside = vocab_shards(facts.vocab, on_mesh, rules)
-            inside = vocab_shards(facts.vocab, on_mesh, rules, manual_pp=True)
-            reduced -= (1 - inside / outside) * weights.head_reduced + weights.embedding_reduced
+            reduced -= (1 - outside_share) * weights.head_reduced + weights.embedding_reduced
             gathered -= weights.embedding_gathered
         # The weights do not change between accumulation steps: XLA gathers them once a
         # step, out of the accumulation loop (GPipe and ZB-H1 at G 2 gathered half the
@@ -1117,6 +1120,13 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
         # One stage split over cp alone holds every weight whole on each device, and sums
         # the gradients over cp once an accumulation step (the ticks' sums are one).
         traffic[("all-reduce", "dp")] = config.data.grad_accum * trainable
+    if mesh.cp > 1 and not plan.schedule.fuses_backward:
+        # The embedding outside the region looks up each device's own tokens, and the
+        # partitioner sums the table's gradient over cp there, apart from the head's sum in
+        # the loss: a tied table is summed twice (one sum would do; see "Plan a run").
+        table = weights.head_reduced if facts.model.tie_embeddings else weights.embedding_reduced
+        summed = config.data.grad_accum * outside_share * table
+        traffic[("all-reduce", "dp")] = traffic.get(("all-reduce", "dp"), 0.0) + summed
     return {key: float(size) for key, size in traffic.items()}
 
 
