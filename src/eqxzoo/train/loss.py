@@ -305,13 +305,17 @@ class TokenOrder:
     blocks, then the rest. Batch-major alone put the microbatches between the batch and
     the sequence, a split the flat axis cannot keep: the partitioner gathered a context
     split's tokens, and every device computed the logits of all of them (4x the loss's
-    FLOPs on cp4). ``shards`` devices hold a block each (the fused loss's
-    ``token_shards``); ``mesh`` None: left to the partitioner."""
+    FLOPs on cp4). ``mesh`` None: left to the partitioner."""
 
     context: int = 1
     axes: tuple[str, ...] = ()
-    shards: int = 1
     mesh: Mesh | AbstractMesh | None = None
+
+    @property
+    def shards(self) -> int:
+        """How many devices hold a block of the tokens each (the fused loss's
+        ``token_shards``)."""
+        return 1 if self.mesh is None else math.prod(self.mesh.shape[axis] for axis in self.axes)
 
     @classmethod
     def on(
@@ -324,7 +328,7 @@ class TokenOrder:
             context = 1
         if context > 1:
             axes = (*axes, CONTEXT_AXIS)
-        return cls(context, axes, math.prod(mesh.shape[axis] for axis in axes), mesh)
+        return cls(context, axes, mesh)
 
     def flat(self, x: Array, trailing: int) -> Array:
         """``x`` (``(*lead, batch, seq, *trailing)``, or ``(seq, *trailing)``) with its
