@@ -1093,6 +1093,13 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
         if not plan.schedule.fuses_backward:
             reduced -= (1 - outside_share) * weights.head_reduced + weights.embedding_reduced
             gathered -= weights.embedding_gathered
+        elif mesh.dcn.dp > 1:
+            # Across slices, each slice's region takes the tables split over pp as the rules
+            # split them (`eqxzoo.train.step.layout_within_slice`): a device gathers and sums
+            # its share over dp, not the whole table.
+            tables = weights.head_gathered + weights.embedding_gathered
+            gathered -= (1 - outside_share) * tables
+            reduced -= (1 - outside_share) * (weights.head_reduced + weights.embedding_reduced)
         # The weights do not change between accumulation steps: XLA gathers them once a
         # step, out of the accumulation loop (GPipe and ZB-H1 at G 2 gathered half the
         # bytes of one gather a step each).
