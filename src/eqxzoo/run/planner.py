@@ -1091,7 +1091,11 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
         gathered = layers * weights.layer_gathered + weights.outer_gathered
         reduced = layers * weights.layer_reduced + weights.outer_reduced
         if not plan.schedule.fuses_backward:
+            # Each use of the table outside gathers a device's vocabulary share of it: the
+            # loss's columns and, where it is tied, the embedding's lookup.
+            uses = 2 if facts.model.tie_embeddings else 1
             reduced -= (1 - outside_share) * weights.head_reduced + weights.embedding_reduced
+            gathered -= (1 - uses * outside_share) * weights.head_gathered
             gathered -= weights.embedding_gathered
         elif mesh.dcn.dp > 1:
             # Across slices, each slice's region takes the tables split over pp as the rules
