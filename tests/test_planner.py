@@ -292,7 +292,7 @@ def test_each_data_parallel_device_runs_its_own_sequences(row):
     ran each stage on the whole microbatch (1.46x, 1.21x, 1.76x), and the prefix's backward
     on the whole batch (1.28x)."""
     path, overrides = planner.CALIBRATION[row]
-    config = load_config(ROOT / path, [*overrides, "precision.compute=float32"])
+    config = load_config(ROOT / path, overrides)
     facts, plan = planner.ModelFacts.of(config), planner.plan_of(config)
     compiled = planner.compile_plan(config)
     assert compiled.skips_bubbles
