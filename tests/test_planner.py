@@ -220,7 +220,7 @@ def test_a_pipelined_steps_flops_count_each_branch_as_often_as_the_schedule_runs
     from eqxzoo.parallel.collectives import matmul_flops
 
     path, overrides = planner.CALIBRATION[row]
-    config = load_config(ROOT / path, [*overrides, "precision.compute=float32"])
+    config = load_config(ROOT / path, overrides)
     facts, plan = planner.ModelFacts.of(config), planner.plan_of(config)
     compiled = planner.compile_plan(config)
     predicted = planner.step_flops(facts, plan)[1]
