@@ -12,10 +12,10 @@ conftest reads it before JAX starts).
 - ``GLIBC_TUNABLES``: the processes the suite starts run on huge pages from the start
   (`eqxzoo.allocator`), so that no command runs itself again.
 - No ``PYTHONDONTWRITEBYTECODE``: the processes the suite starts write the bytecode of what
-  they import, and the next one loads it. Where the environment sets it (this
-  project's development machines do), every run, launch and export compiled the source of
-  JAX, Equinox, orbax and the project again: about 5.5 s of each start (an export's error
-  path: 9.1 s -> 3.5 s).
+  they import, and the next one loads it. Where the environment sets it (this project's
+  development machines do), every run, launch and export compiled the source of JAX,
+  Equinox, orbax and the project again: about 5.5 s of each start (an export's error path:
+  9.1 s -> 3.5 s).
 """
 
 from pathlib import Path
