@@ -2,15 +2,14 @@
 own, the exact parts of its figures (the state and batch bytes, the pipeline's sends) are the
 compiled step's, and the best plan it writes runs."""
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import compiling
 import numpy as np
 import pytest
+from runs import environment
 
 from eqxzoo.parallel.mesh import MeshConfig
 from eqxzoo.run import planner
@@ -395,14 +394,14 @@ def test_unknown_accelerators_and_meshes_are_refused_in_one_line():
     assert planner.parse_mesh("dp8 pp2 dcn.dp=2") == {"dp": 8, "pp": 2, "dcn.dp": 2}
 
 
-def test_the_best_plan_written_runs_its_dry_run_and_fits(tmp_path):
+def test_the_best_plan_written_runs_its_dry_run_and_fits(tmp_path, cache_dir):
     """The plan `--out` writes runs. The search's counts add up: a plan over the memory
     (some of tiny's at 0.1 GiB) is priced, then refused, and counted once."""
     best = tmp_path / "best.toml"
     common = [sys.executable, "-m"]
     # The suite's compiler flags and its cache: the dry run loads the step the plan compiled.
-    env = compiling.environment(dict(os.environ)) | {
-        "JAX_COMPILATION_CACHE_DIR": str(compiling.CACHE_DIR),
+    env = environment() | {
+        "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }
     planned = subprocess.run(
