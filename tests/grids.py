@@ -5,8 +5,11 @@ combinations can run, and its *requirements*: functions from a case to the keys 
 (``("family", "schedule")`` covers ``("llama", "zb_h1")``). `covering` picks, greedily, the
 valid case that covers the most keys not yet covered, until every key that some valid case
 covers is covered: every (family, schedule) pair, say, appears together at least once, in
-a few dozen cases instead of thousands. The choice is deterministic (ties go to the earliest
-case of the product), so every xdist worker collects the same grid.
+a few dozen cases instead of thousands. Given what each case costs (its ``cost``: a
+relative compile time), ties go to the cheapest case, and a case whose keys the others
+cover after all is dropped, the dearest first: the same keys in less time. The choice is
+deterministic (remaining ties go to the earliest case of the product), so every xdist
+worker collects the same grid.
 
 ``EQXZOO_FULL_GRIDS=1`` in the environment gives every valid case of the product instead:
 the switch for whoever changes what the grid tests.
@@ -15,6 +18,7 @@ the switch for whoever changes what the grid tests.
 import heapq
 import itertools
 import os
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -38,37 +42,50 @@ def covering(
     requirements: Sequence[Requirement],
     valid: Callable[[Case], bool] = lambda case: True,
     *,
+    cost: Callable[[Case], float] = lambda case: 1.0,
     full: bool = FULL_GRIDS,
 ) -> list[Case]:
     """The valid cases of the product of ``factors`` (every one if ``full``, else a greedy
-    covering set of the keys ``requirements`` give), in product order."""
+    covering set of the keys ``requirements`` give, cheap by ``cost``), in product order."""
     names = list(factors)
     cases = [
         case
         for levels in itertools.product(*factors.values())
         if valid(case := dict(zip(names, levels, strict=True)))
     ]
-    return cases if full else cover(cases, requirements)
+    return cases if full else cover(cases, requirements, cost)
 
 
-def cover(cases: Sequence[Case], requirements: Sequence[Requirement]) -> list[Case]:
+def cover(
+    cases: Sequence[Case],
+    requirements: Sequence[Requirement],
+    cost: Callable[[Case], float] = lambda case: 1.0,
+) -> list[Case]:
     """A subset of ``cases``, in their order, covering every key that ``requirements`` give
-    for any of them: greedily, the case covering the most keys not yet covered first."""
+    for any of them: greedily, the case covering the most keys not yet covered first (of
+    equal gains, the one of least ``cost``); then each chosen case whose keys the others
+    cover too is dropped, the dearest first."""
     keys = [{key for requirement in requirements for key in requirement(case)} for case in cases]
+    costs = [cost(case) for case in cases]
     uncovered = set().union(*keys)
     # Lazy greedy: a case's gain only shrinks as keys are covered, so a stale gain at the top
     # of the heap is recomputed before it is trusted.
-    heap = [(-len(case_keys), index) for index, case_keys in enumerate(keys)]
+    heap = [(-len(case_keys), costs[index], index) for index, case_keys in enumerate(keys)]
     heapq.heapify(heap)
     chosen = []
     while uncovered:
-        _, index = heapq.heappop(heap)
-        gain = len(keys[index] & uncovered)
-        if heap and gain < -heap[0][0]:
-            heapq.heappush(heap, (-gain, index))
+        _, _, index = heapq.heappop(heap)
+        entry = (-len(keys[index] & uncovered), costs[index], index)
+        if heap and entry > heap[0]:
+            heapq.heappush(heap, entry)
             continue
         chosen.append(index)
         uncovered -= keys[index]
+    times_covered = Counter(key for index in chosen for key in keys[index])
+    for index in sorted(chosen, key=lambda index: -costs[index]):
+        if all(times_covered[key] > 1 for key in keys[index]):
+            chosen.remove(index)
+            times_covered.subtract(keys[index])
     return [cases[index] for index in sorted(chosen)]
 
 
@@ -87,6 +104,13 @@ def dense_and_one_moe(configs: Mapping[str, Any], moe: str = "mixtral") -> list:
     """The names of ``configs`` as parameters, the MoE ones but ``moe`` marked ``slow`` (a
     dropless MoE compiles for ~20 s: the fast part keeps one)."""
     return slow_except(configs, lambda name: configs[name].moe is None or name == moe)
+
+
+def full_grids_only(value: Any, id: str | None = None) -> Any:
+    """``value`` as a pytest parameter that runs only with ``EQXZOO_FULL_GRIDS=1``: a case
+    whose point the suite's others make too, kept one switch away."""
+    skip = pytest.mark.skipif(not FULL_GRIDS, reason="runs with EQXZOO_FULL_GRIDS=1")
+    return pytest.param(value, id=id, marks=skip)
 
 
 def case_id(case: Case) -> str:
