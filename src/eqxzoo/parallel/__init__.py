@@ -1,5 +1,6 @@
 """Meshes, logical-axis sharding rules and pipeline schedules."""
 
+from eqxzoo.parallel.lowering import drop_open_sharding_constraints
 from eqxzoo.parallel.mesh import (
     MESH_AXES,
     MeshConfig,
@@ -20,6 +21,8 @@ from eqxzoo.parallel.rules import (
     tree_shardings,
 )
 from eqxzoo.parallel.schedule import Schedule, ScheduleError, ScheduleName
+
+drop_open_sharding_constraints()
 
 __all__ = [
     "DEFAULT_RULES",
