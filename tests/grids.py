@@ -106,11 +106,12 @@ def dense_and_one_moe(configs: Mapping[str, Any], moe: str = "mixtral") -> list:
     return slow_except(configs, lambda name: configs[name].moe is None or name == moe)
 
 
-def full_grids_only(value: Any, id: str | None = None) -> Any:
-    """``value`` as a pytest parameter that runs only with ``EQXZOO_FULL_GRIDS=1``: a case
-    whose point the suite's others make too, kept one switch away."""
+def full_grids_only(*values: Any, id: str | None = None) -> Any:
+    """``values`` as a pytest parameter that runs only with ``EQXZOO_FULL_GRIDS=1``: a case
+    kept one switch away, where the suite's other cases (or a command's own check, as the
+    planner's ``--calibrate``) show its point."""
     skip = pytest.mark.skipif(not FULL_GRIDS, reason="runs with EQXZOO_FULL_GRIDS=1")
-    return pytest.param(value, id=id, marks=skip)
+    return pytest.param(*values, id=id, marks=skip)
 
 
 def case_id(case: Case) -> str:
