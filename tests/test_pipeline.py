@@ -23,14 +23,14 @@ A family meets the pipeline through its layers: the mesh axes that split their a
 the split backward, which cuts their pullback where the family's own residuals fall. The
 autodiff and fused executors differentiate a stage whole (`jax.vjp` of its layers, as one
 device does), so a family meets them through its kind, as it meets the schedules: pairing
-every family with each executor as well took 46 cases (7 minutes more of the suite).
+every family with each executor as well took 46 cases (about 300 worker-seconds more).
 Stage counts, microbatch counts and the variants are the pipeline's side, and a family
 meets them through its kind: what the stage carries (router statistics, balancing biases,
-a prefix before the stages). Each family's layers
-against the dense kernel, and the chunked loss with soft-capped logits, are compared
-directly (`test_kernels.py`, `test_cross_entropy.py`). Pairing every family with every
-stage count, microbatch count and variant as well took 78 cases (a third of the suite's
-time) for pairs whose code does not depend on the family.
+a prefix before the stages). Each family's layers against the dense kernel, and the
+chunked loss with soft-capped logits, are compared directly (`test_kernels.py`,
+`test_cross_entropy.py`). Pairing every family with every stage count, microbatch count and
+variant as well took 78 cases (a third of the suite's time) for pairs whose code does not
+depend on the family.
 """
 
 import dataclasses
