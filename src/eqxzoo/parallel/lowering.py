@@ -13,8 +13,9 @@ longer with them (15.2 s against 10.7 s; 17.9 against 12.1), for the same progra
 collective bytes and FLOPs, memory within 4 KiB.
 
 `drop_open_sharding_constraints` returns such an output unwrapped and leaves every other
-constraint as JAX makes it: where the type's spec names an axis, or any axis of its mesh is
-Explicit (a sharding that is part of the type). `eqxzoo.parallel` installs it on import.
+constraint as JAX makes it: where the type's spec names an axis (unreduced and reduced ones
+too), or any axis of its mesh is Explicit (a sharding that is part of the type).
+`eqxzoo.parallel` installs it on import.
 """
 
 from jax.sharding import AxisType
@@ -37,15 +38,12 @@ def drop_open_sharding_constraints() -> bool:
         return True
 
     def lower_unless_open(ctx, op, aval):
-        sharding = getattr(aval, "sharding", None)
-        spec = getattr(sharding, "spec", None)
+        spec, mesh = aval.sharding.spec, aval.sharding.mesh
         if (
-            spec is not None
-            and not sharding.mesh.empty
-            and all(entry is None for entry in spec)
+            all(entry is None for entry in spec)
             and not getattr(spec, "unreduced", None)
             and not getattr(spec, "reduced", None)
-            and AxisType.Explicit not in sharding.mesh.axis_types
+            and AxisType.Explicit not in mesh.axis_types
         ):
             return op
         return lower(ctx, op, aval)
