@@ -2,7 +2,8 @@
 
     python -m pipelines.plan CONFIG.toml --devices N --device-memory GIB
         [--accelerator NAME] [--slices S] [--top K] [--out BEST.toml] [--explain MESH]
-        [--peak-tflops F] [--ici-gbps G] [--dcn-gbps G] [--set KEY=VALUE ...]
+        [--peak-tflops F] [--ici-gbps G] [--dcn-gbps G] [--measure STEPS]
+        [--set KEY=VALUE ...]
 
 Searches every mesh factorisation of N devices (``dp`` or ``pp`` across the S slices), every
 schedule with its repeats, every split of the config's global batch into accumulation steps
@@ -11,7 +12,9 @@ and microbatches, stage remat and layer remat that the run's rules accept
 exposed communication within and across slices, and bubble; MFU), then compiles the K best
 that fit on abstract shapes and prints their compiled memory beside the prediction (one
 that does not fit after all is replaced by the next). ``--out`` writes the best as a run
-config `pipelines.run` takes unchanged. ``--explain dp=8,pp=2`` lists why each plan on that
+config `pipelines.run` takes unchanged. ``--measure 5`` then runs the best plan's step on
+this host's devices (N must be their number) and prints its median time of 5 steps beside
+the prediction, and the MFU it reached. ``--explain dp=8,pp=2`` lists why each plan on that
 mesh was refused, and the ones that fit. ``--calibrate`` compiles `eqxzoo.run.planner.CALIBRATION`
 and prints the memory model's fit (weights to put in `MEMORY_MODEL`) and its accuracy.
 """
@@ -44,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, help="override the chip's bf16 peak")
     parser.add_argument("--ici-gbps", type=float, help="override the in-slice GB/s per device")
     parser.add_argument("--dcn-gbps", type=float, help="override the cross-slice GB/s per device")
+    parser.add_argument(
+        "--measure", type=int, default=0, metavar="STEPS", help="time the best plan's step here"
+    )
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--list-accelerators", action="store_true")
     parser.add_argument("--calibrate", action="store_true")
@@ -52,8 +58,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         return args
     if args.config is None or args.devices is None or args.device_memory is None:
         parser.error("a config, --devices and --device-memory are needed")
-    if args.devices < 1 or args.slices < 1 or args.top < 0 or args.device_memory <= 0:
-        parser.error("--devices, --slices and --device-memory must be positive, --top >= 0")
+    if args.devices < 1 or args.slices < 1 or args.device_memory <= 0:
+        parser.error("--devices, --slices and --device-memory must be positive")
+    if args.top < 0 or args.measure < 0:
+        parser.error("--top and --measure must be >= 0")
     return args
 
 
@@ -96,6 +104,7 @@ def plan(args: argparse.Namespace) -> int:
         top=args.top,
         explain=explain,
         say=print,
+        measure=args.measure,
     )
     if args.out is not None and result:
         from eqxzoo.run.config import config_to_toml

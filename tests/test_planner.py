@@ -407,9 +407,28 @@ def test_unknown_accelerators_and_meshes_are_refused_in_one_line():
     assert planner.parse_mesh("dp8 pp2 dcn.dp=2") == {"dp": 8, "pp": 2, "dcn.dp": 2}
 
 
+def test_measuring_needs_the_plan_on_this_hosts_devices():
+    with pytest.raises(
+        ConfigError,
+        match="--measure: times the best plan on this host's devices: plan for the 8 it has, not 2",
+    ):
+        planner.plan_run(
+            load_config(ROOT / "configs/tiny.toml"),
+            devices=2,
+            slices=1,
+            accelerator=planner.accelerator_named("H100"),
+            memory_gib=1.0,
+            top=1,
+            explain=None,
+            say=print,
+            measure=3,
+        )
+
+
 def test_the_best_plan_written_runs_its_dry_run_and_fits(tmp_path, cache_dir):
-    """The plan `--out` writes runs. The search's counts add up: a plan over the memory
-    (some of tiny's at 0.1 GiB) is priced, then refused, and counted once."""
+    """The plan `--out` writes runs, and `--measure` times its step here. The search's counts
+    add up: a plan over the memory (some of tiny's at 0.1 GiB) is priced, then refused, and
+    counted once."""
     best = tmp_path / "best.toml"
     common = [sys.executable, "-m"]
     # The suite's compiler flags and its cache: the dry run loads the step the plan compiled.
@@ -434,6 +453,8 @@ def test_the_best_plan_written_runs_its_dry_run_and_fits(tmp_path, cache_dir):
             str(best),
             "--explain",
             "dp=2,pp=2,tp=2",
+            "--measure",
+            "1",
         ],
         cwd=ROOT,
         env=env,
@@ -452,6 +473,10 @@ def test_the_best_plan_written_runs_its_dry_run_and_fits(tmp_path, cache_dir):
     assert searched == by_rules + priced and 0 < over < priced
     assert "--explain {'dp': 2, 'pp': 2, 'tp': 2}" in out
     assert "predicted" in out and f"wrote the best plan to {best}" in out
+    measured = re.search(
+        r"measured (.+) on 8 x cpu: ([\d.]+) s a step \(median of 1\), predicted", out
+    )
+    assert measured and float(measured[2]) > 0
     dry = subprocess.run(
         [*common, "pipelines.run", str(best), "--dry-run"],
         cwd=ROOT,

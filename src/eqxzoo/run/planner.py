@@ -1222,6 +1222,45 @@ def compile_plan(config: RunConfig) -> Compiled:
     )
 
 
+def prepared_step(config: RunConfig) -> Callable[[], jax.Array]:
+    """``config``'s train step, compiled as the run compiles it, on a fresh state and a batch
+    of random tokens (no packed documents) on this host's devices: each call runs one step
+    and returns its loss. What `step_time` predicts, to time or profile."""
+    from eqxzoo.parallel import make_mesh
+    from eqxzoo.run.loop import batch_shape
+    from eqxzoo.train.state import init_train_state
+    from eqxzoo.train.step import batch_sharding, compile_train_step
+
+    mesh = make_mesh(config.mesh)
+    settings = step_config(config)
+    model = run_model_config(config)
+    state = init_train_state(
+        model_factory(model), jax.random.key(config.run.seed), config=settings, mesh=mesh
+    )
+    shape = batch_shape(config).shape
+    step = compile_train_step(settings, mesh, state, shape)
+    tokens = jax.random.randint(jax.random.key(1), shape, 0, model.vocab_size)
+    batch = jax.device_put(
+        {"tokens": tokens, "targets": jnp.roll(tokens, -1, axis=-1)},
+        batch_sharding(mesh, settings.rules),
+    )
+
+    def train_step() -> jax.Array:
+        nonlocal state
+        state, metrics = step(state, batch)
+        return metrics["loss"]
+
+    return train_step
+
+
+def measured_step_seconds(config: RunConfig, repeats: int) -> float:
+    """The median wall time, seconds, of ``config``'s `prepared_step` over ``repeats`` steps
+    after a warm-up one."""
+    from eqxzoo.train.report import median_seconds
+
+    return median_seconds(prepared_step(config), repeats=repeats)
+
+
 def attention_loop_trips(config: RunConfig) -> dict[str, float] | None:
     """How often each loop of the blockwise attention runs (`BlockCounts.loop_trips`: its
     block plan over the run's positions, ``0 .. seq - 1``, as cp splits them), where the
@@ -1914,6 +1953,8 @@ def measured_costs(base: RunConfig) -> tuple[Costs, str]:
         config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=1))
     except ConfigError as error:
         return Costs(), f"unit costs (two stages refused: {error})"
+    if jax.device_count() < 2:
+        return Costs(), "unit costs (one device: no stage to price)"
     mesh = make_mesh(config.mesh, jax.devices()[:2])
     settings = step_config(config)
     make_model = model_factory(run_model_config(config))
@@ -2033,9 +2074,18 @@ def plan_run(
     top: int,
     explain: Mapping[str, int] | None,
     say: Callable[[str], None],
+    measure: int = 0,
 ) -> list[Scored]:
     """Search, print the ranked table with the top plans compiled, and return them (best
-    first; those the compiled step confirms)."""
+    first; those the compiled step confirms). With ``measure``, time the best plan's step
+    on this host's devices (`measured_step_seconds`, the median of ``measure`` steps) and
+    print it beside the prediction."""
+    if measure and devices != jax.device_count():
+        refuse(
+            "--measure",
+            f"times the best plan on this host's devices: plan for the {jax.device_count()} "
+            f"it has, not {devices}",
+        )
     say(
         f"planning {config.run.name} on {devices} x {describe_accelerator(accelerator)}; "
         f"{memory_gib:g} GiB per device, {slices} slice(s); global batch "
@@ -2107,6 +2157,16 @@ def plan_run(
     ]
     for line in table_rows(rows):
         say(line)
+    if measure and confirmed:
+        best = confirmed[0][0]
+        seconds = measured_step_seconds(best.plan.run_config(), measure)
+        predicted = best.time.total
+        say(
+            f"measured {best.plan.label} on {devices} x {jax.devices()[0].device_kind}: "
+            f"{seconds:.3f} s a step (median of {measure}), predicted {predicted:.3f} s "
+            f"(measured / predicted {seconds / predicted:.2f}); MFU "
+            f"{best.time.mfu * predicted / seconds:.1%} measured, {best.time.mfu:.1%} predicted"
+        )
     return [scored for scored, _ in confirmed]
 
 
