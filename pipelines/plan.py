@@ -12,9 +12,10 @@ and microbatches, stage remat and layer remat that the run's rules accept
 exposed communication within and across slices, and bubble; MFU), then compiles the K best
 that fit on abstract shapes and prints their compiled memory beside the prediction (one
 that does not fit after all is replaced by the next). ``--out`` writes the best as a run
-config `pipelines.run` takes unchanged. ``--measure 5`` then runs the best plan's step on
-this host's devices (N must be their number) and prints its median time of 5 steps beside
-the prediction, and the MFU it reached. ``--explain dp=8,pp=2`` lists why each plan on that
+config `pipelines.run` takes unchanged. Plans compile on N simulated CPU devices on any host
+(XLA:CPU, the compiler the memory model is fitted to), unless ``--measure 5``: then on this
+host's own devices (N must be their number), and the best plan's step runs there, its median
+time of 5 steps printed beside the prediction with the MFU it reached. ``--explain dp=8,pp=2`` lists why each plan on that
 mesh was refused, and the ones that fit. ``--calibrate`` compiles `eqxzoo.run.planner.CALIBRATION`
 and prints the memory model's fit (weights to put in `MEMORY_MODEL`) and its accuracy.
 """
@@ -93,6 +94,12 @@ def plan(args: argparse.Namespace) -> int:
         dcn_gbps=args.dcn_gbps,
     )
     explain = planner.parse_mesh(args.explain) if args.explain else None
+    if not args.measure and "JAX_PLATFORMS" not in os.environ:
+        # N simulated CPU devices on any host, accelerators or not: the compiler the memory
+        # model is fitted to; only --measure runs on this host's own devices.
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
     setup_runtime(compilation_cache_dir="", devices=args.devices)
     started = time.perf_counter()
     result = planner.plan_run(
