@@ -14,10 +14,11 @@ that fit on abstract shapes and prints their compiled memory beside the predicti
 that does not fit after all is replaced by the next). ``--out`` writes the best as a run
 config `pipelines.run` takes unchanged. Plans compile on N simulated CPU devices on any host
 (XLA:CPU, the compiler the memory model is fitted to), unless ``--measure 5``: then on this
-host's own devices (N must be their number), and the best plan's step runs there, its median
-time of 5 steps printed beside the prediction with the MFU it reached. ``--explain dp=8,pp=2`` lists why each plan on that
-mesh was refused, and the ones that fit. ``--calibrate`` compiles `eqxzoo.run.planner.CALIBRATION`
-and prints the memory model's fit (weights to put in `MEMORY_MODEL`) and its accuracy.
+host's own devices (N must be their number), and the best plan's step runs there, its
+median time of 5 steps printed beside the prediction with the MFU it reached.
+``--explain dp=8,pp=2`` lists why each plan on that mesh was refused, and the ones that
+fit. ``--calibrate`` compiles `eqxzoo.run.planner.CALIBRATION` and prints the memory
+model's fit (weights to put in `MEMORY_MODEL`) and its accuracy.
 """
 
 import argparse
