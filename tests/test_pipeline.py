@@ -501,9 +501,9 @@ REPEATED_CONTEXT_CASES = ("mixtral-1f1b-pp2,cp2,tp2-M=P-plain", "llama-gpipe-dp4
 @pytest.mark.parametrize(
     ("case", "strategy"),
     [
-        full_grids_only(case, strategy, id=f"{case_id(case)}-{strategy}")
-        if case_id(case) in REPEATED_CONTEXT_CASES
-        else pytest.param(case, strategy, id=f"{case_id(case)}-{strategy}")
+        (full_grids_only if case_id(case) in REPEATED_CONTEXT_CASES else pytest.param)(
+            case, strategy, id=f"{case_id(case)}-{strategy}"
+        )
         for case, strategy in CONTEXT_CASES
     ],
 )
