@@ -812,24 +812,24 @@ MEMORY_TERMS = (
     "tick_expert_weights",
     "split_backward",
 )
-# Fitted 2026-11-29 by `fit_memory_model` to the 43 configs' compiled MiB as `python -m
-# pipelines.plan --calibrate` prints them: within 10% of the compiled step on 33 of them,
-# -26% to +28% over all; each predicted by the model fitted to the other 42, 21 of them
+# Fitted 2026-11-30 by `fit_memory_model` to the 43 configs' compiled MiB as `python -m
+# pipelines.plan --calibrate` prints them: within 10% of the compiled step on 37 of them,
+# -26% to +19% over all; each predicted by the model fitted to the other 42, 25 of them
 # (README, "Plan a run").
 MEMORY_MODEL: dict[str, float] = {
-    "gradients": 1.867,
-    "stash": 0.435,
+    "gradients": 2.598,
+    "stash": 0.590,
     "tick_stash": 0.912,
-    "chunk_residuals": 1.135,
-    "fused_residuals": 1.631,
-    "layer_peak": 1.089,
-    "logits": 0.522,
-    "chunk_weights": 0.203,
-    "region_weights": 1.061,
-    "expert_rows": 0.911,
-    "tick_weights": 1.017,
-    "tick_expert_weights": 0.807,
-    "split_backward": 1.406,
+    "chunk_residuals": 1.060,
+    "fused_residuals": 1.671,
+    "layer_peak": 0.907,
+    "logits": 0.707,
+    "chunk_weights": 0.108,
+    "region_weights": 1.287,
+    "expert_rows": 0.327,
+    "tick_weights": 0.852,
+    "tick_expert_weights": 0.810,
+    "split_backward": 1.278,
 }
 
 
@@ -866,9 +866,15 @@ def memory_terms(facts: ModelFacts, plan: Plan) -> tuple[int, dict[str, float]]:
         and schedule.forward_only.ticks > 1
         else 0
     )
+    # A pooled region sums its stage's gradients whole over the data axes; where none shards
+    # them (dp x ep of 1), that sum is the step's gradient, not a buffer beside it (llama3_1b
+    # circular R4 compiled 1,983 MiB more on pp4 x cp2 than on dp2 x pp4, its state 1,768
+    # more: a second copy of the gradients would have added 2,868).
+    region_sums_them = int(facts.pooled(mesh) and mesh.dp * mesh.ep == 1)
     terms = {
-        # Accumulated over several steps (G), a step's gradients and their running sum.
-        "gradients": trainable * (2 if config.data.grad_accum > 1 else 1),
+        # Accumulated over several steps (G), a step's gradients and their running sum; none
+        # beside a region's sum that is the gradient itself.
+        "gradients": trainable * ((2 if config.data.grad_accum > 1 else 1) - region_sums_them),
         # What waits for its backward: the 1F1B family's slots, each stage input or chunk's
         # residuals; under autodiff of a forward schedule's tick loop, each tick's, stacked
         # (`_stacked_ticks`).
