@@ -60,6 +60,7 @@ from eqxzoo.run.config import (
     run_model_config,
     step_config,
 )
+from eqxzoo.run.provenance import batches_carry_documents
 from eqxzoo.train.loss import vocab_shards
 from eqxzoo.train.memory import StepMemory
 from eqxzoo.train.report import PEAK_FLOPS
@@ -519,8 +520,10 @@ class ModelFacts:
     whose gradients each reduce over tp), the bytes of an element computed and of one sent
     between stages (`eqxzoo.parallel.pipeline.transport_dtype`), the FLOPs of a training
     token (and of its attention: over the keys it sees, and over all of them, as the dense
-    kernel computes it) and the share of the blocks' matmul weights in their last
-    projection (the MLP's down, the experts' active ones)."""
+    kernel computes it), the share of the blocks' matmul weights in their last
+    projection (the MLP's down, the experts' active ones) and the int32 arrays a batch
+    carries per token (tokens and targets; with packed documents, their segments and
+    positions too)."""
 
     leaves: tuple[StateLeaf, ...]
     model: DecoderConfig
@@ -545,6 +548,7 @@ class ModelFacts:
     last_projection_share: float
     prefix_flops_share: float
     pools_one_stage: bool
+    batch_arrays: int
 
     @classmethod
     def of(cls, config: RunConfig) -> "ModelFacts":
@@ -631,6 +635,7 @@ class ModelFacts:
             last_projection_share=down * d / block_params,
             prefix_flops_share=model.first_dense_layers / model.n_layers,
             pools_one_stage=pools_one_stage(shapes.model),
+            batch_arrays=4 if batches_carry_documents(config) else 2,
         )
 
     def residual_bytes(self, remat: str, config: RunConfig, tokens: int) -> float:
@@ -1110,6 +1115,14 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
             tables = weights.head_gathered + weights.embedding_gathered
             gathered -= (1 - outside_share) * tables
             reduced -= (1 - outside_share) * (weights.head_reduced + weights.embedding_reduced)
+        if plan.schedule.fuses_backward and data > mesh.dcn.dp:
+            # The 1F1B family's executor takes each stage's ids tick by tick, whole over the
+            # data axes of its slice, and splits them over its own
+            # (`eqxzoo.parallel.pipeline_grad`): a slice's share of the batch gathered each
+            # accumulation step (ZB-H1 on dp2 x pp4 gathers 3.4 MiB so).
+            sequences = config.data.batch_size // mesh.dcn.dp
+            ids = plan.schedule.ticks * mesh.pp * sequences * config.data.seq_len
+            gathered += config.data.grad_accum * facts.batch_arrays * 4 * ids
         # The weights do not change between accumulation steps: XLA gathers them once a
         # step, out of the accumulation loop (GPipe and ZB-H1 at G 2 gathered half the
         # bytes of one gather a step each).
@@ -1200,7 +1213,6 @@ def compile_plan(config: RunConfig) -> Compiled:
     from eqxzoo.parallel import make_mesh
     from eqxzoo.parallel.collectives import matmul_flops, permutes_in_branches
     from eqxzoo.run.loop import batch_shape
-    from eqxzoo.run.provenance import batches_carry_documents
     from eqxzoo.train.state import abstract_train_state
     from eqxzoo.train.step import compile_train_step
 
@@ -1272,8 +1284,6 @@ def attention_loop_trips(config: RunConfig) -> dict[str, float] | None:
     block plan over the run's positions, ``0 .. seq - 1``, as cp splits them), where the
     layers attend alike; None where they do not (layers of different windows) or the
     kernel has no loops."""
-    from eqxzoo.run.provenance import batches_carry_documents
-
     model = config.model
     windows = set(model.layer_windows or (0,))
     if len(windows) > 1:
