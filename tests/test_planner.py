@@ -149,16 +149,23 @@ def test_the_gradients_are_summed_over_a_context_split():
 
 
 @pytest.mark.parametrize(
-    "row",
-    [pytest.param(18, id="tiny-zb_h1-ep2"), full_grids_only(13, id="deepseek-1f1b-ep4-dots")],
+    ("row", "remat"),
+    [
+        pytest.param(18, None, id="tiny-zb_h1-ep2"),
+        pytest.param(18, "full", id="tiny-zb_h1-ep2-full"),
+        full_grids_only(13, None, id="deepseek-1f1b-ep4-dots"),
+    ],
 )
-def test_the_experts_exchanges_are_the_compiled_steps(row):
-    """Expert parallelism's all-to-alls (each pass but the W's exchanges a MoE layer's
-    tokens each way, "dots" layer remat runs the dispatch once more) against the compiled
-    step's over ep, each action's conditional counted as often as the schedule runs it,
-    within 5% (at every tick, they read 3.5x). XLA:CPU runs a 16-bit all-to-all in float32,
-    twice the accelerator's buffer the planner prices."""
-    config = calibration_config(row)
+def test_the_experts_exchanges_are_the_compiled_steps(row, remat):
+    """Expert parallelism's all-to-alls (the forward, the backward and stage remat's
+    forward exchange a MoE layer's tokens each way; a layer's own remat runs the dispatch
+    once more, not the combine) against the compiled step's over ep, each action's
+    conditional counted as often as the schedule runs it, within 5% (at every tick, they
+    read 3.5x; "full" read 1.14x while its remat counted the combine too). XLA:CPU runs a
+    16-bit all-to-all in float32, twice the accelerator's buffer the planner prices."""
+    path, overrides = planner.CALIBRATION[row]
+    remat_override = () if remat is None else (f"model.remat={remat}",)
+    config = load_config(ROOT / path, [*overrides, *remat_override])
     facts, plan = planner.ModelFacts.of(config), planner.plan_of(config)
     compiled = compiled_step(config)
     widened = 4 / facts.compute_bytes

@@ -1061,9 +1061,11 @@ def collective_bytes(facts: ModelFacts, plan: Plan) -> dict[tuple[str, str], flo
         per_layer = mesh.cp * (shifted + keys_values * 4)
         traffic[("collective-permute", "cp")] = stage_layers * microbatches * per_layer
     if mesh.ep > 1 and facts.moe_layers:
-        # Each pass but the W's exchanges a MoE layer's tokens each way; "dots" layer remat
-        # runs the dispatch again in the backward (its output is no matmul's).
-        exchanges = 2 * (passes - 1) + (1 if plan.remat == "dots" else 0)
+        # The forward, the backward and stage remat's forward each exchange a MoE layer's
+        # tokens both ways; a layer's own remat runs the dispatch again ("dots" keeps no
+        # output of it, "full" recomputes it), not the combine, whose output the layer's
+        # backward does not read (as `full` leaves out the last projection).
+        exchanges = 2 * (2 + plan.remat_stages) + (1 if plan.remat != "none" else 0)
         traffic[("all-to-all", "ep")] = (
             exchanges * facts.moe_layers / mesh.pp * microbatches * mesh.ep * activation
         )
