@@ -161,7 +161,7 @@ def test_the_experts_exchanges_are_the_compiled_steps(row, remat):
     forward exchange a MoE layer's tokens each way; a layer's own remat runs the dispatch
     once more, not the combine) against the compiled step's over ep, each action's
     conditional counted as often as the schedule runs it, within 5% (at every tick, they
-    read 3.5x; "full" read 1.14x while its remat counted the combine too). XLA:CPU runs a
+    read 3.5x; "full" read 1.12x while its remat counted the combine too). XLA:CPU runs a
     16-bit all-to-all in float32, twice the accelerator's buffer the planner prices."""
     path, overrides = planner.CALIBRATION[row]
     remat_override = () if remat is None else (f"model.remat={remat}",)
@@ -372,7 +372,7 @@ def test_the_memory_model_is_the_compiled_steps_within_10_percent(row):
     two of these rows, 30 s each to compile, run with ``EQXZOO_FULL_GRIDS=1``).
     The one without layer remat read -21% while its layers' residuals counted only the
     matmuls' outputs at the 4 bytes XLA:CPU keeps (`WIDENS_COMPUTE`; DeepSeek's, -24%,
-    is in `--calibrate`'s table). Interleaved 1F1B on pp4 x tp2 read +15% while the model
+    is in `--calibrate`'s table). Interleaved 1F1B on pp4 x tp2 read +17% while the model
     counted its gradients beside the region's sum of them, where no data axis shards them and
     that sum is the gradient."""
     config = calibration_config(row)
