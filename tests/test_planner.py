@@ -20,9 +20,10 @@ from eqxzoo.run.config import ConfigError, load_config
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def calibration_config(index: int):
-    path, overrides = planner.CALIBRATION[index]
-    return load_config(ROOT / path, overrides)
+def calibration_config(index: int, *overrides: str):
+    """`planner.CALIBRATION`'s config ``index``, with ``overrides`` set after its own."""
+    path, own = planner.CALIBRATION[index]
+    return load_config(ROOT / path, [*own, *overrides])
 
 
 # Each config's step compiled once a worker: tests of the memory, the data traffic and the
@@ -67,8 +68,7 @@ def test_the_pipeline_sends_and_data_traffic_are_those_of_the_compiled_step(accu
     out): to 0.1%. Over two accumulation steps the gradients are summed each step and the
     weights gathered once, out of the accumulation loop (counted each step, 1.9x the
     compiled gathers), and the ids each step."""
-    path, overrides = planner.CALIBRATION[1]
-    config = load_config(ROOT / path, [*overrides, f"data.grad_accum={accumulated}"])
+    config = calibration_config(1, f"data.grad_accum={accumulated}")
     facts = planner.ModelFacts.of(config)
     compiled = compiled_step(config)
     predicted = planner.collective_bytes(facts, planner.plan_of(config))
@@ -109,9 +109,8 @@ def test_the_data_traffic_outside_a_pipelines_region_is_the_compiled_steps(row, 
     the model prices reduce-scatters, the same buffers) to 0.1%, the gathers within 1%.
     Counted once a step and without the head, the reductions read 2x and 1.8x, the gathers
     1.18x and 1.09x."""
-    path, overrides = planner.CALIBRATION[row]
     extra = () if schedule is None else (f"pipeline.schedule={schedule}",)
-    config = load_config(ROOT / path, [*overrides, *extra])
+    config = calibration_config(row, *extra)
     facts, plan = planner.ModelFacts.of(config), planner.plan_of(config)
     compiled = compiled_step(config)
     predicted = planner.collective_bytes(facts, plan)
@@ -132,10 +131,9 @@ def test_the_gradients_are_summed_over_a_context_split():
     and outside the region the embedding's table again, apart from the head's (circular
     on pp2 x cp4, untied: the half of the table a device holds over pp). The planner had
     no traffic there (0 against 23 MiB compiled), then no embedding's sum (19 MiB)."""
-    path, overrides = planner.CALIBRATION[0]
     mesh = ("mesh.dp=1", "mesh.pp=2", "mesh.cp=4")
     schedule = ("pipeline.schedule=circular", "pipeline.repeats=2")
-    config = load_config(ROOT / path, [*overrides, *mesh, *schedule, "model.tie_embeddings=false"])
+    config = calibration_config(0, *mesh, *schedule, "model.tie_embeddings=false")
     facts, plan = planner.ModelFacts.of(config), planner.plan_of(config)
     compiled = compiled_step(config)
     measured = planner.data_axes_traffic(
@@ -163,9 +161,7 @@ def test_the_experts_exchanges_are_the_compiled_steps(row, remat):
     conditional counted as often as the schedule runs it, within 5% (at every tick, they
     read 3.5x; "full" read 1.12x while its remat counted the combine too). XLA:CPU runs a
     16-bit all-to-all in float32, twice the accelerator's buffer the planner prices."""
-    path, overrides = planner.CALIBRATION[row]
-    remat_override = () if remat is None else (f"model.remat={remat}",)
-    config = load_config(ROOT / path, [*overrides, *remat_override])
+    config = calibration_config(row, *(() if remat is None else (f"model.remat={remat}",)))
     facts, plan = planner.ModelFacts.of(config), planner.plan_of(config)
     compiled = compiled_step(config)
     widened = 4 / facts.compute_bytes
@@ -182,10 +178,7 @@ def test_the_context_rings_shifts_are_the_compiled_steps(remat):
     step's all-to-alls over cp within 1% of that times ``cp`` (XLA:CPU runs each shift as
     an all-to-all of ``cp`` slots, `eqxzoo.nn.context`). The model had counted ``cp - 1``
     shifts of the keys and values a pass: 10x under on llama's dp2 x pp2 x cp2."""
-    path, overrides = planner.CALIBRATION[20]
-    config = load_config(
-        ROOT / path, [*overrides, f"model.remat={remat}", "precision.compute=float32"]
-    )
+    config = calibration_config(20, f"model.remat={remat}", "precision.compute=float32")
     facts, plan = planner.ModelFacts.of(config), planner.plan_of(config)
     compiled = compiled_step(config)
     predicted = planner.collective_bytes(facts, plan)[("collective-permute", "cp")]
@@ -200,16 +193,12 @@ def test_the_step_flops_and_tensor_reductions_are_the_compiled_steps(remat):
     FLOPs per device with its layer remat's recompute are the compiled step's matrix FLOPs,
     each loop iteration counted (`matmul_flops`), within 10%; its all-reduces over tp are the
     compiled HLO's to 0.1% (those of the loss's statistics are left out)."""
-    path, overrides = planner.CALIBRATION[6]
-    config = load_config(
-        ROOT / path,
-        [
-            *overrides,
-            "pipeline.schedule=gpipe",
-            "model.n_layers=4",
-            f"model.remat={remat}",
-            "precision.compute=float32",
-        ],
+    config = calibration_config(
+        6,
+        "pipeline.schedule=gpipe",
+        "model.n_layers=4",
+        f"model.remat={remat}",
+        "precision.compute=float32",
     )
     facts, plan = planner.ModelFacts.of(config), planner.plan_of(config)
     compiled = compiled_step(config)
@@ -233,8 +222,7 @@ def test_a_pipelined_steps_flops_count_each_branch_as_often_as_the_schedule_runs
     circular read 0.73x)."""
     from eqxzoo.parallel.collectives import matmul_flops
 
-    path, overrides = planner.CALIBRATION[row]
-    config = load_config(ROOT / path, overrides)
+    config = calibration_config(row)
     facts, plan = planner.ModelFacts.of(config), planner.plan_of(config)
     compiled = compiled_step(config)
     predicted = planner.step_flops(facts, plan)[1]
@@ -258,18 +246,14 @@ def test_causal_attention_and_remat_are_counted_as_the_step_runs_them(remat):
     both (counted as the first only: 1.07), and a layer's own skips its last projection."""
     from eqxzoo.parallel.collectives import matmul_flops
 
-    path, overrides = planner.CALIBRATION[5]
-    config = load_config(
-        ROOT / path,
-        [
-            *overrides,
-            "data.seq_len=4096",
-            "model.n_layers=2",
-            "model.vocab_size=2048",
-            "pipeline.microbatches=1",
-            f"model.remat={remat}",
-            "precision.compute=float32",
-        ],
+    config = calibration_config(
+        5,
+        "data.seq_len=4096",
+        "model.n_layers=2",
+        "model.vocab_size=2048",
+        "pipeline.microbatches=1",
+        f"model.remat={remat}",
+        "precision.compute=float32",
     )
     facts, plan = planner.ModelFacts.of(config), planner.plan_of(config)
     assert planner.attention_share(config.model, 4096) == pytest.approx(0.53125)
@@ -285,8 +269,7 @@ def test_the_chunked_losss_head_recompute_is_counted():
     model's FLOPs) on dp8: the compiled step's matrix FLOPs per device are the model's
     within 5%, the head's logits counted again for the chunked loss's backward (1.14x
     without them)."""
-    path, overrides = planner.CALIBRATION[24]
-    config = load_config(ROOT / path, [*overrides, "precision.compute=float32"])
+    config = calibration_config(24, "precision.compute=float32")
     facts, plan = planner.ModelFacts.of(config), planner.plan_of(config)
     compiled = compiled_step(config)
     predicted = planner.step_flops(facts, plan)[1]
@@ -309,8 +292,7 @@ def test_each_data_parallel_device_runs_its_own_sequences(row):
     device are the model's within 10%. Left to the partitioner, every data-parallel device
     ran each stage on the whole microbatch (1.46x, 1.21x, 1.76x), and the prefix's backward
     on the whole batch (1.28x)."""
-    path, overrides = planner.CALIBRATION[row]
-    config = load_config(ROOT / path, overrides)
+    config = calibration_config(row)
     facts, plan = planner.ModelFacts.of(config), planner.plan_of(config)
     compiled = compiled_step(config)
     assert compiled.skips_bubbles
@@ -326,8 +308,7 @@ def test_the_fused_executors_loss_on_one_stage_moves_the_head_once_a_pass():
     all-reduced 4x the head's gradient a microbatch (64 MiB a step against 16)."""
     from eqxzoo.parallel.collectives import collectives
 
-    path, overrides = planner.CALIBRATION[5]
-    config = load_config(ROOT / path, [*overrides, "precision.compute=float32"])
+    config = calibration_config(5, "precision.compute=float32")
     compiled = compiled_step(config)
     moved: dict[str, float] = {}
     runs = planner.executed_branches(planner.plan_of(config).schedule)

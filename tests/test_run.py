@@ -49,10 +49,10 @@ def test_sigterm_saves_and_exits_then_sigkill_and_a_rerun_reproduce_the_losses_e
     reference: list[dict], tmp_path: Path, cache_dir: Path
 ):
     """SIGTERM once step 2 is logged saves a checkpoint and exits 0; the run started again
-    resumes from it and is SIGKILLed once it has logged a step of its own (before its last), which leaves its
-    lock file (not its lock); the rerun resumes from the newest checkpoint. The losses are
-    those of the run that never stopped. (One run carries both signals: each alone cost a
-    run's start and steps more.)"""
+    resumes from it and is SIGKILLed once it has logged a step of its own (before its last),
+    which leaves its lock file (not its lock); the rerun resumes from the newest checkpoint.
+    The losses are those of the run that never stopped. (One run carries both signals: each
+    alone cost a run's start and steps more.)"""
     run_dir = tmp_path / "run"
     code, output = start_and_signal(run_dir, cache_dir, 2, signal.SIGTERM)
     assert code == 0, output[-3000:]
